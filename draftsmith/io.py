@@ -1,0 +1,83 @@
+"""Small I/O helpers shared by every stage: atomic writes, checksums, JSON, logging.
+
+Every file a stage writes goes through :func:`atomic_path` (write to a temporary name in the same
+folder, fsync, then ``os.replace``), so a killed job never leaves a half-written file under its
+final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
+
+    The temporary file is removed when the block raises. ``suffix`` keeps an extension some
+    writers insist on (e.g. ``.parquet``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented UTF-8 JSON, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` as UTF-8, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a parse error names the file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(bufsize):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> logging.Logger:
+    """Log to ``log_file`` (Snakemake's ``log:``) and stderr; returns the ``draftsmith`` logger."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
+    logging.basicConfig(level=level, handlers=handlers, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return logging.getLogger("draftsmith")

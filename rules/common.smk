@@ -1,0 +1,51 @@
+# Input functions and paths shared by the stage rule files.
+
+import json
+import os
+
+ASSETS = config["assets"]["dir"]
+EMBEDDED = "embedded:"
+
+# Python that runs the stage entry points in `shell:` rules (the one running Snakemake).
+PYTHON = sys.executable
+
+
+def target_dir(wildcards=None):
+    """The target's Hugging Face folder: materialised under resources/ for `embedded:` targets."""
+    model = config["target"]["model"]
+    if model.startswith(EMBEDDED):
+        return f"{ASSETS}/targets/{model[len(EMBEDDED):]}"
+    return model
+
+
+def source_path(source):
+    """A data source's local path: unpacked under resources/data/ for `embedded:` datasets."""
+    path = source["path"]
+    if path.startswith(EMBEDDED):
+        return f"{ASSETS}/data/{path[len(EMBEDDED):]}"
+    return path
+
+
+def curate_inputs(wildcards=None):
+    """Every data source's path, embedded ones included (their fetch rules run first)."""
+    return sorted({source_path(s) for s in config["data"]["sources"]})
+
+
+def tokenize_train_input(wildcards=None):
+    """Curated train conversations, or the target-regenerated ones when `regenerate.enabled`."""
+    if config["regenerate"]["enabled"]:
+        return "results/regenerated/train.parquet"
+    return "results/curated/train.parquet"
+
+
+SHARDS = list(range(config["extract"]["shards"]))
+
+
+def shard_manifests(wildcards=None):
+    return [f"results/features/shard-{i}/manifest.json" for i in SHARDS]
+
+
+# Shell prefix for multi-process GPU rules: `{GPU_LEASE} {resources.gpu} -- CMD` leases that many
+# GPUs from the node-local pool (draftsmith/gpu.py) and execs CMD holding them. Single-process rules
+# lease in-process with draftsmith.gpu.lease_gpus(snakemake.resources.gpu) instead.
+GPU_LEASE = f"{PYTHON} -m draftsmith.gpu --gpus"

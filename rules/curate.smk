@@ -1,0 +1,19 @@
+# curate: mix every configured source into one clean chat dataset, with a reconciled report.
+
+
+rule curate:
+    input:
+        curate_inputs,
+    output:
+        train="results/curated/train.parquet",
+        eval="results/curated/eval.parquet",
+        report="results/curated/report.json",
+    log:
+        "logs/curate/curate.log",
+    benchmark:
+        "benchmarks/curate/curate.tsv"
+    params:
+        data=config["data"],
+        sources=[dict(s, local_path=source_path(s)) for s in config["data"]["sources"]],
+    script:
+        "../scripts/curate.py"

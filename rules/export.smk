@@ -1,0 +1,17 @@
+# export: the trained drafter in the z-lab DFlash format (loads in `dflash`, vLLM and SGLang).
+
+
+rule export:
+    input:
+        weights="results/drafter/trained/model.safetensors",
+        config="results/drafter/trained/config.json",
+        target=target_dir(),
+    output:
+        config="results/drafter/final/config.json",
+        weights="results/drafter/final/model.safetensors",
+    log:
+        "logs/export/export.log",
+    benchmark:
+        "benchmarks/export/export.tsv"
+    script:
+        "../scripts/export.py"

@@ -1,0 +1,44 @@
+# extract: the target's hidden states at the DFlash target layer ids, one shard job per GPU.
+# Only manifest.json is a declared output: chunk files beside it survive a failed job, so a rerun
+# resumes from the finished chunks (Snakemake would delete a whole directory() output).
+
+
+rule extract_plan:
+    input:
+        train="results/tokenized/train.parquet",
+        target=target_dir(),
+    output:
+        "results/features/plan.json",
+    log:
+        "logs/extract_plan/extract_plan.log",
+    benchmark:
+        "benchmarks/extract_plan/extract_plan.tsv"
+    params:
+        extract=config["extract"],
+        drafter=config["drafter"],
+        target=config["target"],
+    script:
+        "../scripts/extract_plan.py"
+
+
+rule extract_shard:
+    input:
+        plan="results/features/plan.json",
+        train="results/tokenized/train.parquet",
+        target=target_dir(),
+    output:
+        "results/features/shard-{shard}/manifest.json",
+    log:
+        "logs/extract_shard/shard-{shard}.log",
+    benchmark:
+        "benchmarks/extract_shard/shard-{shard}.tsv"
+    params:
+        extract=config["extract"],
+        target=config["target"],
+    wildcard_constraints:
+        shard=r"\d+",
+    threads: max(1, workflow.cores // max(1, len(SHARDS)))
+    resources:
+        gpu=1,
+    script:
+        "../scripts/extract_shard.py"

@@ -1,0 +1,22 @@
+# tokenize: the target's own chat template, token-exact assistant-only loss masks.
+
+
+rule tokenize:
+    input:
+        train=tokenize_train_input,
+        eval="results/curated/eval.parquet",
+        target=target_dir(),
+    output:
+        train="results/tokenized/train.parquet",
+        eval="results/tokenized/eval.parquet",
+        report="results/tokenized/report.json",
+    log:
+        "logs/tokenize/tokenize.log",
+    benchmark:
+        "benchmarks/tokenize/tokenize.tsv"
+    params:
+        tokenize=config["tokenize"],
+        target=config["target"],
+    threads: config["tokenize"]["threads"]
+    script:
+        "../scripts/tokenize.py"

@@ -1,0 +1,29 @@
+# train: the DFlash drafter, torchrun DDP with one process per leased GPU ({resources.gpu}).
+# Checkpoints live in results/drafter/checkpoints/ (not a declared output) so a rerun resumes.
+
+
+rule train:
+    input:
+        index="results/features/index.json",
+        target=target_dir(),
+        script="scripts/train.py",
+    output:
+        weights="results/drafter/trained/model.safetensors",
+        config="results/drafter/trained/config.json",
+        state="results/drafter/trained/trainer_state.json",
+    log:
+        "logs/train/train.log",
+    benchmark:
+        "benchmarks/train/train.tsv"
+    params:
+        args=lambda wildcards: json.dumps(
+            {"train": config["train"], "drafter": config["drafter"], "target": config["target"]}
+        ),
+    threads: workflow.cores
+    resources:
+        gpu=config["train"]["gpus"],
+    shell:
+        "{GPU_LEASE} {resources.gpu} -- {PYTHON} -m torch.distributed.run --standalone"
+        " --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} : 1 ))"
+        " {input.script} --index {input.index} --target {input.target}"
+        " --out results/drafter --args '{params.args}' > {log} 2>&1"

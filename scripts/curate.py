@@ -1,0 +1,2 @@
+"""Entry point of rule curate (not implemented yet)."""
+raise NotImplementedError("curate")

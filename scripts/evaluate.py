@@ -1,0 +1,2 @@
+"""Entry point of rule evaluate (not implemented yet)."""
+raise NotImplementedError("evaluate")

@@ -1,0 +1,2 @@
+"""Entry point of rule export (not implemented yet)."""
+raise NotImplementedError("export")

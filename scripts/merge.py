@@ -1,0 +1,2 @@
+"""Entry point of rule merge (not implemented yet)."""
+raise NotImplementedError("merge")

@@ -1,0 +1,2 @@
+"""Entry point of rule regenerate (not implemented yet)."""
+raise NotImplementedError("regenerate")

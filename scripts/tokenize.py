@@ -1,0 +1,2 @@
+"""Entry point of rule tokenize (not implemented yet)."""
+raise NotImplementedError("tokenize")

@@ -1,0 +1,2 @@
+"""Entry point of rule train (not implemented yet)."""
+raise NotImplementedError("train")

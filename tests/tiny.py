@@ -1,0 +1,54 @@
+"""Tiny random Hugging Face targets built in-process (no hub), shared by the tests.
+
+Each builder returns a float32 model in eval mode with a fixed seed. The hybrid ones mix Gated
+DeltaNet (``linear_attention``) and full-attention layers like Qwen3.5 / Qwen3-Next, so tests
+cover the recurrent-state and padding behaviour that breaks other pipelines.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen3Config,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
+
+VOCAB = 512
+
+
+def _common(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                tie_word_embeddings=False)
+    base.update(kw)
+    return base
+
+
+def tiny_config(kind: str, **overrides):
+    """Config of a tiny target: ``llama``, ``qwen3``, ``qwen3_5`` or ``qwen3_next``."""
+    if kind == "llama":
+        return LlamaConfig(**_common(**overrides))
+    if kind == "qwen3":
+        return Qwen3Config(**_common(head_dim=16, **overrides))
+    hybrid = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(**_common(**hybrid, **overrides))
+    if kind == "qwen3_next":
+        return Qwen3NextConfig(**_common(**hybrid, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                         decoder_sparse_step=1, **overrides))
+    raise ValueError(f"unknown tiny target kind {kind!r}")
+
+
+def tiny_target(kind: str, seed: int = 0, **overrides):
+    """A tiny random target model (float32, eval mode, sdpa attention)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    return model.eval()
