@@ -1,0 +1,217 @@
+"""The target model: loading, its decoder layers, and capture of the tapped layers with hooks.
+
+Layer-id semantics (fixed for the whole project, the convention of the official DFlash code, SpecForge
+and vLLM's ``dflash_config``): **id i = output of decoder layer i = HF ``output_hidden_states[i + 1]``**.
+For the last layer (i = L - 1) Hugging Face returns the output *after* the final norm, so
+:class:`LayerCapture` applies the final norm to that one layer too.
+
+Hooks are used instead of ``output_hidden_states=True`` because (a) they keep only the tapped layers
+(1.25-1.30x the tokens/s on a Qwen3.5-27B-shaped target, far less activation memory) and (b) the
+list-valued ``output_hidden_states`` changed meaning between transformers 5.17 and 5.23.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+log = logging.getLogger("draftsmith.target")
+
+HYBRID_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StopForward(Exception):
+    """Raised by the deepest tapped layer's hook to skip the rest of the forward pass."""
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``auto`` -> bfloat16 on CUDA, float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a (leased) GPU is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_model_folder(path: str | os.PathLike) -> Path:
+    """Raise a clear error unless ``path`` is a local Hugging Face model folder.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: it exists but has no ``config.json`` or no weights.
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"target model folder {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not a Hugging Face model folder: no config.json in it")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ValueError(f"{folder} has a config.json but no *.safetensors weights")
+    return folder
+
+
+def text_config(config):
+    """The text (decoder) config of a possibly multimodal config (Qwen3.5 ``text_config``)."""
+    return getattr(config, "text_config", None) or config
+
+
+def is_hybrid(config) -> bool:
+    """True for targets mixing Gated DeltaNet (linear attention) and full-attention layers."""
+    cfg = text_config(config)
+    types = getattr(cfg, "layer_types", None) or []
+    return cfg.model_type in HYBRID_MODEL_TYPES or "linear_attention" in types
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's kernels can be imported (GPU + triton only)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.device | str | None = None,
+                attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                require_fla: bool = False) -> nn.Module:
+    """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode.
+
+    Qwen3.5 / 3.6 checkpoints (``Qwen3_5ForConditionalGeneration``) load text-only this way.
+    For hybrid GDN targets without flash-linear-attention a loud warning is logged (the torch
+    fallback is 1.7-2.3x slower), or ``RuntimeError`` is raised when ``require_fla``.
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`check_model_folder`.
+        RuntimeError: ``require_fla`` and a hybrid target without flash-linear-attention.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = check_model_folder(path)
+    device = torch.device(device) if device is not None else default_device()
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if is_hybrid(config) and not fla_available():
+        msg = (f"target {folder} is a hybrid Gated DeltaNet model but flash-linear-attention is not "
+               "installed: its GDN layers run a torch fallback 1.7-2.3x slower "
+               "(pip install 'draftsmith[fla]' on a GPU machine)")
+        if require_fla:
+            raise RuntimeError(msg)
+        log.warning("!" * 20 + " " + msg)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers, in order (``model.get_decoder().layers``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The target's final norm (applied by HF to ``output_hidden_states[L]``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    norm = getattr(decoder, "norm", None)
+    if norm is None:
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+    return norm
+
+
+def num_layers(model_or_config) -> int:
+    """Number of decoder layers L of a target model or config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(text_config(config).num_hidden_layers)
+
+
+def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """Check target layer ids against L. Raises ``ValueError`` naming the bad id."""
+    if not layer_ids:
+        raise ValueError("target_layer_ids is empty")
+    for i in layer_ids:
+        if not 0 <= int(i) < num_target_layers:
+            raise ValueError(f"target layer id {i} is outside 0..{num_target_layers - 1} "
+                             f"(id i = output of decoder layer i)")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"target_layer_ids {layer_ids} has duplicates")
+    return [int(i) for i in layer_ids]
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of the tapped decoder layers.
+
+    After a forward, ``features()`` returns ``[batch, seq, len(layer_ids) * hidden]`` (the target's
+    dtype), the tapped outputs concatenated in ``layer_ids`` order: exactly
+    ``cat([output_hidden_states[i + 1] for i in layer_ids], -1)``. With ``stop_after_deepest`` the
+    forward is cut short after the deepest tapped layer (use :meth:`run`); do not combine that with
+    a KV cache that later layers must fill.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], *, stop_after_deepest: bool = False):
+        self.model = model
+        self.layer_ids = validate_layer_ids(list(layer_ids), num_layers(model))
+        self.stop_after_deepest = stop_after_deepest
+        self._layers = decoder_layers(model)
+        self._norm = final_norm(model)
+        self._last = len(self._layers) - 1
+        self._deepest = max(self.layer_ids)
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            if layer_id == self._last:
+                hidden = self._norm(hidden)
+            self._out[layer_id] = hidden
+            if self.stop_after_deepest and layer_id == self._deepest:
+                raise StopForward
+        return hook
+
+    def __enter__(self) -> "LayerCapture":
+        for i in sorted(set(self.layer_ids)):
+            self._handles.append(self._layers[i].register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def clear(self) -> None:
+        self._out.clear()
+
+    def features(self) -> torch.Tensor:
+        """``[batch, seq, n * hidden]`` features of the last forward. Raises if a layer did not run."""
+        missing = [i for i in self.layer_ids if i not in self._out]
+        if missing:
+            raise RuntimeError(f"tapped layers {missing} produced no output in the last forward")
+        return torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
+
+    def run(self, forward, *args, **kwargs):
+        """Call ``forward(*args, **kwargs)`` swallowing :class:`StopForward`; returns its output or None."""
+        self.clear()
+        try:
+            return forward(*args, **kwargs)
+        except StopForward:
+            return None
+
+
+@contextmanager
+def capture_layers(model: nn.Module, layer_ids: list[int], *, stop_after_deepest: bool = False
+                   ) -> Iterator[LayerCapture]:
+    """Context manager form of :class:`LayerCapture`."""
+    cap = LayerCapture(model, layer_ids, stop_after_deepest=stop_after_deepest)
+    with cap:
+        yield cap
