@@ -3,7 +3,16 @@
 # Stages (rules/<stage>.smk, scripts/<rule>.py, draftsmith/<stage>.py):
 #   assets -> curate -> [regenerate] -> tokenize -> extract_shard x N -> merge -> train -> export -> evaluate
 
-from snakemake.utils import min_version, validate
+import os
+import sys
+
+from snakemake.utils import min_version
+
+# The library and the stage scripts import `draftsmith` from this checkout, installed or not.
+sys.path.insert(0, workflow.basedir)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
+
+from draftsmith.config import check_config
 
 min_version("9.0")
 
@@ -11,7 +20,7 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
-validate(config, "schemas/config.schema.yaml")
+check_config(config, f"{workflow.basedir}/schemas/config.schema.yaml")
 
 
 include: "rules/common.smk"

@@ -6,7 +6,7 @@ rule train:
     input:
         index="results/features/index.json",
         target=target_dir(),
-        script="scripts/train.py",
+        script=f"{workflow.basedir}/scripts/train.py",
     output:
         weights="results/drafter/trained/model.safetensors",
         config="results/drafter/trained/config.json",

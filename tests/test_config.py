@@ -1,0 +1,105 @@
+"""The workflow frame: documented schema, parse-time config errors, full DAG, SLURM dry run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.config import config_errors
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
+STAGE_RULES = ["fetch_dataset", "materialize_target", "curate", "tokenize", "extract_plan",
+               "extract_shard", "merge", "train", "export", "evaluate"]
+
+
+def _walk(schema, path=""):
+    for key, sub in (schema.get("properties") or {}).items():
+        yield f"{path}{key}", sub
+        yield from _walk(sub, f"{path}{key}.")
+        items = sub.get("items")
+        if isinstance(items, dict):
+            yield from _walk(items, f"{path}{key}[].")
+        extra = sub.get("additionalProperties")
+        if isinstance(extra, dict):
+            yield from _walk(extra, f"{path}{key}.*.")
+
+
+def test_every_schema_key_is_documented():
+    undocumented = [p for p, sub in _walk(SCHEMA) if not sub.get("description")
+                    and not p.startswith("evaluate.sets.*")]
+    assert undocumented == []
+
+
+def test_every_optional_scalar_key_has_a_default():
+    # List items and map values are exempt: their required keys are listed per item.
+    missing = [path for path, sub in _walk(SCHEMA)
+               if "[]" not in path and ".*." not in path and "default" not in sub]
+    assert missing == []
+
+
+def test_shipped_configs_are_valid():
+    for name in ["config.yaml", *sorted(p.name for p in (REPO / "config").glob("*.yaml"))]:
+        path = REPO / name if name == "config.yaml" else REPO / "config" / name
+        assert config_errors(yaml.safe_load(path.read_text()), SCHEMA) == [], name
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"extract": {"shards": -1}}, "extract.shards"),
+    ({"extrakt": {"shards": 1}}, "'extrakt' was unexpected"),
+    ({"train": {"lr": "fast"}}, "train.lr"),
+    ({"drafter": {"layer_types": ["dense"]}}, "drafter.layer_types.0"),
+])
+def test_bad_config_names_the_key(bad, key):
+    errors = config_errors(bad, SCHEMA)
+    assert errors and any(key in e for e in errors), errors
+
+
+def _snakemake(tmp_path, *args, config_text=None):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    shutil.copy(REPO / "config.yaml", work / "config.yaml")
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(work), *args]
+    if config_text is not None:
+        (work / "extra.yaml").write_text(config_text)
+        cmd += ["--configfile", str(work / "extra.yaml")]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_bad_config_stops_snakemake_at_parse_time(tmp_path):
+    proc = _snakemake(tmp_path, "-n", config_text="extract:\n  shards: -1\n")
+    assert proc.returncode != 0
+    assert "extract.shards: -1 is less than the minimum of 1" in proc.stdout + proc.stderr
+    assert "Building DAG" not in proc.stdout + proc.stderr
+
+
+def test_dry_run_plans_every_stage(tmp_path):
+    proc = _snakemake(tmp_path, "-n", config_text="regenerate:\n  enabled: true\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rule in STAGE_RULES + ["regenerate"]:
+        assert f"\n{rule} " in out or f"rule {rule}:" in out, rule
+
+
+def test_dag_renders(tmp_path):
+    proc = _snakemake(tmp_path, "--dag")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dot = proc.stdout[proc.stdout.index("digraph"):]
+    for rule in ["curate", "tokenize", "extract_shard", "merge", "train", "export", "evaluate"]:
+        assert f'label = "{rule}' in dot
+    if shutil.which("dot"):
+        svg = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True, timeout=60)
+        assert svg.returncode == 0 and "<svg" in svg.stdout
+
+
+def test_slurm_profile_dry_run_without_a_cluster(tmp_path):
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    proc = _snakemake(tmp_path, "--workflow-profile", str(REPO / "profiles" / "slurm"), "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "extract_shard" in out and "train" in out and "evaluate" in out
