@@ -1,4 +1,7 @@
-# merge: one verified index over all extraction shards.
+# merge: one verified index over all extraction shards (draftsmith/merge.py). Reads the manifests and
+# the chunk files' safetensors headers (sha256 of every byte only with merge.verify_sha256), checks that
+# the shards hold every tokenized train row exactly once with consistent metadata, and fails naming
+# shard, chunk and sample otherwise.
 
 
 rule merge:
@@ -12,5 +15,8 @@ rule merge:
         "logs/merge/merge.log",
     benchmark:
         "benchmarks/merge/merge.tsv"
+    params:
+        merge=config["merge"],
+    threads: min(8, workflow.cores)
     script:
         "../scripts/merge.py"

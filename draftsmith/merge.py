@@ -1,0 +1,738 @@
+"""merge: one verified index over all extraction shards.
+
+Extraction runs as many independent shard jobs (often on several machines). Before training may start,
+this stage proves that the shards form exactly the tokenized train set, and writes
+``results/features/index.json`` (format ``draftsmith.index/1``), the only file training reads to find
+its features.
+
+What is checked (every failure names the shard, the chunk and the sample: tokenized row index and id):
+
+* **coverage** -- every tokenized train row (``plan.json``'s rows and the tokenized parquet's row
+  count) is stored exactly once, in the shard the plan assigned it to, under the tokenized id it
+  has now (a stale extraction of an older tokenized set is caught);
+* **chunk files** -- each one exists, has the manifest's size, a parseable safetensors header whose
+  tensors have the contract's names, dtypes and shapes for the manifest's sample/token counts, and
+  whose data region ends exactly at the end of the file (a truncated file is caught even when its
+  manifest was written after the truncation); with ``verify_sha256`` every byte is hashed and compared
+  with the manifest, and the stored ``sample_index`` / ``offsets`` are checked against the manifest
+  and the tokenized lengths;
+* **token counts** -- per chunk, the manifest's token count equals the sum of the tokenized
+  ``num_tokens`` of its rows; totals equal the tokenized train set's;
+* **metadata** -- layer ids, layer semantics, hidden size, number of target layers, storage dtype,
+  target tokens present or not, target and tokenizer fingerprints and chat template kwargs are equal
+  across shards, agree with ``plan.json``, and (fingerprint, template kwargs) with the tokenized
+  parquet's metadata (a thinking-on/off template mismatch between stages, z-lab dflash #133, is caught);
+* **numeric sanity** -- the per-layer statistics the shards gathered (RMS, non-finite values,
+  all-zero rows) are merged into one table; any non-finite value or all-zero row fails (the silent
+  all-zero hidden states of vLLM #46301).
+
+It is fast: it reads manifests and the safetensors headers (the first ``8 + N`` bytes of each chunk:
+little-endian u64 ``N`` then ``N`` bytes of JSON, the safetensors format), never the tensors, unless
+hashing is asked for. Chunk files are checked on a thread pool (it helps on network file systems).
+All problems are collected and raised together in one :class:`MergeError`; ``index.json`` is written
+atomically and only when there are none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from draftsmith.io import atomic_path, read_json, sha256_file
+
+log = logging.getLogger("draftsmith.merge")
+
+PLAN_FORMAT = "draftsmith.plan/1"
+MANIFEST_FORMAT = "draftsmith.features/1"
+INDEX_FORMAT = "draftsmith.index/1"
+
+#: Metadata every shard must share (copied into index.json).
+SHARED_FIELDS = (
+    "layer_ids",
+    "layer_semantics",
+    "hidden_size",
+    "num_target_layers",
+    "storage_dtype",
+    "has_target_token",
+    "target_fingerprint",
+    "tokenizer_fingerprint",
+    "chat_template_kwargs",
+)
+MANIFEST_FIELDS = ("format", "shard", "num_shards", *SHARED_FIELDS, "num_samples", "num_tokens", "bytes",
+                   "chunks")
+CHUNK_FIELDS = ("file", "sha256", "bytes", "num_samples", "num_tokens", "rows", "ids", "stats")
+
+#: safetensors dtype string of each ``storage_dtype`` for ``hidden_states``.
+STORAGE_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
+#: Bytes per element of the safetensors dtypes.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: Largest header accepted (safetensors itself refuses headers over 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+#: Problems listed in the error message at most (the count is always given).
+MAX_LISTED = 50
+
+
+class MergeError(ValueError):
+    """The shards do not form a complete, consistent feature set.
+
+    ``problems`` holds one line per problem, each naming shard, chunk and sample (row index and id).
+    """
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        shown = self.problems[:MAX_LISTED]
+        more = len(self.problems) - len(shown)
+        text = f"merge found {len(self.problems)} problem(s) in the extracted features:\n" + "\n".join(
+            f"  - {p}" for p in shown)
+        if more:
+            text += f"\n  ... and {more} more"
+        super().__init__(text)
+
+
+class HeaderError(ValueError):
+    """A chunk file whose safetensors header is missing, cut off or not valid JSON."""
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+@dataclass
+class TokenizedTrain:
+    """The columns of the tokenized train parquet that merge needs.
+
+    Attributes:
+        path: the parquet file.
+        ids: ``id`` per row (row index = position in the file).
+        num_tokens: ``num_tokens`` per row, int64 array ``[rows]``.
+        metadata: the ``draftsmith.*`` schema metadata, JSON-decoded (key without the prefix).
+    """
+
+    path: str
+    ids: list[str]
+    num_tokens: np.ndarray
+    metadata: dict[str, Any]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    def describe(self, row: int) -> str:
+        """``row 7 (id 'abc')``, or ``row 7 (not a tokenized train row)`` when out of range."""
+        if 0 <= row < len(self.ids):
+            return f"row {row} (id {self.ids[row]!r})"
+        return f"row {row} (not a tokenized train row: the set has {len(self.ids)})"
+
+    def describe_rows(self, rows: Iterable[int], limit: int = 3) -> str:
+        """A few rows named with their ids, and how many there are in all."""
+        rows = list(rows)
+        if not rows:
+            return "no samples"
+        head = ", ".join(self.describe(int(r)) for r in rows[:limit])
+        return f"{len(rows)} sample(s): {head}" + (", ..." if len(rows) > limit else "")
+
+
+def read_tokenized_train(path: str | os.PathLike) -> TokenizedTrain:
+    """Read ``id`` and ``num_tokens`` (not the token lists) and the metadata of the tokenized train set.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a column is missing (the message names the file and the column).
+    """
+    path = str(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenized train set {path} does not exist")
+    schema = pq.read_schema(path)
+    for column in ("id", "num_tokens"):
+        if column not in schema.names:
+            raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
+    table = pq.ParquetFile(path).read(columns=["id", "num_tokens"])  # (read_table would import pandas)
+    metadata: dict[str, Any] = {}
+    for key, value in (schema.metadata or {}).items():
+        key = key.decode("utf-8", "replace")
+        if key.startswith("draftsmith."):
+            try:
+                metadata[key[len("draftsmith."):]] = json.loads(value)
+            except ValueError:
+                metadata[key[len("draftsmith."):]] = value.decode("utf-8", "replace")
+    return TokenizedTrain(path=path, ids=table.column("id").to_pylist(),
+                          num_tokens=table.column("num_tokens").to_numpy().astype(np.int64),
+                          metadata=metadata)
+
+
+@dataclass
+class SafetensorsHeader:
+    """The parsed header of a safetensors file.
+
+    Attributes:
+        header_bytes: ``N``, the JSON header's length (the data region starts at ``8 + N``).
+        tensors: name -> ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}``
+            (offsets relative to the data region, in bytes).
+        metadata: the ``__metadata__`` string map, ``{}`` when absent.
+    """
+
+    header_bytes: int
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes the tensors need after the header: the largest end offset."""
+        return max((int(t["data_offsets"][1]) for t in self.tensors.values()), default=0)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Parse a safetensors header without touching the tensor data.
+
+    Format (huggingface/safetensors README): u64 little-endian ``N``, then ``N`` bytes of UTF-8 JSON
+    mapping tensor names to ``{dtype, shape, data_offsets}``, then the data region.
+
+    Raises:
+        HeaderError: the file is shorter than its header, the JSON does not parse, or a tensor entry
+            is malformed (bad dtype, offsets that do not match dtype x shape).
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise HeaderError(f"file is {len(head)} bytes long, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise HeaderError(f"header length {n} is implausible (not a safetensors file?)")
+        raw = fh.read(n)
+    if len(raw) < n:
+        raise HeaderError(f"header of {n} bytes is cut off after {len(raw)} bytes (truncated file)")
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise HeaderError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise HeaderError("header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None) or {}
+    for name, info in parsed.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(s) for s in shape)
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"tensor {name!r}: malformed header entry {info!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if end - begin != numel * DTYPE_BYTES[dtype] or begin < 0:
+            raise HeaderError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {dtype} {shape}")
+    return SafetensorsHeader(header_bytes=n, tensors=parsed, metadata=metadata)
+
+
+def read_header_tensor(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.ndarray:
+    """Read one small integer tensor (``offsets``, ``sample_index``) by seeking to its bytes.
+
+    Returns a 1-D numpy array of the stored dtype (``I64`` -> int64, ``I32`` -> int32).
+
+    Raises:
+        KeyError: the tensor is not in the header.
+        HeaderError: its dtype is not a little-endian integer type, or the file ends early.
+    """
+    info = header.tensors[name]
+    np_dtype = {"I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1"}.get(info["dtype"])
+    if np_dtype is None:
+        raise HeaderError(f"tensor {name!r} has dtype {info['dtype']}, expected an integer type")
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as fh:
+        fh.seek(8 + header.header_bytes + begin)
+        raw = fh.read(end - begin)
+    if len(raw) != end - begin:
+        raise HeaderError(f"tensor {name!r} is cut off (truncated file)")
+    return np.frombuffer(raw, dtype=np_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-chunk checks
+
+
+@dataclass
+class Chunk:
+    """One chunk entry of a shard manifest, with where it lives."""
+
+    shard: int
+    file: str
+    path: Path
+    entry: dict[str, Any]
+    meta: dict[str, Any]  # the shard manifest's shared metadata (SHARED_FIELDS)
+
+    @property
+    def where(self) -> str:
+        return f"shard {self.shard} chunk {self.file}"
+
+
+def expected_tensors(meta: dict[str, Any], num_samples: int, num_tokens: int
+                     ) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+    """Tensor name -> (allowed safetensors dtypes, shape) a chunk must hold (the extraction contract).
+
+    ``hidden_states [tokens, n_layers * H]`` in the storage dtype; ``scales [tokens, n_layers]`` F32
+    for float8 storage; ``input_ids [tokens]`` I32; ``loss_mask [tokens]`` I8 (U8/BOOL accepted);
+    ``offsets [samples + 1]`` I64; ``sample_index [samples]`` I64; ``target_token [tokens]`` I32 when
+    the shard stores target tokens.
+    """
+    n_layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
+    want: dict[str, tuple[tuple[str, ...], list[int]]] = {
+        "hidden_states": ((STORAGE_DTYPES.get(meta["storage_dtype"], "?"),), [num_tokens, n_layers * hidden]),
+        "input_ids": (("I32",), [num_tokens]),
+        "loss_mask": (("I8", "U8", "BOOL"), [num_tokens]),
+        "offsets": (("I64",), [num_samples + 1]),
+        "sample_index": (("I64",), [num_samples]),
+    }
+    if meta["storage_dtype"] == "float8_e4m3fn":
+        want["scales"] = (("F32",), [num_tokens, n_layers])
+    if meta["has_target_token"]:
+        want["target_token"] = (("I32",), [num_tokens])
+    return want
+
+
+def check_chunk_file(chunk: Chunk, tok: TokenizedTrain, *, verify_sha256: bool = False) -> list[str]:
+    """Check one chunk file against its manifest entry; return the problems (empty when sound).
+
+    Always: the file exists, has the manifest's size, its header parses, the tensors have the
+    contract's dtypes and shapes, and the data region ends exactly at the end of the file. With
+    ``verify_sha256``: the file's sha256 equals the manifest's, and the stored ``sample_index``
+    equals the manifest's rows and ``offsets`` give each sample its tokenized length.
+    """
+    entry = chunk.entry
+    rows = entry["rows"]
+
+    def where() -> str:  # built only for a problem: most chunks are sound
+        return f"{chunk.where} ({tok.describe_rows(rows)})"
+
+    try:
+        size = chunk.path.stat().st_size
+    except FileNotFoundError:
+        return [f"{where()}: file {chunk.path} is missing"]
+    if size != int(entry["bytes"]):
+        return [f"{where()}: file {chunk.path} is {size} bytes, the manifest says {entry['bytes']} "
+                f"(truncated or rewritten after the manifest)"]
+    try:
+        header = read_safetensors_header(chunk.path)
+    except HeaderError as exc:
+        return [f"{where()}: unreadable safetensors header: {exc}"]
+    end = 8 + header.header_bytes + header.data_bytes
+    if end != size:
+        return [f"{where()}: header says the data ends at byte {end} but the file has {size} bytes "
+                f"({'truncated' if end > size else 'trailing bytes'})"]
+    problems = []
+    for name, (dtypes, shape) in expected_tensors(chunk.meta, len(rows), int(entry["num_tokens"])).items():
+        info = header.tensors.get(name)
+        if info is None:
+            problems.append(f"{where()}: no tensor {name!r} (has {', '.join(sorted(header.tensors))})")
+        elif info["dtype"] not in dtypes or list(info["shape"]) != shape:
+            problems.append(f"{where()}: tensor {name!r} is {info['dtype']} {list(info['shape'])}, the manifest "
+                            f"implies {'/'.join(dtypes)} {shape}")
+    if problems or not verify_sha256:
+        return problems
+
+    digest = sha256_file(chunk.path)
+    if digest != entry["sha256"]:
+        return [f"{where()}: sha256 {digest} differs from the manifest's {entry['sha256']}"]
+    sample_index = read_header_tensor(chunk.path, header, "sample_index")
+    offsets = read_header_tensor(chunk.path, header, "offsets")
+    for k, (stored, row) in enumerate(zip(sample_index.tolist(), rows)):
+        if stored != row:
+            problems.append(f"{chunk.where}: sample {k} is stored as {tok.describe(stored)} but the manifest "
+                            f"lists {tok.describe(row)}")
+            break
+    lengths = np.diff(offsets)
+    if offsets[0] != 0 or offsets[-1] != int(entry["num_tokens"]):
+        problems.append(f"{where()}: offsets run from {offsets[0]} to {offsets[-1]}, expected 0 to "
+                        f"{entry['num_tokens']}")
+    for k, row in enumerate(rows):
+        if 0 <= row < tok.num_rows and lengths[k] != tok.num_tokens[row]:
+            problems.append(f"{chunk.where}: {tok.describe(row)} has {lengths[k]} tokens stored, "
+                            f"{tok.num_tokens[row]} in the tokenized train set")
+            break
+    return problems
+
+
+def _locate_token_mismatch(chunk: Chunk, tok: TokenizedTrain) -> str:
+    """On a chunk whose token count disagrees with the tokenized set, name the first bad sample.
+
+    Reads the (small) ``offsets`` tensor; falls back to naming the chunk's samples when it cannot.
+    """
+    rows = [int(r) for r in chunk.entry["rows"]]
+    try:
+        header = read_safetensors_header(chunk.path)
+        lengths = np.diff(read_header_tensor(chunk.path, header, "offsets"))
+    except (OSError, KeyError, HeaderError):
+        return tok.describe_rows(rows)
+    for k, row in enumerate(rows[:len(lengths)]):
+        if 0 <= row < tok.num_rows and lengths[k] != tok.num_tokens[row]:
+            return f"{tok.describe(row)} has {lengths[k]} tokens stored, {tok.num_tokens[row]} tokenized"
+    return tok.describe_rows(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics
+
+
+def merge_layer_stats(chunks: Sequence[Chunk], layer_ids: Sequence[int]) -> list[dict[str, Any]]:
+    """Combine the shards' per-chunk statistics into one row per tapped layer.
+
+    RMS is combined token-weighted, ``sqrt(sum_c t_c * rms_c^2 / sum_c t_c)`` (each chunk's RMS is over
+    its ``t_c`` tokens x ``H`` values of that layer), which equals the RMS over all stored tokens.
+    ``nonfinite`` / ``zero_rows`` are summed; the manifests may give them per layer (a list) or for
+    all layers together (an int: then the per-layer entries are ``None`` and the totals are in the
+    index's ``stats``).
+
+    Returns:
+        ``[{"layer_id", "rms", "rms_min", "rms_max", "nonfinite", "zero_rows"}]`` (rms_min / rms_max:
+        the smallest / largest chunk RMS), one per layer id, in order.
+    """
+    n = len(layer_ids)
+    sum_sq = np.zeros(n)
+    tokens = 0
+    rms_min = np.full(n, np.inf)
+    rms_max = np.full(n, -np.inf)
+    per_layer = {"nonfinite": np.zeros(n, dtype=np.int64), "zero_rows": np.zeros(n, dtype=np.int64)}
+    has_per_layer = {"nonfinite": True, "zero_rows": True}
+    for chunk in chunks:
+        stats, t = chunk.entry["stats"], int(chunk.entry["num_tokens"])
+        rms = np.asarray(stats["rms"], dtype=np.float64)
+        if t > 0:
+            sum_sq += t * rms**2
+            tokens += t
+            rms_min = np.minimum(rms_min, rms)
+            rms_max = np.maximum(rms_max, rms)
+        for key in per_layer:
+            if isinstance(stats.get(key), list):
+                per_layer[key] += np.asarray(stats[key], dtype=np.int64)
+            else:
+                has_per_layer[key] = False
+    rms_all = np.sqrt(sum_sq / tokens) if tokens else np.full(n, np.nan)
+    return [{"layer_id": int(layer_ids[i]), "rms": float(rms_all[i]),
+             "rms_min": float(rms_min[i]) if tokens else None,
+             "rms_max": float(rms_max[i]) if tokens else None,
+             "nonfinite": int(per_layer["nonfinite"][i]) if has_per_layer["nonfinite"] else None,
+             "zero_rows": int(per_layer["zero_rows"][i]) if has_per_layer["zero_rows"] else None}
+            for i in range(n)]
+
+
+def _count(value: Any) -> int:
+    """A stats count that is an int (all layers) or a per-layer list."""
+    return int(sum(value)) if isinstance(value, list) else int(value)
+
+
+def format_layer_stats(index: dict[str, Any]) -> str:
+    """The per-layer statistics of an index as a fixed-width text table (for the log)."""
+    lines = [f"{'layer id':>8}  {'RMS':>10}  {'chunk RMS min':>13}  {'chunk RMS max':>13}  "
+             f"{'non-finite':>10}  {'zero rows':>9}"]
+
+    def num(x, fmt):
+        return format("-", f">{fmt.rstrip('dg').split('.')[0]}") if x is None else format(x, fmt)
+
+    for row in index["layer_stats"]:
+        lines.append(f"{row['layer_id']:>8}  {num(row['rms'], '10.4g')}  {num(row['rms_min'], '13.4g')}  "
+                     f"{num(row['rms_max'], '13.4g')}  {num(row['nonfinite'], '10d')}  "
+                     f"{num(row['zero_rows'], '9d')}")
+    stats = index["stats"]
+    lines.append(f"{'all':>8}  {'':>10}  {'':>13}  {'':>13}  {stats['nonfinite']:>10d}  "
+                 f"{stats['zero_rows']:>9d}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the merge
+
+
+def _missing_fields(obj: Any, fields: Sequence[str]) -> list[str]:
+    if not isinstance(obj, dict):
+        return list(fields)
+    return [f for f in fields if f not in obj]
+
+
+def _check_plan(plan: dict[str, Any], plan_path: str, tok: TokenizedTrain) -> tuple[list[str], dict[int, list[int]]]:
+    """Plan against the tokenized set; returns (problems, shard -> planned rows)."""
+    missing = _missing_fields(plan, ("format", "num_shards", "layer_ids", "hidden_size", "num_target_layers",
+                                     "tokenized_rows", "tokenized_tokens", "shards"))
+    if missing:
+        raise MergeError([f"{plan_path}: no field(s) {', '.join(missing)} (not a {PLAN_FORMAT} plan)"])
+    if plan["format"] != PLAN_FORMAT:
+        raise MergeError([f"{plan_path}: format {plan['format']!r}, expected {PLAN_FORMAT!r}"])
+    problems = []
+    total_tokens = int(tok.num_tokens.sum())
+    if plan["tokenized_rows"] != tok.num_rows or plan["tokenized_tokens"] != total_tokens:
+        problems.append(f"{plan_path} was made for {plan['tokenized_rows']} tokenized rows / "
+                        f"{plan['tokenized_tokens']} tokens but {tok.path} has {tok.num_rows} rows / "
+                        f"{total_tokens} tokens (the tokenized set changed after planning: rerun extraction)")
+    planned: dict[int, list[int]] = {}
+    for k, spec in enumerate(plan["shards"]):
+        if not isinstance(spec, dict) or "shard" not in spec or "rows" not in spec:
+            problems.append(f"{plan_path}: shards[{k}] has no 'shard' or 'rows'")
+            continue
+        if spec["shard"] in planned or not 0 <= spec["shard"] < plan["num_shards"]:
+            problems.append(f"{plan_path}: shards[{k}] is shard {spec['shard']}, duplicated or outside "
+                            f"0..{plan['num_shards'] - 1}")
+            continue
+        planned[int(spec["shard"])] = [int(r) for r in spec["rows"]]
+    for s in range(plan["num_shards"]):
+        if s not in planned:
+            problems.append(f"{plan_path}: shard {s} is not in the plan's shard list")
+    counts = np.zeros(tok.num_rows, dtype=np.int64)
+    for s, rows in planned.items():
+        arr = np.asarray(rows, dtype=np.int64)
+        bad = arr[(arr < 0) | (arr >= tok.num_rows)]
+        if bad.size:
+            problems.append(f"{plan_path}: shard {s} plans {tok.describe(int(bad[0]))}")
+        np.add.at(counts, arr[(arr >= 0) & (arr < tok.num_rows)], 1)
+    if (counts != 1).any() and not problems:
+        rows = np.flatnonzero(counts != 1)
+        problems.append(f"{plan_path}: the shards do not partition the tokenized rows: "
+                        f"{tok.describe_rows(rows.tolist())} planned {counts[rows[0]]} time(s)")
+    return problems, planned
+
+
+def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | os.PathLike],
+                   tokenized_path: str | os.PathLike, index_path: str | os.PathLike | None = None, *,
+                   verify_sha256: bool = False, threads: int = 1,
+                   logger: logging.Logger | None = None) -> dict[str, Any]:
+    """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
+
+    Args:
+        plan_path: ``results/features/plan.json`` (format ``draftsmith.plan/1``).
+        manifest_paths: every ``shard-{i}/manifest.json`` (format ``draftsmith.features/1``); chunk
+            files are found beside their manifest.
+        tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema
+            metadata are read.
+        index_path: where to write the index (atomically); ``None`` only returns it. Chunk paths in the
+            index are relative to this file's folder (``results/features``); with ``None``, relative
+            to the plan's folder.
+        verify_sha256: hash every chunk file and compare with the manifest (reads every byte), and
+            check the stored ``sample_index`` / ``offsets`` against the manifest and tokenized lengths.
+        threads: chunk files checked in parallel.
+        logger: where the summary and the per-layer table go (default ``draftsmith.merge``).
+
+    Returns:
+        The index (``draftsmith.index/1``): ``chunks`` (``path``, ``shard``, ``sha256``,
+        ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
+        ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
+        tokens), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards``, ``layer_stats`` (see
+        :func:`merge_layer_stats`) and ``stats`` (total non-finite values and zero rows).
+
+    Raises:
+        MergeError: any problem; the message lists each one with its shard, chunk and sample.
+        FileNotFoundError / ValueError: the plan or the tokenized set cannot be read.
+    """
+    logger = logger or log
+    plan_path = str(plan_path)
+    tok = read_tokenized_train(tokenized_path)
+    plan = read_json(plan_path)
+    problems, planned = _check_plan(plan, plan_path, tok)
+    num_shards = int(plan["num_shards"])
+    owner = np.full(tok.num_rows, -1, dtype=np.int64)  # planned shard of each row
+    for s, rows in planned.items():
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        owner[rows_arr[(rows_arr >= 0) & (rows_arr < tok.num_rows)]] = s
+
+    # -- manifests -------------------------------------------------------------------------------
+    manifests: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for mpath in map(Path, manifest_paths):
+        if not mpath.exists():
+            continue  # reported below as a missing shard
+        try:
+            manifest = read_json(mpath)
+        except ValueError as exc:
+            problems.append(f"{exc}")
+            continue
+        missing = _missing_fields(manifest, MANIFEST_FIELDS)
+        if missing:
+            problems.append(f"{mpath}: no field(s) {', '.join(missing)} (not a {MANIFEST_FORMAT} manifest)")
+            continue
+        s = manifest["shard"]
+        if manifest["format"] != MANIFEST_FORMAT:
+            problems.append(f"{mpath}: format {manifest['format']!r}, expected {MANIFEST_FORMAT!r}")
+        elif not isinstance(s, int) or not 0 <= s < num_shards:
+            problems.append(f"{mpath}: shard {s!r} is outside the plan's 0..{num_shards - 1}")
+        elif s in manifests:
+            problems.append(f"shard {s}: two manifests, {manifests[s][0]} and {mpath}")
+        elif manifest["num_shards"] != num_shards:
+            problems.append(f"shard {s} ({mpath}): extracted as one of {manifest['num_shards']} shards, the plan "
+                            f"has {num_shards} (stale shard from another plan)")
+        else:
+            manifests[s] = (mpath, manifest)
+    features_dir = Path(plan_path).parent
+    missing_shards = [s for s in range(num_shards) if s not in manifests]
+    for s in missing_shards:
+        problems.append(f"shard {s}: no manifest (expected {features_dir / f'shard-{s}' / 'manifest.json'}); "
+                        f"no chunk holds its planned {tok.describe_rows(planned.get(s, []))}")
+
+    # -- shared metadata ---------------------------------------------------------------------------
+    meta: dict[str, Any] = {}
+    if manifests:
+        ref_shard = min(manifests)
+        meta = {k: manifests[ref_shard][1][k] for k in SHARED_FIELDS}
+        for s, (mpath, manifest) in sorted(manifests.items()):
+            chunks = manifest["chunks"]
+            context = (f"chunk {chunks[0].get('file')} ({tok.describe_rows(chunks[0].get('rows', []))})"
+                       if chunks else "no chunks")
+            for key in SHARED_FIELDS:
+                if manifest[key] != meta[key]:
+                    problems.append(f"shard {s}: {key} {manifest[key]!r} differs from shard {ref_shard}'s "
+                                    f"{meta[key]!r} (shard {s} {context})")
+        for key in ("layer_ids", "hidden_size", "num_target_layers"):
+            if meta[key] != plan[key]:
+                problems.append(f"shard {ref_shard}: {key} {meta[key]!r} differs from {plan_path}'s {plan[key]!r}")
+        for key in ("tokenizer_fingerprint", "chat_template_kwargs"):
+            if key in tok.metadata and meta[key] != tok.metadata[key]:
+                problems.append(f"shard {ref_shard}: {key} {meta[key]!r} differs from {tok.path}'s "
+                                f"{tok.metadata[key]!r} (features made with another tokenizer or template)")
+        for s, (mpath, manifest) in sorted(manifests.items()):
+            if manifest["storage_dtype"] not in STORAGE_DTYPES:
+                problems.append(f"shard {s}: storage_dtype {manifest['storage_dtype']!r} is not one of "
+                                f"{', '.join(STORAGE_DTYPES)}")
+
+    # -- chunks: manifest arithmetic, coverage, ids ----------------------------------------------
+    chunks: list[Chunk] = []
+    counts = np.zeros(tok.num_rows, dtype=np.int64)
+    for s, (mpath, manifest) in sorted(manifests.items()):
+        sums = {"num_samples": 0, "num_tokens": 0, "bytes": 0}
+        for j, entry in enumerate(manifest["chunks"]):
+            missing = _missing_fields(entry, CHUNK_FIELDS)
+            if missing:
+                problems.append(f"shard {s} chunks[{j}] ({mpath}): no field(s) {', '.join(missing)}")
+                continue
+            name = str(entry["file"])
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                problems.append(f"shard {s} chunks[{j}]: file {name!r} must be a plain file name")
+                continue
+            chunk = Chunk(shard=s, file=name, path=mpath.parent / name, entry=entry,
+                          meta={k: manifest[k] for k in SHARED_FIELDS})
+            rows = np.asarray(entry["rows"], dtype=np.int64)
+            for key in sums:
+                sums[key] += int(entry[key])
+            if not (len(rows) == len(entry["ids"]) == entry["num_samples"]):
+                problems.append(f"{chunk.where}: {len(rows)} rows, {len(entry['ids'])} ids, num_samples "
+                                f"{entry['num_samples']} (must be equal)")
+                continue
+            bad = rows[(rows < 0) | (rows >= tok.num_rows)]
+            if bad.size:
+                problems.append(f"{chunk.where}: sample {tok.describe(int(bad[0]))}")
+                continue
+            chunks.append(chunk)
+            np.add.at(counts, rows, 1)
+            for k, row in enumerate(rows.tolist()):
+                if entry["ids"][k] != tok.ids[row]:
+                    problems.append(f"{chunk.where}: sample row {row} has id {entry['ids'][k]!r} in the manifest "
+                                    f"but {tok.ids[row]!r} in {tok.path} (extracted from another tokenized set)")
+                    break
+            foreign = rows[(owner[rows] != s)]
+            if foreign.size:
+                r = int(foreign[0])
+                problems.append(f"{chunk.where}: sample {tok.describe(r)} is planned for shard {owner[r]}, "
+                                f"not shard {s}")
+            expected_tokens = int(tok.num_tokens[rows].sum())
+            if expected_tokens != int(entry["num_tokens"]):
+                problems.append(f"{chunk.where}: {entry['num_tokens']} tokens in the manifest, the tokenized "
+                                f"lengths of its rows sum to {expected_tokens}: "
+                                f"{_locate_token_mismatch(chunk, tok)}")
+        for key, total in sums.items():
+            if int(manifest[key]) != total:
+                problems.append(f"shard {s} ({mpath}): {key} {manifest[key]} but its chunks sum to {total}")
+
+    duplicated = np.flatnonzero(counts > 1)
+    if duplicated.size:
+        dup = set(duplicated[:MAX_LISTED].tolist())
+        places: dict[int, list[str]] = {r: [] for r in dup}
+        for chunk in chunks:
+            for row in chunk.entry["rows"]:
+                if row in dup:
+                    places[row].append(chunk.where)
+        for row in sorted(dup):
+            problems.append(f"sample {tok.describe(row)} is stored {counts[row]} times: {'; '.join(places[row])}")
+        if duplicated.size > len(dup):
+            problems.append(f"... {duplicated.size} duplicated samples in all")
+    absent = np.flatnonzero(counts == 0)
+    absent = absent[~np.isin(owner[absent], missing_shards)]  # missing shards are reported above
+    for row in absent[:MAX_LISTED].tolist():
+        problems.append(f"sample {tok.describe(row)}, planned for shard {owner[row]}, is in no chunk of "
+                        f"shard {owner[row]}'s manifest")
+    if absent.size > MAX_LISTED:
+        problems.append(f"... {absent.size} tokenized train samples are in no chunk")
+
+    # -- numeric sanity from the shards' statistics ------------------------------------------------
+    stat_chunks = []
+    for chunk in chunks:
+        stats, n_layers = chunk.entry["stats"], len(chunk.meta["layer_ids"])
+        if (not isinstance(stats, dict) or len(stats.get("rms", [])) != n_layers
+                or "nonfinite" not in stats or "zero_rows" not in stats):
+            problems.append(f"{chunk.where}: stats {stats!r} lack rms for {n_layers} layers, nonfinite, zero_rows")
+            continue
+        stat_chunks.append(chunk)
+        nonfinite, zero_rows = _count(stats["nonfinite"]), _count(stats["zero_rows"])
+        rms = np.asarray(stats["rms"], dtype=np.float64)
+        if nonfinite or zero_rows or not np.isfinite(rms).all():
+            problems.append(f"{chunk.where} ({tok.describe_rows(chunk.entry['rows'])}): {nonfinite} non-finite "
+                            f"values, {zero_rows} all-zero rows, RMS {stats['rms']} (broken target features)")
+
+    # -- chunk files -------------------------------------------------------------------------------
+    checkable = [c for c in chunks if c.meta["storage_dtype"] in STORAGE_DTYPES]
+
+    def check_batch(batch: list[Chunk]) -> list[str]:
+        return [p for c in batch for p in check_chunk_file(c, tok, verify_sha256=verify_sha256)]
+
+    batches = [checkable[i:i + 64] for i in range(0, len(checkable), 64)]
+    if threads <= 1:
+        problems.extend(p for batch in batches for p in check_batch(batch))
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for found in pool.map(check_batch, batches):
+                problems.extend(found)
+
+    if problems:
+        raise MergeError(problems)
+
+    # -- the index ---------------------------------------------------------------------------------
+    base = Path(index_path).parent if index_path is not None else features_dir
+    folders = {s: os.path.relpath(mpath.parent, base) for s, (mpath, _) in manifests.items()}
+    index_chunks = [{"path": os.path.join(folders[c.shard], c.file), "shard": c.shard,
+                     "sha256": c.entry["sha256"], "num_samples": int(c.entry["num_samples"]),
+                     "num_tokens": int(c.entry["num_tokens"]), "bytes": int(c.entry["bytes"]),
+                     "rows": [int(r) for r in c.entry["rows"]]}
+                    for c in chunks]
+    index: dict[str, Any] = {
+        "format": INDEX_FORMAT,
+        "num_shards": num_shards,
+        "num_samples": sum(c["num_samples"] for c in index_chunks),
+        "num_tokens": sum(c["num_tokens"] for c in index_chunks),
+        "bytes": sum(c["bytes"] for c in index_chunks),
+        **meta,
+        "sha256_verified": bool(verify_sha256),
+        "layer_stats": merge_layer_stats(stat_chunks, meta["layer_ids"]),
+        "stats": {"nonfinite": sum(_count(c.entry["stats"]["nonfinite"]) for c in stat_chunks),
+                  "zero_rows": sum(_count(c.entry["stats"]["zero_rows"]) for c in stat_chunks)},
+        "chunks": index_chunks,
+    }
+    # Follows from the checks above; kept as the stage's contract, stated once more.
+    if index["num_samples"] != tok.num_rows or index["num_tokens"] != int(tok.num_tokens.sum()):
+        raise MergeError([f"totals {index['num_samples']} samples / {index['num_tokens']} tokens differ from "
+                          f"{tok.path}'s {tok.num_rows} / {int(tok.num_tokens.sum())}"])
+    logger.info("merged %d shards, %d chunks: %d samples, %d tokens, %.3f GB (%s, layers %s%s)",
+                num_shards, len(index_chunks), index["num_samples"], index["num_tokens"], index["bytes"] / 1e9,
+                meta["storage_dtype"], meta["layer_ids"], ", sha256 verified" if verify_sha256 else "")
+    logger.info("per-layer statistics of the target features:\n%s", format_layer_stats(index))
+    if index_path is not None:
+        write_index(index_path, index)
+    return index
+
+
+def write_index(path: str | os.PathLike, index: dict[str, Any]) -> None:
+    """Write an index atomically: metadata indented, one compact line per chunk (rows stay one line)."""
+    head = json.dumps({k: v for k, v in index.items() if k != "chunks"}, indent=2, ensure_ascii=False)
+    lines = ",\n".join("    " + json.dumps(c, ensure_ascii=False) for c in index["chunks"])
+    with atomic_path(path) as tmp:
+        tmp.write_text(f'{head[:-2]},\n  "chunks": [\n{lines}\n  ]\n}}\n', encoding="utf-8")
