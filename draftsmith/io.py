@@ -30,6 +30,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
     try:
         yield tmp_path
         with open(tmp_path, "rb") as fh:

