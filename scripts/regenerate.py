@@ -1,2 +1,34 @@
-"""Entry point of rule regenerate (not implemented yet)."""
-raise NotImplementedError("regenerate")
+"""Entry point of rule regenerate: the target answers the training prompts itself (draftsmith.regenerate)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from draftsmith.gpu import lease_gpus  # noqa: E402
+from draftsmith.io import setup_logging  # noqa: E402
+
+log = setup_logging(snakemake.log[0])  # noqa: F821
+devices = lease_gpus(snakemake.resources.gpu, logger=log)  # noqa: F821  (before torch touches CUDA)
+
+import torch  # noqa: E402
+
+from draftsmith.regenerate import GenerationSettings, run  # noqa: E402
+
+torch.set_num_threads(snakemake.threads)  # noqa: F821
+params = snakemake.params  # noqa: F821
+cfg = params.regenerate
+if len(devices) > 1:
+    log.warning("regenerate runs one process on one GPU; %d GPUs were leased (set regenerate.gpus: 1)", len(devices))
+run(
+    conversations=snakemake.input.conversations,  # noqa: F821
+    target_dir=snakemake.input.target,  # noqa: F821
+    output=snakemake.output[0],  # noqa: F821
+    settings=GenerationSettings(max_new_tokens=cfg["max_new_tokens"], batch_size=cfg["batch_size"],
+                                max_prompt_tokens=params.max_prompt_tokens, max_turns=cfg["max_turns"],
+                                chat_template_kwargs=params.chat_template_kwargs),
+    dtype=params.target["dtype"],
+    attn_implementation=params.target["attn_implementation"],
+    trust_remote_code=params.target["trust_remote_code"],
+    chunk_size=cfg["chunk_size"],
+    device="cuda" if torch.cuda.is_available() else "cpu",
+)

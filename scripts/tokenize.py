@@ -1,2 +1,25 @@
-"""Entry point of rule tokenize (not implemented yet)."""
-raise NotImplementedError("tokenize")
+"""Entry point of rule tokenize: curated conversations -> token ids + loss masks (draftsmith.tokenize)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallel across worker processes instead
+
+from draftsmith.io import setup_logging  # noqa: E402
+from draftsmith.tokenize import run  # noqa: E402
+
+setup_logging(snakemake.log[0])  # noqa: F821
+params = snakemake.params  # noqa: F821
+run(
+    train_in=snakemake.input.train,  # noqa: F821
+    eval_in=snakemake.input.eval,  # noqa: F821
+    target_dir=snakemake.input.target,  # noqa: F821
+    train_out=snakemake.output.train,  # noqa: F821
+    eval_out=snakemake.output.eval,  # noqa: F821
+    report_out=snakemake.output.report,  # noqa: F821
+    chat_template_kwargs=params.tokenize["chat_template_kwargs"],
+    max_length=params.tokenize["max_length"],
+    overflow=params.tokenize["overflow"],
+    threads=snakemake.threads,  # noqa: F821
+    trust_remote_code=params.target["trust_remote_code"],
+)

@@ -52,3 +52,38 @@ def tiny_target(kind: str, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32,
                                              attn_implementation="sdpa")
     return model.eval()
+
+
+# --- tiny chat tokenizer (tokenize / regenerate) ---------------------------------------------------
+
+TINY_CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_TINY_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello! How are you today? I am fine, thank you. "
+    "Write a function that adds two numbers. def add(a, b): return a + b. The answer is 42. "
+    "Please explain speculative decoding: a small drafter proposes tokens and the target verifies them. "
+)
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB, chat_template: str = TINY_CHATML_TEMPLATE):
+    """A byte-level BPE fast tokenizer trained in-process (deterministic), with a ChatML chat template.
+
+    Special tokens match the tiny targets' config: ``<|endoftext|>`` = 0 (pad), ``<|im_start|>`` = 1,
+    ``<|im_end|>`` = 2 (eos, end of turn). ``vocab_size`` <= the tiny targets' VOCAB.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([_TINY_CORPUS] * 4, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = chat_template
+    assert tok.convert_tokens_to_ids(specials) == [0, 1, 2]
+    return tok

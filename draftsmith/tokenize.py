@@ -1,0 +1,900 @@
+"""tokenize: render conversations with the target's own chat template, with token-exact loss masks.
+
+A drafter is only useful if it is trained on exactly the token sequences the target sees when it serves
+(a thinking-on / thinking-off mismatch between training and evaluation is a known cause of drafters
+that look good in training and fail in serving, z-lab/dflash#133). This module therefore never writes a
+template-specific regex: every boundary comes from rendering the conversation with the target
+tokenizer's own chat template (``apply_chat_template``), the same call a serving stack makes.
+
+For each assistant message ``j`` of a conversation ``m``:
+
+* **serving prompt** ``p_j`` = render(``m[:j]``, ``add_generation_prompt=True``): what the target is given;
+* **turn render** ``t_j`` = render(``m[:j+1]``, ``add_generation_prompt=False``);
+* **answer** ``a_j`` = ``t_j[len(p_j):]`` (requires ``t_j.startswith(p_j)``): the text the target generates,
+  e.g. ``"Hello!<|im_end|>\\n"`` for ChatML, or ``"<think>\\n...\\n</think>\\n\\nHi<|im_end|>\\n"`` for
+  Qwen3 with thinking on.
+
+The **loss mask** is 1 exactly on the answer tokens up to and including the end-of-turn token (the last
+stop token of the answer: the tokenizer's / generation config's eos ids, else the last special token);
+tokens the template appends after it (ChatML's ``"\\n"``) are 0, as are system, user and tool turns and the
+template's own assistant header (it is part of ``p_j``).
+
+A conversation becomes **one row** (``id`` = conversation id) when the render is *prefix-stable*: the render
+through the last assistant turn starts with every ``t_j`` (text), and its tokens start with
+``tokens(p_j) + tokens(a_j)`` for every ``j`` that starts inside ``max_length`` (tokens; later turns are
+truncated away). Templates that rewrite earlier turns (Qwen3 drops
+past reasoning and renders an empty ``<think></think>`` only on the last turn) break that; such a
+conversation falls back to **one row per assistant turn** (``id`` = ``<conv id>#<j>``, ``j`` the index of the
+assistant message in ``messages``) whose tokens are ``tokens(p_j) + tokens(a_j)``, so in both modes the
+training render of turn ``j`` is the serving render of its prompt followed by the reference answer tokens.
+
+Rows over ``max_length`` are truncated (the first ``max_length`` tokens are kept: the target's hidden states
+of a prefix do not depend on what follows) or dropped; rows without two consecutive supervised tokens are
+dropped (a DFlash anchor ``a`` needs ``loss_mask[a]`` and ``loss_mask[a + 1]``, arXiv 2602.06036 / SpecForge);
+a row whose answers render as the end-of-turn token alone is dropped as ``empty_answer`` (e.g. tool calls
+given to a template without tool support, counted in ``answers.empty_with_tool_calls``). Every drop is
+counted by reason in the report, and the counts reconcile:
+conversations in = dropped + single-row + per-turn; row candidates = rows kept + rows dropped.
+
+Output parquet (the contract of ``results/tokenized/{train,eval}.parquet``): ``id`` string, ``source``
+string, ``input_ids`` list<int32>, ``loss_mask`` list<int8>, ``num_tokens`` int32, with schema metadata
+``draftsmith.chat_template_kwargs``, ``draftsmith.tokenizer_fingerprint``, ``draftsmith.max_length`` (JSON).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draftsmith.io import atomic_path, write_json
+
+log = logging.getLogger("draftsmith.tokenize")
+
+REPORT_FORMAT = "draftsmith.tokenize-report/1"
+META_CHAT_TEMPLATE_KWARGS = b"draftsmith.chat_template_kwargs"
+META_TOKENIZER_FINGERPRINT = b"draftsmith.tokenizer_fingerprint"
+META_MAX_LENGTH = b"draftsmith.max_length"
+
+ROLES = ("system", "user", "assistant", "tool")
+# Keyword arguments of apply_chat_template that the stage sets itself; config may not override them.
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation_prompt", "tokenize",
+                            "continue_final_message", "return_dict", "return_assistant_tokens_mask",
+                            "documents", "chat_template"}
+
+TOKENIZED_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+])
+
+# Conversation-level drop reasons (the conversation yields no row at all).
+DROP_NO_ASSISTANT = "no_assistant_turn"
+DROP_INVALID_ROW = "invalid_row"
+DROP_DUPLICATE_ID = "duplicate_id"
+DROP_INVALID_MESSAGES = "invalid_messages"
+DROP_INVALID_TOOLS = "invalid_tools"
+DROP_INVALID_TOOL_ARGUMENTS = "invalid_tool_call_arguments"
+DROP_TEMPLATE_ERROR = "template_error"
+# Row-level drop reasons (a row candidate: a whole conversation, or one assistant turn in fallback mode).
+DROP_NOT_AFTER_PROMPT = "answer_not_after_generation_prompt"
+DROP_OVER_MAX_LENGTH = "over_max_length"
+DROP_NO_PAIR = "no_supervised_pair"
+DROP_EMPTY_ANSWER = "empty_answer"  # the template renders nothing but the end-of-turn (e.g. tool calls it ignores)
+DROP_NO_PAIR_TRUNCATED = "no_supervised_pair_after_truncation"
+
+
+class TemplateError(ValueError):
+    """The tokenizer has no usable chat template (none, or no generation prompt)."""
+
+
+class InvalidConversation(ValueError):
+    """A conversation that cannot be rendered; ``reason`` is the counted drop reason."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------------
+# Messages and rendering
+
+
+def parse_tools(tools: Any) -> list | None:
+    """The curated ``tools`` column (JSON string of OpenAI function schemas, or null) as a list or ``None``.
+
+    Raises:
+        InvalidConversation: (reason ``invalid_tools``) not JSON, or not a JSON list.
+    """
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise InvalidConversation(DROP_INVALID_TOOLS, f"field tools: not valid JSON ({exc})") from None
+    if not isinstance(tools, list):
+        raise InvalidConversation(DROP_INVALID_TOOLS, f"field tools: expected a JSON list, got {type(tools).__name__}")
+    return tools or None
+
+
+def template_messages(messages: Sequence[dict]) -> list[dict]:
+    """Curated messages (Arrow structs with null fields) -> the dicts Hugging Face chat templates expect.
+
+    Null fields are dropped (templates test ``is defined``), ``content`` null becomes ``""``, and each
+    tool call's ``function.arguments`` JSON string (OpenAI format) is parsed into a dict, since HF
+    templates render ``arguments | tojson``. ``reasoning_content``, ``tool_call_id`` and ``name`` are kept.
+
+    Raises:
+        InvalidConversation: reason ``invalid_messages`` (not a list of dicts, unknown role) or
+            ``invalid_tool_call_arguments`` (arguments that are not valid JSON), naming the message.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidConversation(DROP_INVALID_MESSAGES,
+                                  f"field messages: expected a list, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidConversation(DROP_INVALID_MESSAGES,
+                                      f"messages[{i}]: expected a struct, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidConversation(DROP_INVALID_MESSAGES, f"messages[{i}].role: {role!r} is not one of {ROLES}")
+        msg: dict[str, Any] = {"role": role, "content": m.get("content") or ""}
+        if m.get("reasoning_content") is not None:
+            msg["reasoning_content"] = m["reasoning_content"]
+        calls = m.get("tool_calls")
+        if calls:
+            msg["tool_calls"] = []
+            for k, call in enumerate(calls):
+                fn = dict((call or {}).get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError as exc:
+                        raise InvalidConversation(
+                            DROP_INVALID_TOOL_ARGUMENTS,
+                            f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON ({exc})") from None
+                elif args is None:
+                    args = {}
+                tc: dict[str, Any] = {"type": call.get("type") or "function",
+                                      "function": {"name": fn.get("name"), "arguments": args}}
+                if call.get("id") is not None:
+                    tc["id"] = call["id"]
+                msg["tool_calls"].append(tc)
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def check_template_kwargs(chat_template_kwargs: dict | None) -> dict:
+    """Validate config ``tokenize.chat_template_kwargs``; returns a plain dict.
+
+    Raises:
+        ValueError: a key the stage sets itself (``add_generation_prompt``, ``tools``, ``tokenize``, ...).
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    bad = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if bad:
+        raise ValueError(f"tokenize.chat_template_kwargs may not set {', '.join(bad)} (the stage sets them itself)")
+    return kwargs
+
+
+def render_text(tokenizer, messages: list[dict], tools: list | None, chat_template_kwargs: dict,
+                add_generation_prompt: bool) -> str:
+    """``apply_chat_template(..., tokenize=False)`` of already normalised messages (see template_messages)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **chat_template_kwargs)
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered texts, batched, without added BOS/EOS (as apply_chat_template tokenizes)."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def render_prompt(tokenizer, messages: Sequence[dict], tools: Any = None,
+                  chat_template_kwargs: dict | None = None) -> list[int]:
+    """Serving render of a conversation's prompt: its messages plus the template's generation prompt.
+
+    This is exactly what the target is given at serving time (what vLLM / ``generate`` see after
+    ``apply_chat_template(messages, tools=..., add_generation_prompt=True, **chat_template_kwargs)``), and
+    the prefix of the training row of the next assistant turn. Evaluate and regenerate use it.
+
+    Args:
+        tokenizer: the target's Hugging Face tokenizer (with a chat template).
+        messages: curated messages (Arrow structs or plain dicts; ``arguments`` may be JSON strings),
+            normally everything before the assistant turn to be generated.
+        tools: JSON string or list of OpenAI-style function schemas, or ``None``.
+        chat_template_kwargs: e.g. ``{"enable_thinking": False}``; use the values recorded in the tokenized
+            parquet metadata (:func:`read_tokenized_metadata`) so serving matches training.
+
+    Returns:
+        list[int]: token ids (no BOS/EOS added beyond what the template writes).
+
+    Raises:
+        InvalidConversation: bad messages / tools (see :func:`template_messages`, :func:`parse_tools`).
+        TemplateError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
+    text = render_text(tokenizer, template_messages(messages), parse_tools(tools),
+                       check_template_kwargs(chat_template_kwargs), add_generation_prompt=True)
+    return encode(tokenizer, [text])[0]
+
+
+def check_generation_prompt(tokenizer, chat_template_kwargs: dict | None = None) -> str:
+    """Raise unless the chat template exists and writes a generation prompt; returns that prompt's text.
+
+    The probe renders ``[{"role": "user", "content": "Hello"}]`` with and without
+    ``add_generation_prompt``; a template that renders both the same cannot mark where the assistant's
+    answer starts (and a serving stack would not prompt the target to answer).
+
+    Raises:
+        TemplateError: no chat template, or no generation prompt.
+    """
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError(f"tokenizer {name!r} has no chat template (tokenizer_config.json 'chat_template' or "
+                            "chat_template.jinja): tokenize renders with the target's own template")
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    probe = [{"role": "user", "content": "Hello"}]
+    with_prompt = render_text(tokenizer, probe, None, kwargs, add_generation_prompt=True)
+    without = render_text(tokenizer, probe, None, kwargs, add_generation_prompt=False)
+    if with_prompt == without or not with_prompt.startswith(without):
+        raise TemplateError(
+            f"the chat template of {name!r} has no generation prompt: add_generation_prompt=True renders "
+            f"{with_prompt[-60:]!r} and False renders {without[-60:]!r}; without one the start of the "
+            "assistant's answer is unknown (fix the template: it must append the assistant header)")
+    return with_prompt[len(without):]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 hex of the tokenizer (its serialized ``tokenizer.json`` or its vocab) plus its chat template.
+
+    Two tokenizers with the same fingerprint produce the same token ids for the same rendered
+    conversation; extract and evaluate compare it with ``draftsmith.tokenizer_fingerprint`` of the tokenized
+    parquet. Serialization is that of the installed ``tokenizers`` version.
+    """
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode("utf-8"))
+    else:
+        digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode("utf-8"))
+        digest.update(json.dumps(sorted(str(t) for t in tokenizer.all_special_tokens)).encode("utf-8"))
+    template = tokenizer.chat_template
+    digest.update(b"\0chat_template\0")
+    digest.update((template if isinstance(template, str) else json.dumps(template, sort_keys=True)).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def stop_token_ids(tokenizer, target_dir: str | os.PathLike | None = None) -> list[int]:
+    """End-of-turn token ids: the tokenizer's eos plus ``eos_token_id`` of the target's
+    ``generation_config.json`` and ``config.json`` (int or list), the ids ``generate`` stops at."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for name in ("generation_config.json", "config.json"):
+        path = Path(target_dir) / name if target_dir is not None else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        for value in eos if isinstance(eos, list) else [eos]:
+            if isinstance(value, int):
+                ids.add(value)
+    return sorted(ids)
+
+
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The target's tokenizer from its local Hugging Face folder (no hub access).
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+    """
+    from transformers import AutoTokenizer
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer folder {path} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    # whole conversations are longer than some tokenizers' nominal limit: no truncation, no warning
+    tokenizer.model_max_length = int(1e30)
+    if not getattr(tokenizer, "is_fast", False):
+        log.warning("tokenizer %s is not a fast (Rust) tokenizer: tokenization is much slower", path)
+    return tokenizer
+
+
+def has_supervised_pair(mask: np.ndarray) -> bool:
+    """True if some position t has ``mask[t] == mask[t + 1] == 1`` (an eligible DFlash anchor)."""
+    return bool(mask.size > 1 and np.any((mask[:-1] != 0) & (mask[1:] != 0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizing conversations
+
+
+@dataclass
+class TokenizedRow:
+    """One training row: ``input_ids`` int32 [T] and ``loss_mask`` int8 [T] (1 = target-generated token)."""
+
+    id: str
+    source: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass
+class ConversationResult:
+    """What one conversation turned into. ``mode`` is ``single`` / ``per_turn``, or ``None`` when the
+    whole conversation was dropped (``drop`` = reason, ``detail`` = message naming the field)."""
+
+    id: str
+    source: str
+    mode: str | None = None
+    drop: str | None = None
+    detail: str = ""
+    rows: list[TokenizedRow] = field(default_factory=list)
+    row_drops: list[tuple[str, int]] = field(default_factory=list)  # (reason, tokens before truncation)
+    truncated_tokens: list[int] = field(default_factory=list)  # tokens cut per truncated kept row
+    answers_without_end_of_turn: int = 0
+    empty_answers: int = 0
+    empty_tool_call_answers: int = 0
+    unsupervised_leading_assistant: int = 0
+
+    @property
+    def candidates(self) -> int:
+        return len(self.rows) + len(self.row_drops)
+
+
+@dataclass
+class _Turn:
+    index: int          # index of the assistant message in messages
+    prompt: str         # p_j
+    turn: str           # t_j
+    answer: str | None  # t_j[len(p_j):], None when t_j does not start with p_j
+    tool_calls: bool = False
+    prompt_ids: list[int] | None = None
+    answer_ids: list[int] | None = None
+
+
+@dataclass
+class _Plan:
+    res: ConversationResult
+    turns: list[_Turn] = field(default_factory=list)
+    full: str | None = None  # render through the last assistant turn, when prefix-stable as text
+    full_ids: np.ndarray | None = None
+    checked: list[_Turn] = field(default_factory=list)  # turns starting inside max_length (token-checked)
+
+class ConversationTokenizer:
+    """Turns curated conversations into rows with token-exact loss masks (see the module docstring).
+
+    Args:
+        tokenizer: the target's Hugging Face tokenizer (fast tokenizers batch-encode in Rust).
+        chat_template_kwargs: keyword arguments for the template (``enable_thinking`` ...).
+        max_length: longest row in tokens (>= 2).
+        overflow: ``truncate`` (keep the first ``max_length`` tokens) or ``drop``.
+        stop_ids: end-of-turn token ids (:func:`stop_token_ids`); the last one in an answer ends its mask.
+
+    Raises:
+        ValueError: bad ``max_length`` / ``overflow`` / template kwargs.
+    """
+
+    def __init__(self, tokenizer, *, chat_template_kwargs: dict | None = None, max_length: int = 2048,
+                 overflow: str = "truncate", stop_ids: Iterable[int] | None = None):
+        if max_length < 2:
+            raise ValueError(f"tokenize.max_length must be >= 2, got {max_length}")
+        if overflow not in ("truncate", "drop"):
+            raise ValueError(f"tokenize.overflow must be 'truncate' or 'drop', got {overflow!r}")
+        self.tokenizer = tokenizer
+        self.kwargs = check_template_kwargs(chat_template_kwargs)
+        self.max_length = int(max_length)
+        self.overflow = overflow
+        stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
+        self.stop_ids = np.array(sorted(set(stop)), dtype=np.int64)
+        self.special_ids = np.array(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
+
+    # -- masks ------------------------------------------------------------------------------------
+
+    def answer_mask(self, answer_ids: Sequence[int]) -> tuple[np.ndarray, bool]:
+        """Loss mask [len(answer_ids)] int8 of one answer: 1 through its end-of-turn token, 0 after.
+
+        The end-of-turn token is the last stop token of the answer, else its last special token; an
+        answer with neither is supervised whole (second value ``False``, counted in the report).
+        """
+        ids = np.asarray(answer_ids, dtype=np.int64)
+        mask = np.ones(len(ids), dtype=np.int8)
+        for candidates in (self.stop_ids, self.special_ids):
+            hits = np.flatnonzero(np.isin(ids, candidates))
+            if hits.size:
+                mask[hits[-1] + 1:] = 0
+                return mask, True
+        return mask, False
+
+    # -- rendering --------------------------------------------------------------------------------
+
+    def _plan(self, record: dict) -> _Plan:
+        plan = _Plan(ConversationResult(id=record["id"], source=record.get("source") or ""))
+        res = plan.res
+        try:
+            messages = template_messages(record.get("messages"))
+            tools = parse_tools(record.get("tools"))
+        except InvalidConversation as exc:
+            res.drop, res.detail = exc.reason, str(exc)
+            return plan
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if assistant and assistant[0] == 0:  # no prompt before it: context only, never supervised
+            res.unsupervised_leading_assistant = 1
+            assistant = assistant[1:]
+        if not assistant:
+            res.drop, res.detail = DROP_NO_ASSISTANT, "no assistant message after a prompt"
+            return plan
+        try:
+            for j in assistant:
+                prompt = render_text(self.tokenizer, messages[:j], tools, self.kwargs, add_generation_prompt=True)
+                turn = render_text(self.tokenizer, messages[:j + 1], tools, self.kwargs, add_generation_prompt=False)
+                plan.turns.append(_Turn(j, prompt, turn, turn[len(prompt):] if turn.startswith(prompt) else None,
+                                        bool(messages[j].get("tool_calls"))))
+        except Exception as exc:  # jinja raise_exception(), undefined fields ...: the template refuses it
+            res.drop, res.detail = DROP_TEMPLATE_ERROR, f"chat template failed: {type(exc).__name__}: {exc}"
+            plan.turns = []
+            return plan
+        full = plan.turns[-1].turn
+        if all(t.answer is not None and full.startswith(t.turn) for t in plan.turns):
+            plan.full = full
+        return plan
+
+    def _encode_turns(self, turns: list[_Turn]) -> None:
+        texts = [x for t in turns for x in (t.prompt, t.answer)]
+        ids = encode(self.tokenizer, texts)
+        for k, t in enumerate(turns):
+            t.prompt_ids, t.answer_ids = ids[2 * k], ids[2 * k + 1]
+
+    def tokenize_batch(self, records: Sequence[dict]) -> list[ConversationResult]:
+        """Tokenize curated records (dicts with ``id``, ``source``, ``messages``, ``tools``), in order.
+
+        The texts of the whole batch are encoded together, in batched calls of the (fast) tokenizer.
+        Token checks of a prefix-stable conversation cover the assistant turns that start inside
+        ``max_length`` (found from the character offsets of its full encoding); the others are cut by
+        truncation anyway (or the row is dropped whole in ``overflow: drop`` mode), so their quadratic
+        prefix encodings are skipped.
+        """
+        plans = [self._plan(r) for r in records]
+        live = [p for p in plans if not p.res.drop]
+        stable = [p for p in live if p.full is not None]
+        # 1. the full render of the text-stable conversations, with character offsets
+        if stable:
+            fast = getattr(self.tokenizer, "is_fast", False)
+            enc = self.tokenizer([p.full for p in stable], add_special_tokens=False, return_attention_mask=False,
+                                 return_offsets_mapping=fast)
+            for i, p in enumerate(stable):
+                p.full_ids = np.asarray(enc["input_ids"][i], dtype=np.int32)
+                n = len(p.full_ids)
+                if self.overflow == "drop" and n > self.max_length:
+                    continue  # dropped whole as over_max_length: nothing to check
+                for t in p.turns:
+                    c = len(t.prompt)
+                    k = enc.char_to_token(i, c) if fast and c < len(p.full) else None
+                    if k is None:
+                        k = 0 if c < len(p.full) else n
+                    if k < self.max_length:
+                        p.checked.append(t)
+        # 2. prompt and answer tokens: checked turns of stable conversations, every turn of the others
+        self._encode_turns([t for p in stable for t in p.checked]
+                           + [t for p in live if p.full is None for t in p.turns if t.answer is not None])
+        # 3. rows; a token-unstable conversation falls back to rows per turn
+        fallback = [p for p in stable if not self._build_single(p)]
+        self._encode_turns([t for p in fallback for t in p.turns if t.answer is not None and t.prompt_ids is None])
+        for p in live:
+            if p.res.mode is None:
+                self._build_per_turn(p)
+        return [p.res for p in plans]
+
+    def _build_single(self, plan: _Plan) -> bool:
+        res, full_ids = plan.res, plan.full_ids
+        if self.overflow == "drop" and len(full_ids) > self.max_length:
+            res.mode = "single"
+            res.row_drops.append((DROP_OVER_MAX_LENGTH, len(full_ids)))
+            return True
+        mask = np.zeros(len(full_ids), dtype=np.int8)
+        masks = []
+        for t in plan.checked:
+            start, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.answer_ids)
+            if (end > len(full_ids) or not np.array_equal(full_ids[:start], t.prompt_ids)
+                    or not np.array_equal(full_ids[start:end], t.answer_ids)):
+                return False
+            answer_mask, found = self.answer_mask(t.answer_ids)
+            masks.append((t, answer_mask, found))
+            mask[start:end] = answer_mask
+        res.mode = "single"
+        for t, answer_mask, found in masks:
+            self._count_answer(res, t, answer_mask, found)
+        empty = bool(masks) and all(int(m.sum()) <= 1 for _, m, _ in masks)
+        self._add_row(res, res.id, full_ids, mask, empty)
+        return True
+
+    @staticmethod
+    def _count_answer(res: ConversationResult, turn: _Turn, answer_mask: np.ndarray, found: bool) -> None:
+        res.answers_without_end_of_turn += int(not found)
+        if int(answer_mask.sum()) <= 1:  # the end-of-turn token alone
+            res.empty_answers += 1
+            res.empty_tool_call_answers += int(turn.tool_calls)
+
+    def _build_per_turn(self, plan: _Plan) -> None:
+        res = plan.res
+        res.mode = "per_turn"
+        for t in plan.turns:
+            if t.answer is None:
+                res.row_drops.append((DROP_NOT_AFTER_PROMPT, 0))
+                continue
+            answer_mask, found = self.answer_mask(t.answer_ids)
+            self._count_answer(res, t, answer_mask, found)
+            row_ids = np.asarray(list(t.prompt_ids) + list(t.answer_ids), dtype=np.int32)
+            mask = np.concatenate([np.zeros(len(t.prompt_ids), dtype=np.int8), answer_mask])
+            self._add_row(res, f"{res.id}#{t.index}", row_ids, mask, int(answer_mask.sum()) <= 1)
+
+    def _add_row(self, res: ConversationResult, row_id: str, ids: np.ndarray, mask: np.ndarray,
+                 empty: bool = False) -> None:
+        n = len(ids)
+        truncated = 0
+        if n > self.max_length:
+            if self.overflow == "drop":
+                res.row_drops.append((DROP_OVER_MAX_LENGTH, n))
+                return
+            truncated = n - self.max_length
+            ids, mask = ids[:self.max_length], mask[:self.max_length]
+        if not has_supervised_pair(mask):
+            reason = DROP_EMPTY_ANSWER if empty else DROP_NO_PAIR_TRUNCATED if truncated else DROP_NO_PAIR
+            res.row_drops.append((reason, n))
+            return
+        if truncated:
+            res.truncated_tokens.append(truncated)
+        res.rows.append(TokenizedRow(row_id, res.source, ids, mask))
+
+
+# --------------------------------------------------------------------------------------------------
+# Counting
+
+
+def length_bins(max_length: int) -> list[int]:
+    """Histogram edges: 0, 64, 128, ... (powers of two) up to and including ``max_length`` + 1."""
+    edges = [0]
+    b = 64
+    while b < max_length:
+        edges.append(b)
+        b *= 2
+    edges.append(max_length + 1)
+    return edges
+
+
+class SplitStats:
+    """Reconciled counts of one split (conversations, row candidates, tokens, drops by reason)."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.conversations_in = 0
+        self.conv_drops: collections.Counter = collections.Counter()
+        self.modes: collections.Counter = collections.Counter()
+        self.with_rows = 0
+        self.row_drops: collections.Counter = collections.Counter()
+        self.row_drop_tokens: collections.Counter = collections.Counter()
+        self.row_candidates = 0
+        self.rows_kept = 0
+        self.tokens = 0
+        self.supervised = 0
+        self.truncated_rows = 0
+        self.truncated_tokens = 0
+        self.answers_without_end_of_turn = 0
+        self.empty_answers = 0
+        self.empty_tool_call_answers = 0
+        self.unsupervised_leading_assistant = 0
+        self.lengths: list[int] = []
+        self.per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def add(self, res: ConversationResult) -> None:
+        self.conversations_in += 1
+        src = self.per_source[res.source]
+        src["conversations_in"] += 1
+        if res.drop:
+            self.conv_drops[res.drop] += 1
+            src["conversations_dropped"] += 1
+            return
+        self.modes[res.mode] += 1
+        self.with_rows += bool(res.rows)
+        self.row_candidates += res.candidates
+        for reason, tokens in res.row_drops:
+            self.row_drops[reason] += 1
+            self.row_drop_tokens[reason] += tokens
+        self.truncated_rows += len(res.truncated_tokens)
+        self.truncated_tokens += sum(res.truncated_tokens)
+        self.answers_without_end_of_turn += res.answers_without_end_of_turn
+        self.empty_answers += res.empty_answers
+        self.empty_tool_call_answers += res.empty_tool_call_answers
+        self.unsupervised_leading_assistant += res.unsupervised_leading_assistant
+        for row in res.rows:
+            n = len(row.input_ids)
+            s = int(row.loss_mask.sum())
+            self.rows_kept += 1
+            self.tokens += n
+            self.supervised += s
+            self.lengths.append(n)
+            src["rows"] += 1
+            src["tokens"] += n
+            src["supervised_tokens"] += s
+        src["rows_dropped"] += len(res.row_drops)
+
+    def drop_duplicate(self, source: str) -> None:
+        self.conversations_in += 1
+        self.conv_drops[DROP_DUPLICATE_ID] += 1
+        self.per_source[source]["conversations_in"] += 1
+        self.per_source[source]["conversations_dropped"] += 1
+
+    def report(self) -> dict:
+        """The split's section of ``report.json``; raises AssertionError if counts do not reconcile."""
+        dropped = sum(self.conv_drops.values())
+        if self.conversations_in != dropped + self.modes["single"] + self.modes["per_turn"]:
+            raise AssertionError(f"conversation counts do not reconcile: {self.conversations_in} in, {dropped} "
+                                 f"dropped, {dict(self.modes)} rendered")
+        if self.row_candidates != self.rows_kept + sum(self.row_drops.values()):
+            raise AssertionError(f"row counts do not reconcile: {self.row_candidates} candidates, "
+                                 f"{self.rows_kept} kept, {dict(self.row_drops)} dropped")
+        edges = length_bins(self.max_length)
+        hist, _ = np.histogram(np.asarray(self.lengths, dtype=np.int64), bins=edges)
+        return {
+            "conversations": {
+                "in": self.conversations_in,
+                "dropped": dropped,
+                "dropped_by_reason": dict(sorted(self.conv_drops.items())),
+                "single_row": self.modes["single"],
+                "per_turn_fallback": self.modes["per_turn"],
+                "with_rows": self.with_rows,
+                "unsupervised_leading_assistant": self.unsupervised_leading_assistant,
+            },
+            "rows": {
+                "candidates": self.row_candidates,
+                "kept": self.rows_kept,
+                "dropped": sum(self.row_drops.values()),
+                "dropped_by_reason": dict(sorted(self.row_drops.items())),
+                "dropped_tokens_by_reason": dict(sorted(self.row_drop_tokens.items())),
+                "truncated": self.truncated_rows,
+                "truncated_tokens": self.truncated_tokens,
+                "answers_without_end_of_turn": self.answers_without_end_of_turn,
+            },
+            "answers": {
+                # answers rendered as the end-of-turn token alone; with tool calls, the template ignores them
+                "empty": self.empty_answers,
+                "empty_with_tool_calls": self.empty_tool_call_answers,
+            },
+            "tokens": {
+                "total": self.tokens,
+                "supervised": self.supervised,
+                "supervised_fraction": (self.supervised / self.tokens) if self.tokens else 0.0,
+                "max_row": max(self.lengths, default=0),
+                "mean_row": (self.tokens / self.rows_kept) if self.rows_kept else 0.0,
+            },
+            "length_histogram": [{"min": int(lo), "max": int(hi) - 1, "rows": int(n)}
+                                 for lo, hi, n in zip(edges[:-1], edges[1:], hist)],
+            "per_source": {k: dict(sorted(v.items())) for k, v in sorted(self.per_source.items())},
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+
+_WORKER: ConversationTokenizer | None = None
+
+
+def _worker_init() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per worker process
+
+
+def _worker_run(records: list[dict]) -> list[ConversationResult]:
+    assert _WORKER is not None
+    return _WORKER.tokenize_batch(records)
+
+
+def read_curated(path: str | os.PathLike, batch_size: int = 64) -> Iterator[list[dict]]:
+    """Curated conversations of a parquet file as batches of dicts (``id``, ``source``, ``messages``, ``tools``).
+
+    Raises:
+        ValueError: a required column is missing (names the file and the column).
+    """
+    pf = pq.ParquetFile(path)
+    names = set(pf.schema_arrow.names)
+    missing = [c for c in ("id", "messages") if c not in names]
+    if missing:
+        raise ValueError(f"{path}: curated parquet lacks column(s) {', '.join(missing)} (has {sorted(names)})")
+    columns = [c for c in ("id", "source", "messages", "tools") if c in names]
+    for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+        yield batch.to_pylist()
+
+
+def _rows_table(rows: list[TokenizedRow], schema: pa.Schema) -> pa.Table:
+    lengths = np.fromiter((len(r.input_ids) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.concatenate([r.input_ids for r in rows]).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
+    masks = np.concatenate([r.loss_mask for r in rows]).astype(np.int8, copy=False) if rows else np.zeros(0, np.int8)
+    return pa.Table.from_arrays([
+        pa.array([r.id for r in rows], pa.string()),
+        pa.array([r.source for r in rows], pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, pa.int8())),
+        pa.array(lengths, pa.int32()),
+    ], schema=schema)
+
+
+def tokenized_metadata(chat_template_kwargs: dict, fingerprint: str, max_length: int) -> dict[bytes, bytes]:
+    """Parquet schema metadata of a tokenized file (bytes keys, JSON values)."""
+    return {
+        META_CHAT_TEMPLATE_KWARGS: json.dumps(chat_template_kwargs, sort_keys=True).encode(),
+        META_TOKENIZER_FINGERPRINT: json.dumps(fingerprint).encode(),
+        META_MAX_LENGTH: json.dumps(int(max_length)).encode(),
+    }
+
+
+def read_tokenized_metadata(path: str | os.PathLike) -> dict:
+    """``{"chat_template_kwargs": dict, "tokenizer_fingerprint": str, "max_length": int}`` of a tokenized parquet.
+
+    Raises:
+        ValueError: a key is missing (names the file): not written by this stage.
+    """
+    meta = pq.read_schema(path).metadata or {}
+    out = {}
+    for key in (META_CHAT_TEMPLATE_KWARGS, META_TOKENIZER_FINGERPRINT, META_MAX_LENGTH):
+        if key not in meta:
+            raise ValueError(f"{path}: parquet metadata lacks {key.decode()} (not a draftsmith tokenized file?)")
+        out[key.decode().split(".", 1)[1]] = json.loads(meta[key])
+    return out
+
+
+def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
+                  fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5) -> dict:
+    """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
+
+    With ``threads`` > 1 the batches are spread over that many forked worker processes (chat templates
+    render in Python, so threads would serialise on the GIL); output order is input order.
+
+    Raises:
+        ValueError: unreadable input (missing column), see :func:`read_curated`.
+        AssertionError: counts that do not reconcile (a bug, never silently written).
+    """
+    global _WORKER
+    t0 = time.perf_counter()
+    stats = SplitStats(worker.max_length)
+    schema = TOKENIZED_SCHEMA.with_metadata(tokenized_metadata(worker.kwargs, fingerprint, worker.max_length))
+    seen: set[str] = set()
+    examples: collections.Counter = collections.Counter()
+
+    def batches() -> Iterator[list[dict]]:
+        row = 0
+        for batch in read_curated(input_path, batch_size):
+            keep = []
+            for rec in batch:
+                rid = rec.get("id")
+                if not isinstance(rid, str) or not rid:
+                    stats.add(ConversationResult(id=f"<row {row}>", source=rec.get("source") or "",
+                                                 drop=DROP_INVALID_ROW, detail="field id: missing or empty"))
+                    _log_drop(examples, log_examples, input_path, row, DROP_INVALID_ROW, "field id: missing or empty")
+                elif rid in seen:
+                    stats.drop_duplicate(rec.get("source") or "")
+                    _log_drop(examples, log_examples, input_path, row, DROP_DUPLICATE_ID, f"field id: {rid!r} repeats")
+                else:
+                    seen.add(rid)
+                    rec["_row"] = row
+                    keep.append(rec)
+                row += 1
+            if keep:
+                yield keep
+
+    with atomic_path(output_path, suffix=".parquet") as tmp:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            pending: list[TokenizedRow] = []
+
+            def consume(records: list[dict], results: list[ConversationResult]) -> None:
+                for rec, res in zip(records, results):
+                    stats.add(res)
+                    if res.drop:
+                        _log_drop(examples, log_examples, input_path, rec["_row"], res.drop,
+                                  f"id {res.id}: {res.detail}")
+                    pending.extend(res.rows)
+                if len(pending) >= 2048:
+                    writer.write_table(_rows_table(pending, schema))
+                    pending.clear()
+
+            if threads <= 1:
+                for records in batches():
+                    consume(records, worker.tokenize_batch(records))
+            else:
+                _WORKER = worker  # inherited by the forked workers
+                ctx = multiprocessing.get_context("fork")
+                with ctx.Pool(threads, initializer=_worker_init) as pool:
+                    # imap keeps input order; records are re-read alongside via a bounded queue.
+                    queue: collections.deque = collections.deque()
+                    for records in batches():
+                        queue.append((records, pool.apply_async(_worker_run, (records,))))
+                        while len(queue) > 4 * threads:
+                            recs, fut = queue.popleft()
+                            consume(recs, fut.get())
+                    while queue:
+                        recs, fut = queue.popleft()
+                        consume(recs, fut.get())
+                _WORKER = None
+            if pending:
+                writer.write_table(_rows_table(pending, schema))
+    report = stats.report()
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    report["conversations_per_second"] = round(stats.conversations_in / max(report["seconds"], 1e-9), 1)
+    return report
+
+
+def _log_drop(examples: collections.Counter, limit: int, path, row: int, reason: str, detail: str) -> None:
+    examples[reason] += 1
+    if examples[reason] <= limit:
+        log.warning("%s row %d dropped (%s): %s", path, row, reason, detail)
+    elif examples[reason] == limit + 1:
+        log.warning("%s: further '%s' drops are counted in the report only", path, reason)
+
+
+def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, chat_template_kwargs: dict | None = None,
+        max_length: int = 2048, overflow: str = "truncate", threads: int = 1,
+        trust_remote_code: bool = False) -> dict:
+    """The tokenize stage: both splits plus ``report.json``, from the target folder's tokenizer.
+
+    Raises:
+        TemplateError: the target's tokenizer has no chat template / no generation prompt.
+        ValueError: bad config values or unreadable inputs (naming the file).
+    """
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    generation_prompt = check_generation_prompt(tokenizer, kwargs)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    stop_ids = stop_token_ids(tokenizer, target_dir)
+    worker = ConversationTokenizer(tokenizer, chat_template_kwargs=kwargs, max_length=max_length,
+                                   overflow=overflow, stop_ids=stop_ids)
+    log.info("tokenizer %s (fingerprint %s), generation prompt %r, end-of-turn ids %s, kwargs %s, "
+             "max_length %d (%s), %d worker(s)", target_dir, fingerprint[:16], generation_prompt, stop_ids,
+             kwargs, max_length, overflow, threads)
+    report = {
+        "format": REPORT_FORMAT,
+        "target": str(target_dir),
+        "tokenizer_fingerprint": fingerprint,
+        "chat_template_kwargs": kwargs,
+        "generation_prompt": generation_prompt,
+        "end_of_turn_token_ids": stop_ids,
+        "max_length": max_length,
+        "overflow": overflow,
+        "splits": {},
+    }
+    for split, src, dst in (("train", train_in, train_out), ("eval", eval_in, eval_out)):
+        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads)
+        report["splits"][split] = rep
+        c, r, t = rep["conversations"], rep["rows"], rep["tokens"]
+        log.info("%s: %d conversations in -> %d single-row + %d per-turn fallback + %d dropped %s; rows %d kept "
+                 "of %d (dropped %s, truncated %d); %d tokens, %.1f%% supervised; %.0f conversations/s",
+                 split, c["in"], c["single_row"], c["per_turn_fallback"], c["dropped"], c["dropped_by_reason"],
+                 r["kept"], r["candidates"], r["dropped_by_reason"], r["truncated"], t["total"],
+                 100 * t["supervised_fraction"], rep["conversations_per_second"])
+    write_json(report_out, report)
+    return report

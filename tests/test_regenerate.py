@@ -1,0 +1,200 @@
+"""Tests of the regenerate stage with a tiny random target (CPU, float32): regenerated assistant text equals
+what Hugging Face ``generate`` produces for the same serving prompt, turn by turn; tool-call turns kept;
+cuts and drops counted and reconciled; a killed job resumes from its finished parts."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from draftsmith import regenerate as rg
+from draftsmith.tokenize import render_prompt
+from tiny import tiny_target, tiny_tokenizer
+
+
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
+CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
+                     ("tools", pa.string())])
+
+
+def msg(role, content="", **kw):
+    return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None, "tool_call_id": None,
+            "name": None, **kw}
+
+
+WEATHER = json.dumps([{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                                        "parameters": {"type": "object", "properties": {}}}}])
+CONVERSATIONS = [
+    {"id": "a", "source": "s", "tools": None, "messages": [
+        msg("system", "Be kind."), msg("user", "Hello!"), msg("assistant", "original 1"),
+        msg("user", "What is the answer?"), msg("assistant", "original 2")]},
+    {"id": "b", "source": "s", "tools": None, "messages": [
+        msg("user", "Write a function that adds two numbers. Please explain speculative decoding."),
+        msg("assistant", "original")]},
+    {"id": "c", "source": "t", "tools": WEATHER, "messages": [
+        msg("user", "What is the answer?"),
+        msg("assistant", "", tool_calls=[{"id": "1", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": "{}"}}]),
+        msg("tool", "sunny", tool_call_id="1", name="get_weather"),
+        msg("assistant", "original after tool")]},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, model, tok):
+    out = tmp_path_factory.mktemp("tiny-target")
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stop(model, tok):
+    """eos plus the 4th token the random target generates for conversation a's first prompt, so that turn
+    stops after 3 tokens and its second turn is generated from a prompt holding that answer."""
+    prompt = render_prompt(tok, CONVERSATIONS[0]["messages"][:2])
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=[2],
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(seq) == 4 and seq[3] not in seq[:3] + [2]
+    return [2, seq[3]]
+
+
+def reference(model, tok, messages, tools, max_new_tokens, stop):
+    """Unbatched, unpadded greedy HF generate of the serving prompt, cut at the first stop token."""
+    prompt = render_prompt(tok, messages, tools)
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=stop, pad_token_id=0)[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(seq) if t in stop), None)
+    return tok.decode(seq[:cut] if cut is not None else seq, skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False), cut is not None
+
+
+def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop):
+    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3)
+    out, stats = rg.Regenerator(model, tok, settings, stop).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+    by_id = {r["id"]: r for r in out}
+    assert set(by_id) == {"a", "b", "c"}
+    n_checked = 0
+    stopped_any, hit_max_any = False, False
+    for rec in out:
+        msgs = rec["messages"]
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant" or m["tool_calls"]:
+                continue
+            # the prompt of turn j holds the target's own earlier answers (turn by turn)
+            text, stopped = reference(model, tok, msgs[:j], rec["tools"], 12, stop)
+            assert m["content"] == text and m["reasoning_content"] is None
+            assert not m["content"].startswith("original")
+            stopped_any |= stopped
+            hit_max_any |= not stopped
+            n_checked += 1
+    assert stopped_any and hit_max_any  # both ends of generation are exercised
+    assert n_checked == stats["turns_regenerated"] == 4  # a: 2 turns, b: 1, c: 1 (after the tool result)
+    assert [m["role"] for m in by_id["a"]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    # tool-call turn and its result kept verbatim; the answer after the tool result regenerated
+    c = by_id["c"]["messages"]
+    assert c[1] == CONVERSATIONS[2]["messages"][1] and c[2] == CONVERSATIONS[2]["messages"][2]
+    assert stats["turns_kept_tool_call"] == 1
+    assert stats["conversations_in"] == stats["regenerated"] + stats["kept_original"] + sum(
+        v for k, v in stats.items() if k.startswith("dropped."))
+    # a conversation cut after a turn that hit max_new_tokens ends with that turn
+    for rec in out:
+        assert rec["messages"][-1]["role"] == "assistant"
+
+
+def test_cuts_and_drops_are_counted(model, tok, stop):
+    convs = json.loads(json.dumps(CONVERSATIONS))
+    # first turn only
+    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, max_turns=1), stop
+                                ).regenerate(convs)
+    a = next(r for r in out if r["id"] == "a")["messages"]
+    assert [m["role"] for m in a] == ["system", "user", "assistant"]
+    # a's second turn is cut; c's first regenerated turn comes after its kept tool call
+    assert stats["cut.max_turns_reached"] == 1 and stats["turns_removed_by_cut"] == 1
+    rg._check_counts(stats)
+    # prompts too long: every conversation's first turn is over the limit -> all dropped, counted
+    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=4, max_prompt_tokens=3), stop
+                                ).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+    assert [r["id"] for r in out] == ["c"]  # c keeps its original tool-call turn, its text turn is cut
+    assert stats["dropped.prompt_over_max_prompt_tokens"] == 2 and stats["cut.prompt_over_max_prompt_tokens"] == 3
+    assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"]
+    rg._check_counts(stats)
+    # an answer that hits max_new_tokens is kept and ends its conversation
+    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=1), [2]).regenerate(
+        json.loads(json.dumps(CONVERSATIONS[:1])))
+    assert stats["cut.hit_max_new_tokens"] == 1 and stats["turns_removed_by_cut"] == 1
+    assert len(tok(out[0]["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) >= 1
+    rg._check_counts(stats)
+
+
+def _write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows, schema=CURATED), path)
+    return path
+
+
+def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypatch):
+    src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=2)
+    report = rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "full.parquet", settings=settings,
+                    chunk_size=1, device="cpu")
+    full = pq.read_table(tmp_path / "full.parquet")
+    assert full.schema.remove_metadata().equals(CURATED)
+    assert rg.read_report(tmp_path / "full.parquet") == report
+    assert report["counts"]["conversations_in"] == 3 and report["stop_token_ids"] == [2]
+    assert not (tmp_path / "full.parquet.parts").exists()
+
+    # a job killed during its third part keeps the first two; the rerun only does the third
+    calls = []
+    real = rg.Regenerator.regenerate
+
+    def dying(self, records):
+        calls.append(records[0]["id"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(self, records)
+
+    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
+               chunk_size=1, device="cpu")
+    assert not (tmp_path / "out.parquet").exists()
+    assert sorted(p.name for p in (tmp_path / "out.parquet.parts").iterdir()) == [
+        "part-000000.parquet", "part-000001.parquet"]
+    calls.clear()
+    monkeypatch.setattr(rg.Regenerator, "regenerate", lambda self, r: (calls.append(r[0]["id"]), real(self, r))[1])
+    rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
+           chunk_size=1, device="cpu")
+    assert calls == ["c"]
+    assert pq.read_table(tmp_path / "out.parquet").replace_schema_metadata(None).equals(
+        full.replace_schema_metadata(None))
+    assert rg.read_report(tmp_path / "out.parquet")["counts"] == report["counts"]
+
+    # parts of other settings are stale: redone, never mixed in
+    (tmp_path / "out.parquet.parts").mkdir()
+    pq.write_table(pq.read_table(tmp_path / "out.parquet").slice(0, 1).replace_schema_metadata(
+        {rg.PART_KEY: json.dumps({"key": "other", "stats": {}}).encode()}), tmp_path / "out.parquet.parts" /
+        "part-000000.parquet")
+    calls.clear()
+    rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet",
+           settings=rg.GenerationSettings(max_new_tokens=12, batch_size=2), chunk_size=1, device="cpu")
+    assert calls == ["a", "b", "c"]
