@@ -1,5 +1,11 @@
 # curate: mix every configured source into one clean chat dataset, with a reconciled report.
 
+from draftsmith.curate import check_sources
+
+# Source configuration mistakes (unknown adapter options, a prompt-only source outside the eval
+# split, a name used twice, bad columns) stop Snakemake here, before anything runs.
+check_sources(config["data"]["sources"])
+
 
 rule curate:
     input:
