@@ -13,5 +13,7 @@ rule export:
         "logs/export/export.log",
     benchmark:
         "benchmarks/export/export.tsv"
+    params:
+        dtype=config["drafter"]["export_dtype"],
     script:
         "../scripts/export.py"

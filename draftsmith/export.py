@@ -1,0 +1,121 @@
+"""export: the trained drafter as a z-lab DFlash folder (``results/drafter/final/``).
+
+The folder holds ``config.json`` (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
+``dflash_config: {target_layer_ids, mask_token_id, block_size}``, ``num_target_layers``, ``layer_types``,
+explicit ``is_causal``) and ``model.safetensors`` with the z-lab weight names and no embedding / LM head. It loads
+unchanged in the official ``dflash`` package (tested), vLLM and SGLang.
+
+Export refuses a drafter whose config does not state ``target_layer_ids`` and ``mask_token_id`` (guessing them at
+serving time is a known silent failure, SGLang #37475), one that does not fit the target (width, layer count,
+vocabulary), and non-finite weights. The written folder is read back and compared with the trained weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from draftsmith.io import read_json
+from draftsmith.modeling import EMBED_KEYS, DFlashDraftModel, weight_files
+
+log = logging.getLogger("draftsmith.export")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    """The trained drafter cannot be exported as it is (the message names the file and field)."""
+
+
+def _target_embedding_shape(target_dir: Path) -> tuple[int, int] | None:
+    files = weight_files(target_dir)
+    key = next((k for k in EMBED_KEYS if k in files), None)
+    if key is None:
+        return None
+    with safe_open(str(files[key]), framework="pt") as fh:
+        return tuple(fh.get_slice(key).get_shape())  # header only, no tensor read
+
+
+def check_against_target(config: dict[str, Any], target_dir: str | os.PathLike, where: str) -> None:
+    """Raise :class:`ExportError` unless the drafter config fits the target folder.
+
+    Checks: ``dflash_config.target_layer_ids`` and ``mask_token_id`` present; ids inside ``0 .. L - 1`` and
+    ``num_target_layers == L``; ``hidden_size`` equal to the target's; ``vocab_size`` equal to the target
+    embedding's rows and the mask token inside it.
+    """
+    from transformers import AutoConfig
+
+    dflash = config.get("dflash_config") or {}
+    for key in ("target_layer_ids", "mask_token_id", "block_size"):
+        if dflash.get(key) is None:
+            raise ExportError(f"{where}: dflash_config.{key} is not set explicitly; refusing to export a drafter "
+                              f"whose serving engines would have to guess it (set drafter.{key} and retrain)")
+    target_dir = Path(target_dir)
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    L = int(tcfg.num_hidden_layers)
+    ids = [int(i) for i in dflash["target_layer_ids"]]
+    if any(not 0 <= i < L for i in ids):
+        raise ExportError(f"{where}: dflash_config.target_layer_ids {ids} outside 0..{L - 1} of target {target_dir}")
+    if int(config.get("num_target_layers", -1)) != L:
+        raise ExportError(f"{where}: num_target_layers {config.get('num_target_layers')} != {L} layers of {target_dir}")
+    if int(config["hidden_size"]) != int(tcfg.hidden_size):
+        raise ExportError(f"{where}: hidden_size {config['hidden_size']} != target hidden_size {tcfg.hidden_size}")
+    shape = _target_embedding_shape(target_dir)
+    vocab = shape[0] if shape else int(tcfg.vocab_size)
+    if int(config["vocab_size"]) != vocab:
+        raise ExportError(f"{where}: vocab_size {config['vocab_size']} != target embedding rows {vocab}")
+    if not 0 <= int(dflash["mask_token_id"]) < vocab:
+        raise ExportError(f"{where}: dflash_config.mask_token_id {dflash['mask_token_id']} outside 0..{vocab - 1}")
+
+
+def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                   dtype: str = "bfloat16") -> dict[str, Any]:
+    """Export ``trained_dir`` (config.json + model.safetensors) to ``out_dir`` in the z-lab format.
+
+    Args:
+        dtype: weight dtype of the export (``bfloat16``, ``float16`` or ``float32``).
+
+    Returns:
+        Summary: parameters, bytes, dtype, target layer ids, mask token id, block size, max abs difference
+        between the written weights and the trained ones cast to ``dtype`` (0.0).
+
+    Raises:
+        ExportError: missing explicit ids, a mismatch with the target, non-finite weights, or a read-back
+            difference.
+    """
+    trained_dir, out_dir = Path(trained_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown export dtype {dtype!r} ({', '.join(DTYPES)})")
+    cfg_path = trained_dir / "config.json"
+    raw = read_json(cfg_path)
+    check_against_target(raw, target_dir, str(cfg_path))
+    try:
+        model = DFlashDraftModel.from_pretrained(trained_dir, dtype=torch.float32)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    state = model.trainable_state_dict()
+    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise ExportError(f"{trained_dir / 'model.safetensors'}: non-finite values in {bad[:8]}")
+    model.save_pretrained(out_dir, dtype=DTYPES[dtype])
+    back = DFlashDraftModel.from_pretrained(out_dir)
+    diff = max((back.trainable_state_dict()[k].float() - v.to(DTYPES[dtype]).float()).abs().max().item()
+               for k, v in state.items())
+    if diff != 0.0 or not math.isfinite(diff):
+        raise ExportError(f"{out_dir}: read-back differs from the trained weights by {diff}")
+    summary = {
+        "parameters": sum(v.numel() for v in state.values()), "dtype": dtype,
+        "bytes": (out_dir / "model.safetensors").stat().st_size,
+        "target_layer_ids": back.target_layer_ids, "mask_token_id": back.mask_token_id,
+        "block_size": back.block_size, "layers": back.config.num_hidden_layers,
+        "layer_types": list(back.config.layer_types), "readback_max_abs_diff": diff,
+    }
+    log.info("exported %s -> %s: %s", trained_dir, out_dir, summary)
+    return summary

@@ -1,0 +1,957 @@
+"""The DFlash drafter (block-diffusion speculative drafter, arXiv 2602.06036), Hugging Face modeling-file style.
+
+The drafter has no embedding and no LM head of its own: the block's tokens are embedded with the *target's*
+input embedding and its logits come from the *target's* LM head (both frozen). What it owns:
+
+* ``fc``: ``Linear(n * H, H)`` over the concatenated context features of the ``n`` tapped target layers
+  (layer id i = output of target decoder layer i = HF ``output_hidden_states[i + 1]``), then ``hidden_norm``;
+* ``num_hidden_layers`` Qwen3-style decoder layers whose attention takes its queries from the block stream and
+  its keys / values from ``cat(ctx, block)`` where ``ctx = hidden_norm(fc(features))`` (the same ctx feeds every
+  layer, not passed through the layer's ``input_layernorm``), with RoPE at absolute positions;
+* a final ``norm``.
+
+The inference interface (``forward``, ``compute_logits``, ``block_size``, ``mask_token_id``,
+``target_layer_ids``, ``config``, ``from_pretrained``) and the checkpoint format (``config.json`` with
+``dflash_config``, ``model.safetensors`` with the names ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*``) are
+those of the official z-lab ``dflash`` package (``dflash/model.py``, 0.1.0, MIT), so an exported folder loads in
+it, in vLLM and in SGLang unchanged. The numerics match it (tested in ``tests/test_modeling.py``).
+
+Training (:meth:`DFlashDraftModel.training_forward`) runs the *same* layers on packed rows of several documents:
+anchors ``a`` sampled per document where ``loss_mask[a]`` and ``loss_mask[a + 1]``; block
+``[token at a, mask x (B - 1)]`` at positions ``a .. a + B - 1``; the block sees context features at positions
+``< a`` of its own document only (sliding layers: only ``>= a + k - (W - 1)`` for slot k), itself bidirectionally
+in full-attention layers and causally in sliding ones, and never another block. One mask function
+(:func:`dflash_mask_mod`) is used both as a ``flex_attention`` ``BlockMask`` (CUDA) and as a dense SDPA boolean
+mask (CPU). Loss: cross entropy x ``exp(-(k - 1) / gamma)`` on slots ``k >= 1`` normalised by the weight sum
+(SpecForge's DFlash recipe, gamma = 7 for B = 16).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from draftsmith.io import atomic_path
+
+log = logging.getLogger("draftsmith.modeling")
+
+ARCHITECTURE = "DFlashDraftModel"
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+# Weight names of a z-lab DFlash checkpoint besides the per-layer ones.
+TOP_LEVEL_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """Target layer ids tapped by default (the official z-lab formula, ``dflash.model.build_target_layer_ids``).
+
+    ``n = 1`` -> ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (n - 1))`` for ``i = 0 .. n - 1``: spread from
+    layer 1 to layer L - 3. Python's ``round`` (banker's rounding) as in the official code.
+
+    Args:
+        num_target_layers: L, decoder layers of the target (>= 4 when ``num_layers > 1``).
+        num_layers: n, how many target layers to tap (the drafter's layer count by convention).
+
+    Raises:
+        ValueError: ``num_layers < 1``, or the formula would give ids outside ``0 .. L - 1`` or duplicates.
+    """
+    if num_layers < 1:
+        raise ValueError(f"need at least one tapped layer, got {num_layers}")
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    ids = [round(start + i * (end - start) / (num_layers - 1)) for i in range(num_layers)]
+    if min(ids) < 0 or max(ids) >= num_target_layers or len(set(ids)) != len(ids):
+        raise ValueError(f"the default formula gives target layer ids {ids} for a {num_target_layers}-layer "
+                         f"target and {num_layers} taps; set drafter.target_layer_ids explicitly")
+    return ids
+
+
+def default_loss_gamma(block_size: int) -> float:
+    """Decay gamma of the slot weights ``exp(-(k - 1) / gamma)``.
+
+    gamma = 7 for B = 16 (SpecForge's DFlash paper reproduction); for other block sizes we scale it with the
+    block, ``7 * B / 16``, so that the last slot keeps the same relative weight (a draftsmith choice, not a
+    published number).
+    """
+    return 7.0 * block_size / 16.0
+
+
+def resolve_mask_token_id(explicit: int | None, tokenizer: Any | None, vocab_size: int) -> tuple[int, str]:
+    """The mask token id and how it was chosen.
+
+    Order: ``explicit`` (config) > the tokenizer's ``mask_token_id`` > the first unused embedding row
+    (``len(tokenizer) < vocab_size``: rows no token maps to) > pad > eos > unk. The embedding row is the
+    target's and stays frozen, so any row works; an unused one keeps the mask distinct from real text.
+
+    Returns:
+        ``(mask_token_id, reason)``.
+
+    Raises:
+        ValueError: the explicit id is outside ``0 .. vocab_size - 1``, or nothing could be resolved.
+    """
+    if explicit is not None:
+        if not 0 <= int(explicit) < vocab_size:
+            raise ValueError(f"drafter.mask_token_id {explicit} is outside the target vocabulary 0..{vocab_size - 1}")
+        return int(explicit), "config"
+    if tokenizer is not None:
+        mask = getattr(tokenizer, "mask_token_id", None)
+        if mask is not None and 0 <= mask < vocab_size:
+            return int(mask), "tokenizer mask token"
+        n_tok = len(tokenizer)
+        if n_tok < vocab_size:
+            return int(n_tok), f"first unused embedding row (tokenizer has {n_tok} tokens, embedding {vocab_size})"
+        for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
+            value = getattr(tokenizer, name, None)
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if value is not None and 0 <= value < vocab_size:
+                return int(value), name.replace("_id", "")
+    raise ValueError("cannot resolve a mask token id: set drafter.mask_token_id")
+
+
+def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int, target_layer_ids: list[int],
+                         mask_token_id: int, vocab_size: int | None = None,
+                         layer_types: list[str] | None = None, sliding_window: int | None = None,
+                         is_causal: bool | None = None, intermediate_size: int | None = None,
+                         num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                         head_dim: int | None = None, rope_theta: float | None = None) -> Qwen3Config:
+    """A z-lab DFlash drafter config (``Qwen3Config`` + ``dflash_config``) sized from the target's config.
+
+    Width, norm eps, activation and max positions follow the target (its ``text_config`` for multimodal
+    Qwen3.5 checkpoints); heads, head dim, MLP width and RoPE theta too unless given. ``target_layer_ids`` and
+    ``mask_token_id`` are always written explicitly.
+
+    Args:
+        target_config: the target's HF config.
+        vocab_size: rows of the target's embedding (default: the config's ``vocab_size``).
+        layer_types: per drafter layer ``full_attention`` / ``sliding_attention`` (default all full).
+        is_causal: ``None`` = per layer (sliding causal, full bidirectional); a bool forces all layers.
+
+    Raises:
+        ValueError: inconsistent layer types / sliding window, or ids out of range.
+    """
+    cfg = getattr(target_config, "text_config", None) or target_config
+    num_target_layers = int(cfg.num_hidden_layers)
+    for i in target_layer_ids:
+        if not 0 <= int(i) < num_target_layers:
+            raise ValueError(f"target layer id {i} is outside 0..{num_target_layers - 1}")
+    layer_types = list(layer_types) if layer_types else [FULL] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"drafter.layer_types has {len(layer_types)} entries for {num_layers} layers")
+    bad = sorted(set(layer_types) - {FULL, SLIDING})
+    if bad:
+        raise ValueError(f"drafter.layer_types: unknown type(s) {bad}")
+    any_sliding = SLIDING in layer_types
+    if any_sliding and not sliding_window:
+        raise ValueError("drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set")
+    heads = int(num_attention_heads or cfg.num_attention_heads)
+    kv_heads = int(num_key_value_heads or getattr(cfg, "num_key_value_heads", None) or heads)
+    hd = int(head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if rope_theta is None:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        rope_theta = rope_theta or getattr(cfg, "rope_theta", None) or 1e6
+    inter = int(intermediate_size or cfg.intermediate_size)
+    config = Qwen3Config(
+        vocab_size=int(vocab_size or cfg.vocab_size), hidden_size=int(cfg.hidden_size), intermediate_size=inter,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
+        hidden_act=getattr(cfg, "hidden_act", "silu"),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)}, attention_bias=False,
+        use_sliding_window=any_sliding, sliding_window=int(sliding_window) if any_sliding else None,
+        max_window_layers=num_layers, layer_types=layer_types,
+    )
+    config.architectures = [ARCHITECTURE]
+    config.is_causal = is_causal
+    config.num_target_layers = num_target_layers
+    config.dflash_config = {"target_layer_ids": [int(i) for i in target_layer_ids],
+                            "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
+    return config
+
+
+def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
+    """The full ``config.json`` dict of a drafter, in the z-lab format, every field explicit.
+
+    Besides HF's own serialisation this writes the legacy ``rope_theta`` (read by older loaders), an explicit
+    ``is_causal`` (``false`` for all-full drafters, ``true`` for all-sliding, ``null`` = per-layer semantics
+    for mixed drafters unless the config forces one) and ``num_target_layers``.
+
+    Raises:
+        ValueError: ``dflash_config`` lacks ``target_layer_ids``, ``mask_token_id`` or ``block_size``.
+    """
+    d = config.to_dict()
+    dflash = dict(getattr(config, "dflash_config", None) or {})
+    for key in ("target_layer_ids", "mask_token_id", "block_size"):
+        if dflash.get(key) is None:
+            raise ValueError(f"drafter config has no dflash_config.{key}; refusing to write an implicit value")
+    d["architectures"] = [ARCHITECTURE]
+    d["model_type"] = "qwen3"
+    rope = d.get("rope_parameters") or {}
+    d["rope_theta"] = float(rope.get("rope_theta", 1e6))
+    layer_types = list(config.layer_types)
+    is_causal = getattr(config, "is_causal", None)
+    if is_causal is None and len(set(layer_types)) == 1:
+        is_causal = layer_types[0] == SLIDING
+    d["is_causal"] = is_causal
+    d["num_target_layers"] = int(config.num_target_layers)
+    d["dflash_config"] = dflash
+    for key in ("id2label", "label2id", "_name_or_path", "transformers_version", "output_attentions",
+                "output_hidden_states", "return_dict", "chunk_size_feed_forward", "problem_type"):
+        d.pop(key, None)
+    return d
+
+
+def _draft_value(config: Any, name: str, default: Any = None) -> Any:
+    """``config.dflash_config[name]``, else ``config.<name>``, else ``default`` (z-lab lookup order)."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    if name in dflash and dflash[name] is not None:
+        return dflash[name]
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def layer_is_causal(config: Any, layer_idx: int) -> bool:
+    """Whether drafter layer ``layer_idx`` is causal inside the block (official semantics).
+
+    Top-level ``is_causal`` wins when set; otherwise a layer is causal iff its type is ``sliding_attention``.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = layer_types[layer_idx] if layer_types else FULL
+    is_causal = getattr(config, "is_causal", None)
+    return layer_type == SLIDING if is_causal is None else bool(is_causal)
+
+
+def layer_window(config: Any, layer_idx: int) -> int | None:
+    """The sliding window (tokens) of drafter layer ``layer_idx``, ``None`` for full-attention layers."""
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = layer_types[layer_idx] if layer_types else FULL
+    return int(config.sliding_window) if layer_type == SLIDING and config.sliding_window else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Target embedding and LM head, read by key
+# ---------------------------------------------------------------------------------------------------------------
+
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight", "model.model.embed_tokens.weight",
+              "embed_tokens.weight", "transformer.wte.weight")
+HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+
+def weight_files(target_dir: Path) -> dict[str, Path]:
+    """Map every tensor name of a target folder to its safetensors file (sharded or not)."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map") or {}
+        return {k: target_dir / v for k, v in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir}: no *.safetensors weights (only safetensors targets are read)")
+    out: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                out[key] = path
+    return out
+
+
+def load_target_embeddings_and_head(target_dir: str | os.PathLike, dtype: torch.dtype | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head weights, read by key without loading the target.
+
+    Handles plain causal LMs (``model.embed_tokens.weight``, ``lm_head.weight``), Qwen3.5 / 3.6 multimodal
+    checkpoints (``model.language_model.embed_tokens.weight``), and tied embeddings (no LM head tensor and
+    ``tie_word_embeddings`` true, or simply no head tensor: the embedding is the head).
+
+    Returns:
+        ``(embed_weight [V, H], lm_head_weight [V, H])`` in the stored dtype (or ``dtype``); the same tensor
+        object twice when tied.
+
+    Raises:
+        FileNotFoundError: no safetensors weights in the folder.
+        KeyError: no embedding tensor under any known name (the message lists the names tried).
+        ValueError: the head and embedding shapes disagree.
+    """
+    target_dir = Path(target_dir)
+    files = weight_files(target_dir)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files[key]), framework="pt") as fh:
+            t = fh.get_tensor(key)
+        return t.to(dtype) if dtype is not None else t
+
+    embed_key = next((k for k in EMBED_KEYS if k in files), None)
+    if embed_key is None:
+        cands = [k for k in files if k.endswith("embed_tokens.weight") and "visual" not in k and "mtp" not in k]
+        embed_key = cands[0] if len(cands) == 1 else None
+    if embed_key is None:
+        raise KeyError(f"{target_dir}: no input embedding tensor (tried {', '.join(EMBED_KEYS)})")
+    embed = read(embed_key)
+    head_key = next((k for k in HEAD_KEYS if k in files), None)
+    tied = False
+    config_path = target_dir / "config.json"
+    if config_path.is_file():
+        with open(config_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        tied = bool(cfg.get("tie_word_embeddings", (cfg.get("text_config") or {}).get("tie_word_embeddings", False)))
+    if head_key is None:
+        if not tied:
+            log.warning("%s: no LM head tensor although tie_word_embeddings is not set; using the input "
+                        "embedding as the head", target_dir)
+        return embed, embed
+    head = read(head_key)
+    if head.shape != embed.shape:
+        raise ValueError(f"{target_dir}: {head_key} {tuple(head.shape)} and {embed_key} {tuple(embed.shape)} differ")
+    return embed, head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention masks (one definition for inference, dense SDPA and flex_attention)
+# ---------------------------------------------------------------------------------------------------------------
+
+def inference_attention_mask(q_len: int, k_len: int, *, is_causal: bool, sliding_window: int | None,
+                             device: torch.device) -> torch.Tensor:
+    """Boolean visibility ``[1, 1, q_len, k_len]`` of one decode step (keys = cached ctx + new ctx + block).
+
+    Keys are contiguous positions ending with the block, so key index differences are position differences
+    (the official ``dflash.model._attention_mask``): causal -> key <= query; sliding -> query - key < W (and
+    key - query < W when not causal).
+    """
+    q_pos = k_len - q_len + torch.arange(q_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if is_causal:
+        visible &= k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
+        if not is_causal:
+            visible &= k_pos - q_pos < sliding_window
+    return visible[None, None]
+
+
+def dflash_mask_mod(doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_doc: torch.Tensor, block_size: int, *,
+                    is_causal: bool, sliding_window: int | None) -> Callable:
+    """The training visibility rule as a ``flex_attention`` ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    Keys are laid out as ``[ctx positions 0 .. S - 1, block tokens 0 .. A * B - 1]`` (inference order: context
+    first); query ``q_idx`` is slot ``k = q_idx % B`` of block ``j = q_idx // B``.
+
+    * ctx key ``p`` is visible iff ``doc_ids[b, p] == anchor_doc[b, j]`` and ``p < anchors[b, j]`` (strictly before
+      the anchor, same document); sliding layers also need ``anchors[b, j] + k - p < W``.
+    * block key ``(j', k')`` is visible iff ``j' == j`` and, for causal layers, ``k' <= k`` (sliding layers also
+      ``|k - k'| < W``). A block always sees its own slot, so no query row is fully masked (padding blocks,
+      ``anchor_doc == -2``, see only themselves).
+
+    The function works on scalar indices (flex_attention's vmap) and on broadcast index tensors (dense masks).
+
+    Args:
+        doc_ids: ``[R, S]`` int64 document id per row position (``-1`` for padding).
+        anchors: ``[R, A]`` int64 row index of each block's anchor (any value for padding blocks).
+        anchor_doc: ``[R, A]`` int64 document id of each anchor (``-2`` for padding blocks).
+    """
+    S = doc_ids.shape[1]
+    B = block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // B
+        slot = q_idx % B
+        a = anchors[b, j]
+        p = torch.clamp(kv_idx, max=S - 1)
+        ctx_ok = (doc_ids[b, p] == anchor_doc[b, j]) & (p < a)
+        if sliding_window is not None:
+            ctx_ok = ctx_ok & (a + slot - p < sliding_window)
+        kb = torch.clamp(kv_idx - S, min=0)
+        blk_ok = (kb // B) == j
+        k2 = kb % B
+        if is_causal:
+            blk_ok = blk_ok & (k2 <= slot)
+        if sliding_window is not None:
+            blk_ok = blk_ok & (slot - k2 < sliding_window) & (k2 - slot < sliding_window)
+        return torch.where(kv_idx < S, ctx_ok, blk_ok)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod: Callable, rows: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Evaluate ``mask_mod`` on the full grid: boolean ``[rows, 1, q_len, kv_len]`` for SDPA (True = attend)."""
+    b = torch.arange(rows, device=device)[:, None, None]
+    q = torch.arange(q_len, device=device)[None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, :]
+    h = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(b, h, q, kv).expand(rows, q_len, kv_len)[:, None]
+
+
+_COMPILED_FLEX: Callable | None = None
+
+
+def _flex_attention(q, k, v, block_mask, scale):
+    """``flex_attention`` (compiled once on CUDA, eager elsewhere) with grouped-query heads."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------------------------
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension (RoPE, GPT-NeoX layout as in Qwen3)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE for DFlash: keys ``[b, h, C + Q, d]`` at every position, queries ``[b, h, Q, d]`` at the last Q.
+
+    ``cos`` / ``sin``: ``[b, C + Q, d]`` from the rotary embedding at the key positions.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = q.shape[-2]
+    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k = k * cos + rotate_half(k) * sin
+    return q, k
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose queries come from the block and keys / values from ``cat(ctx, block)``.
+
+    ``q = q_norm(q_proj(x))``, ``k = k_norm(cat(k_proj(ctx), k_proj(x)))``, ``v = cat(v_proj(ctx), v_proj(x))``
+    with ``x`` the block stream after ``input_layernorm`` and ``ctx = hidden_norm(fc(features))``.
+    """
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.is_causal = layer_is_causal(config, layer_idx)
+        self.sliding_window = layer_window(config, layer_idx)
+        self.mask_key = (self.is_causal, self.sliding_window)
+
+    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any = None,
+                past_key_values: Any = None) -> torch.Tensor:
+        """``hidden_states [b, Q, H]``, ``target_hidden [b, C, H]`` (normed ctx) -> ``[b, Q, H]``.
+
+        ``attention_mask``: ``None`` (inference rule of this layer), a boolean / additive tensor broadcastable to
+        ``[b, heads, Q, K]``, a flex_attention ``BlockMask``, or a dict ``{(is_causal, window): mask}`` from which
+        this layer takes its own entry. ``past_key_values``: an HF ``Cache`` (context K/V of earlier steps).
+        """
+        bsz, q_len, _ = hidden_states.shape
+        ctx_len = target_hidden.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = torch.cat([self.k_proj(target_hidden), self.k_proj(hidden_states)], dim=1)
+        v = torch.cat([self.v_proj(target_hidden), self.v_proj(hidden_states)], dim=1)
+        k = self.k_norm(k.view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx, {"sin": sin, "cos": cos})
+        if isinstance(attention_mask, dict):
+            attention_mask = attention_mask[self.mask_key]
+        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
+            attention_mask = inference_attention_mask(q_len, k.shape[2], is_causal=self.is_causal,
+                                                      sliding_window=self.sliding_window, device=q.device)
+        # Under autocast the q / k norms (fp32 weights) upcast; attention runs in the projections' dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # flex BlockMask
+            out = _flex_attention(q, k, v, attention_mask, self.scaling)
+        else:
+            if attention_mask is not None and self.num_heads != self.num_kv_heads:
+                # with a mask, SDPA's memory-efficient kernel needs equal heads (enable_gqa would fall back to
+                # the math kernel, which materialises every score): repeat K / V per group, as HF's repeat_kv
+                groups = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer with :class:`DFlashAttention` (ctx bypasses ``input_layernorm``)."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any = None,
+                past_key_values: Any = None) -> torch.Tensor:
+        """``[b, Q, H] -> [b, Q, H]``; see :meth:`DFlashAttention.forward` for the arguments."""
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), target_hidden, position_embeddings,
+                                       attention_mask, past_key_values)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training batch and outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class PackedBatch:
+    """Packed training rows: several documents per row, concatenated, right-padded.
+
+    Attributes:
+        features: ``[R, S, n * H]`` context features (target layers ``target_layer_ids``, concatenated).
+        input_ids: ``[R, S]`` int64 data tokens.
+        loss_mask: ``[R, S]`` bool, True where the target generates the token (assistant turns).
+        doc_ids: ``[R, S]`` int64 document index within the row, ``-1`` on padding.
+        position_ids: ``[R, S]`` int64 position of each token within its document.
+        anchors: ``[R, A]`` int64 row index of each block's anchor (sorted; padding blocks: 0).
+        anchor_valid: ``[R, A]`` bool, False for padding blocks.
+        target_token: ``[R, S]`` int64 target's greedy prediction of the *next* token at each position, or None.
+    """
+
+    features: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor
+    position_ids: torch.Tensor
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    target_token: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+        """Move every tensor to ``device``."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return PackedBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+    def pin_memory(self) -> "PackedBatch":
+        """Page-locked copies (for asynchronous host-to-GPU copies)."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return PackedBatch(*(pin(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+@dataclass
+class DFlashTrainOutput:
+    """Result of :meth:`DFlashDraftModel.training_forward`.
+
+    Attributes:
+        loss: scalar float32, ``sum(CE * w) / sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)``.
+        weight_sum: scalar float32, ``sum(w)`` (0 when the batch has no valid slot; the loss is then 0).
+        ce_sum: ``[B - 1]`` float32 unweighted CE summed per slot k = 1..B-1 over valid slots.
+        correct: ``[B - 1]`` int64 argmax == label counts per slot.
+        count: ``[B - 1]`` int64 valid predictions per slot.
+        accept_sum: scalar int64, sum over full blocks (all B-1 slots valid) of the accepted prefix length.
+        full_blocks: scalar int64, number of such blocks.
+    """
+
+    loss: torch.Tensor
+    weight_sum: torch.Tensor
+    ce_sum: torch.Tensor
+    correct: torch.Tensor
+    count: torch.Tensor
+    accept_sum: torch.Tensor
+    full_blocks: torch.Tensor
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Anchors of one packed row: up to ``num_anchors`` per document, uniformly without replacement, sorted.
+
+    Position ``a`` is eligible iff ``loss_mask[a]`` and ``loss_mask[a + 1]`` and ``a + 1`` is in the same
+    document (the anchor token is a target-generated token and slot 1 has a supervised label).
+
+    Args:
+        loss_mask: ``[S]`` bool / int.
+        doc_ids: ``[S]`` int64 (``-1`` padding).
+        generator: CPU generator (deterministic given its seed).
+
+    Returns:
+        ``[A]`` int64 sorted row indices (``A`` may be 0).
+    """
+    lm = loss_mask.bool()
+    eligible = torch.zeros_like(lm)
+    eligible[:-1] = lm[:-1] & lm[1:] & (doc_ids[:-1] == doc_ids[1:]) & (doc_ids[:-1] >= 0)
+    picked = []
+    for doc in torch.unique(doc_ids[doc_ids >= 0]).tolist():
+        cand = torch.nonzero(eligible & (doc_ids == doc)).flatten()
+        if cand.numel() > num_anchors:
+            cand = cand[torch.randperm(cand.numel(), generator=generator)[:num_anchors]]
+        picked.append(cand)
+    if not picked:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.sort(torch.cat(picked)).values
+
+
+def block_targets(batch: PackedBatch, block_size: int, use_target_tokens: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and validity of slots 1..B-1 of every block.
+
+    Slot k of the block anchored at ``a`` predicts the token at ``a + k``: the data token ``input_ids[a + k]``,
+    or, with ``use_target_tokens``, the target's own prediction ``target_token[a + k - 1]`` (the next-token
+    argmax at position ``a + k - 1``). Valid iff ``a + k`` is inside the row, in the anchor's document, has
+    ``loss_mask`` set, and the block is not padding.
+
+    Returns:
+        ``labels [R, A, B - 1]`` int64 and ``valid [R, A, B - 1]`` bool.
+    """
+    R, S = batch.input_ids.shape
+    k = torch.arange(1, block_size, device=batch.anchors.device)
+    pos = batch.anchors[:, :, None] + k  # [R, A, B-1]
+    inside = pos < S
+    pos_c = pos.clamp(max=S - 1)
+    gather = lambda t, idx: torch.gather(t, 1, idx.reshape(R, -1)).reshape(idx.shape)  # noqa: E731
+    anchor_doc = torch.gather(batch.doc_ids, 1, batch.anchors)
+    valid = (inside & (gather(batch.doc_ids, pos_c) == anchor_doc[:, :, None]) & gather(batch.loss_mask.bool(), pos_c)
+             & batch.anchor_valid[:, :, None])
+    if use_target_tokens:
+        if batch.target_token is None:
+            raise ValueError("labels = target but the batch has no target_token")
+        labels = gather(batch.target_token, (pos - 1).clamp(max=S - 1))
+    else:
+        labels = gather(batch.input_ids, pos_c)
+    return labels, valid
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """``[B - 1]`` float32 decay weights ``exp(-(k - 1) / gamma)`` for slots k = 1..B-1 (SpecForge DFlash loss)."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The DFlash drafter (z-lab format; same inference interface as ``dflash.model.DFlashDraftModel``).
+
+    Attributes:
+        block_size: B, tokens per draft block (anchor included).
+        mask_token_id: id whose (target) embedding fills slots 1..B-1.
+        target_layer_ids: tapped target layers, id i = HF ``output_hidden_states[i + 1]``.
+        config: the ``Qwen3Config`` with ``dflash_config``.
+    """
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        layer_ids = _draft_value(config, "target_layer_ids")
+        if layer_ids is None:
+            raise ValueError("drafter config has no dflash_config.target_layer_ids (refusing to guess them: "
+                             "SGLang #37475); build it with build_drafter_config")
+        self.target_layer_ids = [int(i) for i in layer_ids]
+        self.block_size = int(_draft_value(config, "block_size", 16))
+        mask = _draft_value(config, "mask_token_id")
+        self.mask_token_id = None if mask is None else int(mask)
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    # -- inference ------------------------------------------------------------------------------------------
+
+    def forward(self, position_ids: torch.LongTensor, attention_mask: Any = None,
+                noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool = False, **kwargs) -> torch.Tensor:
+        """Draft hidden states of a block.
+
+        Args:
+            position_ids: ``[b, C + Q]`` int64 absolute positions of the new context features then the block.
+            attention_mask: ``None`` = each layer's inference rule (full layers see everything); or a mask
+                accepted by :meth:`DFlashAttention.forward`.
+            noise_embedding: ``[b, Q, H]`` target embedding of ``[anchor, mask x (Q - 1)]`` (x input scale).
+            target_hidden: ``[b, C, n * H]`` raw target features at the new context positions.
+            past_key_values: HF ``Cache`` holding earlier context K/V (crop it back after each step).
+
+        Returns:
+            ``[b, Q, H]`` final-normed hidden states (same dtype as ``noise_embedding``).
+        """
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("DFlashDraftModel.forward needs noise_embedding and target_hidden")
+        hidden_states = noise_embedding
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values)
+        return self.norm(hidden_states)
+
+    def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., V]`` from hidden states ``[..., H]`` through the target's LM head.
+
+        ``output_head`` is the target's head module or its weight ``[V, H]``. Applies ``output_multiplier`` and
+        tanh ``final_logit_softcapping`` from ``dflash_config`` when set (official semantics).
+        """
+        logits = F.linear(hidden, output_head) if isinstance(output_head, torch.Tensor) else output_head(hidden)
+        multiplier = float(_draft_value(self.config, "output_multiplier", 1.0))
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        softcap = _draft_value(self.config, "final_logit_softcapping")
+        if softcap is not None and float(softcap) > 0:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
+        return logits
+
+    # -- training -------------------------------------------------------------------------------------------
+
+    def attention_masks(self, batch: PackedBatch, backend: str = "auto") -> dict:
+        """One mask per distinct (is_causal, sliding window) of the layers, for a packed batch.
+
+        Args:
+            backend: ``flex`` (``BlockMask``), ``sdpa`` (dense boolean ``[R, 1, A*B, S + A*B]``) or ``auto`` =
+                flex on CUDA, sdpa elsewhere.
+        """
+        if backend == "auto":
+            backend = "flex" if batch.input_ids.is_cuda else "sdpa"
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"unknown attention backend {backend!r} (flex, sdpa, auto)")
+        R, S = batch.input_ids.shape
+        A = batch.anchors.shape[1]
+        q_len, kv_len = A * self.block_size, S + A * self.block_size
+        anchor_doc = torch.where(batch.anchor_valid, torch.gather(batch.doc_ids, 1, batch.anchors),
+                                 torch.full_like(batch.anchors, -2))
+        masks = {}
+        for layer in self.layers:
+            key = layer.self_attn.mask_key
+            if key in masks:
+                continue
+            mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, self.block_size,
+                                  is_causal=key[0], sliding_window=key[1])
+            if backend == "flex":
+                from torch.nn.attention.flex_attention import create_block_mask
+                # built eagerly: compiling create_block_mask fails on this mask_mod ("vr must not be None for
+                # symbol q1", torch 2.13 inductor); the eager build is a chunked evaluation, milliseconds on GPU
+                masks[key] = create_block_mask(mod, R, None, q_len, kv_len, device=batch.input_ids.device,
+                                               _compile=False)
+            else:
+                masks[key] = dense_mask(mod, R, q_len, kv_len, batch.input_ids.device)
+        return masks
+
+    def block_hidden(self, batch: PackedBatch, embed_weight: torch.Tensor, masks: dict | None = None,
+                     backend: str = "auto", input_embedding_scale: float | None = None) -> torch.Tensor:
+        """Drafter hidden states of every block of a packed batch: ``[R, A, B, H]``.
+
+        Block j = ``[input_ids[a_j], mask x (B - 1)]`` embedded with the target's frozen ``embed_weight [V, H]``
+        at positions ``pos(a_j) .. pos(a_j) + B - 1`` (document-relative); context = all ``S`` row positions at
+        their document positions, with visibility from :func:`dflash_mask_mod`.
+        """
+        if self.mask_token_id is None:
+            raise ValueError("the drafter has no mask_token_id")
+        R, S = batch.input_ids.shape
+        A, B = batch.anchors.shape[1], self.block_size
+        anchor_tok = torch.gather(batch.input_ids, 1, batch.anchors)  # [R, A]
+        block_ids = torch.full((R, A, B), self.mask_token_id, dtype=torch.long, device=anchor_tok.device)
+        block_ids[:, :, 0] = anchor_tok
+        scale = float(_draft_value(self.config, "input_embedding_scale", 1.0)
+                      if input_embedding_scale is None else input_embedding_scale)
+        noise = F.embedding(block_ids.view(R, A * B), embed_weight)
+        if scale != 1.0:
+            noise = noise * scale
+        anchor_pos = torch.gather(batch.position_ids, 1, batch.anchors)  # [R, A]
+        block_pos = (anchor_pos[:, :, None] + torch.arange(B, device=anchor_pos.device)).view(R, A * B)
+        position_ids = torch.cat([batch.position_ids, block_pos], dim=1)
+        if masks is None:
+            masks = self.attention_masks(batch, backend)
+        hidden = self(position_ids=position_ids, attention_mask=masks, noise_embedding=noise,
+                      target_hidden=batch.features)
+        return hidden.view(R, A, B, -1)
+
+    def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
+                         gamma: float, use_target_tokens: bool = False, masks: dict | None = None,
+                         backend: str = "auto") -> DFlashTrainOutput:
+        """DFlash training loss of a packed batch (and the statistics held-out metrics need).
+
+        Only valid slots go through the LM head (``[N, H] x [H, V]``), the dominant matmul.
+
+        Args:
+            embed_weight: ``[V, H]`` target input embedding (frozen).
+            head_weight: ``[V, H]`` target LM head (frozen; the embedding when tied).
+            gamma: slot decay, see :func:`default_loss_gamma`.
+            use_target_tokens: labels from ``batch.target_token`` instead of the data.
+
+        Returns:
+            :class:`DFlashTrainOutput`; ``loss`` is differentiable w.r.t. the drafter's parameters.
+        """
+        hidden = self.block_hidden(batch, embed_weight, masks, backend)[:, :, 1:]  # [R, A, B-1, H]
+        labels, valid = block_targets(batch, self.block_size, use_target_tokens)
+        w_slot = slot_weights(self.block_size, gamma, hidden.device)
+        flat = valid.view(-1)
+        logits = self.compute_logits(hidden.reshape(-1, hidden.shape[-1])[flat], head_weight).float()
+        tgt = labels.view(-1)[flat]
+        ce = F.cross_entropy(logits, tgt, reduction="none")  # [N]
+        slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
+        w = w_slot[slot]
+        weight_sum = w.sum()
+        loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
+        with torch.no_grad():
+            hit = logits.argmax(-1) == tgt
+            nslot = self.block_size - 1
+            ce_sum = torch.zeros(nslot, device=hidden.device).index_add_(0, slot, ce.detach())
+            correct = torch.zeros(nslot, dtype=torch.long, device=hidden.device).index_add_(0, slot, hit.long())
+            count = torch.bincount(slot, minlength=nslot)
+            hit_grid = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device).view(-1)
+            hit_grid[flat] = hit
+            hit_grid = hit_grid.view(valid.shape)
+            full = valid.all(-1)  # blocks whose every slot is supervised
+            prefix = hit_grid.long().cumprod(-1).sum(-1)  # accepted draft tokens
+            accept_sum = prefix[full].sum()
+            full_blocks = full.sum()
+        return DFlashTrainOutput(loss, weight_sum, ce_sum, correct, count, accept_sum, full_blocks)
+
+    # -- checkpoint I/O -------------------------------------------------------------------------------------
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The z-lab weights (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*``), contiguous, on the CPU."""
+        return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+
+    def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None, **_) -> None:
+        """Write ``config.json`` + ``model.safetensors`` in the z-lab format, each atomically.
+
+        Args:
+            dtype: cast the weights (e.g. ``torch.bfloat16``); default: as they are. ``config.dtype`` follows.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.trainable_state_dict()
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        cfg = drafter_config_dict(self.config)
+        cfg["dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+        with atomic_path(folder / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        with atomic_path(folder / "config.json") as tmp:
+            tmp.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, *args, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None, **kwargs) -> "DFlashDraftModel":
+        """Load a z-lab format folder (``config.json`` + ``model.safetensors``), strictly.
+
+        Raises:
+            FileNotFoundError: a file is missing.
+            ValueError: the config is not a DFlash drafter config or lacks ``target_layer_ids`` /
+                ``mask_token_id``; the weights miss a tensor, have an extra one or a wrong shape (names listed).
+        """
+        folder = Path(folder)
+        cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p} does not exist (a DFlash drafter folder has config.json and "
+                                        "model.safetensors)")
+        with open(cfg_path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+        dflash = raw.get("dflash_config") or {}
+        for key in ("target_layer_ids", "mask_token_id"):
+            if dflash.get(key, raw.get(key)) is None:
+                raise ValueError(f"{cfg_path}: dflash_config.{key} is missing; a drafter must state it explicitly")
+        config = Qwen3Config.from_dict(raw)
+        config.is_causal = raw.get("is_causal")
+        model = cls(config)
+        with safe_open(str(w_path), framework="pt") as fh:
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+        if missing or extra or wrong:
+            raise ValueError(f"{w_path}: missing tensors {missing[:8]}, unexpected {extra[:8]}, "
+                             f"wrong shapes {[(k, tuple(state[k].shape)) for k in wrong[:8]]}")
+        model.load_state_dict(state, strict=True)
+        if dtype is None:
+            dtype = next(iter(state.values())).dtype if state else None
+        if dtype is not None:
+            model = model.to(dtype)
+        if device is not None:
+            model = model.to(device)
+        return model.eval()
+
+
+def num_parameters(config: Qwen3Config) -> int:
+    """Trainable parameters of a drafter with this config (fc, norms, layers), for FLOP counts."""
+    H = config.hidden_size
+    hd = config.head_dim
+    n_feat = len(_draft_value(config, "target_layer_ids"))
+    attn = H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) + 2 * hd
+    mlp = 3 * H * config.intermediate_size
+    return n_feat * H * H + 2 * H + config.num_hidden_layers * (attn + mlp + 2 * H)
+
+
+def training_flops(config: Qwen3Config, *, ctx_tokens: int, block_tokens: int, head_tokens: int,
+                   attended_pairs: float) -> dict[str, float]:
+    """Model FLOPs of one training step (forward + backward), by part. Matmuls count 2 FLOPs per MAC.
+
+    * layers (trainable): ``6 * block_tokens * P_layer`` (forward 2, input grad 2, weight grad 2) plus the
+      ctx K/V projections ``6 * ctx_tokens * 2 * H * kv * hd`` per layer;
+    * fc: ``4 * ctx_tokens * n * H * H`` (forward + weight grad; its input, the target features, needs no grad);
+    * LM head (frozen: forward + input grad only): ``4 * head_tokens * H * V``;
+    * attention: ``4 * heads * hd * attended_pairs`` forward (QK and PV), x 3 with backward
+      (``attended_pairs`` = visible (query, key) pairs summed over queries, per layer total).
+
+    Returns:
+        dict of FLOPs per part and ``total``.
+    """
+    H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
+    L = config.num_hidden_layers
+    n_feat = len(_draft_value(config, "target_layer_ids"))
+    per_layer = H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) \
+        + 3 * H * config.intermediate_size
+    out = {
+        "layers": 6.0 * block_tokens * per_layer * L + 6.0 * ctx_tokens * 2 * H * config.num_key_value_heads * hd * L,
+        "fc": 4.0 * ctx_tokens * n_feat * H * H,
+        "lm_head": 4.0 * head_tokens * H * V,
+        "attention": 3.0 * 4.0 * config.num_attention_heads * hd * attended_pairs,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+__all__ = [
+    "DFlashDraftModel", "DFlashAttention", "DFlashDecoderLayer", "PackedBatch", "DFlashTrainOutput",
+    "default_target_layer_ids", "default_loss_gamma", "resolve_mask_token_id", "build_drafter_config",
+    "drafter_config_dict", "load_target_embeddings_and_head", "sample_anchors", "block_targets", "slot_weights",
+    "dflash_mask_mod", "dense_mask", "inference_attention_mask", "training_flops", "num_parameters",
+]

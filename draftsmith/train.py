@@ -1,0 +1,953 @@
+"""train: the DFlash drafter on the extracted target features (single process or torchrun DDP).
+
+Reading order, nanoGPT style: :class:`FeatureIndex` (chunk files through safetensors memory maps),
+:func:`split_samples` (held-out samples), :func:`pack_rows` / :func:`make_batch` (packed rows with document ids
+and per-document anchors), :class:`Prefetcher` (a background thread that overlaps reading with compute),
+checkpoints (:func:`save_checkpoint`, :func:`load_latest_checkpoint`), :func:`evaluate` (held-out loss,
+per-position accuracy, expected acceptance length) and finally :func:`train`, the loop.
+
+The batch plan is a pure function of (seed, epoch): epoch ``e`` shuffles the training samples with seed
+``(seed, e)`` and packs them greedily into rows of at most ``tokens_per_batch`` tokens; optimizer step ``s`` of
+rank ``r`` takes row ``(s_e * accum + m) * world + r`` for micro-batch ``m`` (``s_e`` = step within the
+epoch, :class:`BatchPlan`); the anchors of a row are drawn from a generator seeded by (seed, epoch, row). So a
+resumed run replays exactly the batches an uninterrupted one would see, and "data position" is the step counter.
+
+Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder per configuration):
+``model.safetensors`` (drafter weights), ``optimizer.safetensors``
+(AdamW moments and step counts), ``rng.safetensors`` (torch CPU / CUDA generator states), ``state.json`` (step,
+epoch, scheduler, data position, run fingerprint, sha256 of the other files; written last). A folder is
+assembled under a temporary name and renamed into place, then ``latest.json`` is replaced atomically; resume
+verifies the hashes, so a half-written checkpoint is never accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftsmith.io import read_json, sha256_file, write_json
+from draftsmith.modeling import (
+    DFlashDraftModel,
+    PackedBatch,
+    build_drafter_config,
+    default_loss_gamma,
+    default_target_layer_ids,
+    drafter_config_dict,
+    load_target_embeddings_and_head,
+    resolve_mask_token_id,
+    sample_anchors,
+)
+
+log = logging.getLogger("draftsmith.train")
+
+INDEX_FORMAT = "draftsmith.index/1"
+CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
+
+#: Defaults of the ``train`` config section (mirrors schemas/config.schema.yaml) for library callers.
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "gpus": 1, "seed": 0, "epochs": 1, "max_steps": None, "lr": 6e-4, "weight_decay": 0.0, "warmup_ratio": 0.04,
+    "min_lr_ratio": 0.0, "grad_clip": 1.0, "tokens_per_batch": 8192, "grad_accum": 1, "num_anchors": 512,
+    "loss_gamma": None, "labels": "target", "save_every": 500, "eval_every": 200, "eval_fraction": 0.02,
+    "keep_checkpoints": 2, "prefetch": 4, "attention": "auto", "compile": False, "log_every": 10,
+}
+DRAFTER_DEFAULTS: dict[str, Any] = {
+    "num_layers": 1, "block_size": 16, "target_layer_ids": None, "num_target_features": None,
+    "mask_token_id": None, "layer_types": None, "sliding_window": None, "is_causal": None,
+    "intermediate_size": None, "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
+    "rope_theta": None, "export_dtype": "bfloat16",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one tokenized row's features live: chunk ``chunk``, tokens ``start:end`` of that chunk."""
+
+    chunk: int
+    start: int
+    end: int
+    row: int  # tokenized train row index
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class FeatureIndex:
+    """The merged feature index (``results/features/index.json``) and its chunk files, memory-mapped.
+
+    Chunk files are opened with ``safetensors.safe_open`` (a memory map) and samples are read with
+    ``get_slice`` row ranges, so only the bytes of the requested samples are touched and nothing is copied
+    into RAM up front. Only the small ``offsets`` / ``sample_index`` tensors are read at open time.
+
+    Attributes:
+        meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
+        layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
+
+    Raises:
+        FileNotFoundError: the index or a chunk file is missing.
+        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes (file and field named).
+    """
+
+    REQUIRED = ("hidden_states", "input_ids", "loss_mask", "offsets", "sample_index")
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.meta = read_json(self.path)
+        if self.meta.get("format") != INDEX_FORMAT:
+            raise ValueError(f"{self.path}: format is {self.meta.get('format')!r}, expected {INDEX_FORMAT!r}")
+        for key in ("chunks", "layer_ids", "hidden_size", "num_target_layers", "storage_dtype", "has_target_token"):
+            if key not in self.meta:
+                raise ValueError(f"{self.path}: field {key!r} is missing")
+        self.layer_ids = [int(i) for i in self.meta["layer_ids"]]
+        self.hidden_size = int(self.meta["hidden_size"])
+        self.num_target_layers = int(self.meta["num_target_layers"])
+        self.storage_dtype = self.meta["storage_dtype"]
+        self.has_target_token = bool(self.meta["has_target_token"])
+        self.width = len(self.layer_ids) * self.hidden_size
+        self.files: list[Path] = []
+        self._handles: dict[int, Any] = {}
+        self.samples: list[SampleRef] = []
+        for ci, chunk in enumerate(self.meta["chunks"]):
+            file = self.path.parent / chunk["path"]
+            if not file.is_file():
+                raise FileNotFoundError(f"{self.path}: chunk {ci} file {file} does not exist")
+            self.files.append(file)
+            fh = self._open(ci)
+            keys = set(fh.keys())
+            for name in self.REQUIRED + (("target_token",) if self.has_target_token else ()) + \
+                    (("scales",) if self.storage_dtype == "float8_e4m3fn" else ()):
+                if name not in keys:
+                    raise ValueError(f"{file}: tensor {name!r} is missing")
+            shape = fh.get_slice("hidden_states").get_shape()
+            if len(shape) != 2 or shape[1] != self.width:
+                raise ValueError(f"{file}: hidden_states has shape {shape}, expected [tokens, {self.width}] "
+                                 f"({len(self.layer_ids)} layers x {self.hidden_size})")
+            offsets = fh.get_tensor("offsets").tolist()
+            rows = fh.get_tensor("sample_index").tolist()
+            if len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != shape[0] \
+                    or any(b < a for a, b in zip(offsets, offsets[1:])):
+                raise ValueError(f"{file}: offsets {offsets[:4]}... do not partition {shape[0]} tokens into "
+                                 f"{len(rows)} samples")
+            for i, row in enumerate(rows):
+                self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
+        if not self.samples:
+            raise ValueError(f"{self.path}: the index holds no samples")
+
+    def _open(self, ci: int):
+        fh = self._handles.get(ci)
+        if fh is None:
+            fh = safe_open(str(self.files[ci]), framework="pt")
+            self._handles[ci] = fh
+        return fh
+
+    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype = torch.bfloat16
+             ) -> dict[str, torch.Tensor]:
+        """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (fp8 dequantised
+        as ``fp8 * scale`` per token and layer), ``input_ids`` / ``loss_mask`` / ``target_token`` ``[T]`` int64."""
+        fh = self._open(ref.chunk)
+        end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
+        hs = fh.get_slice("hidden_states")[ref.start:end]
+        if self.storage_dtype == "float8_e4m3fn":
+            scales = fh.get_slice("scales")[ref.start:end].float()
+            n = len(self.layer_ids)
+            hs = (hs.float().view(-1, n, self.hidden_size) * scales[:, :, None]).view(-1, self.width)
+        out = {
+            "features": hs.to(dtype),
+            "input_ids": fh.get_slice("input_ids")[ref.start:end].long(),
+            "loss_mask": fh.get_slice("loss_mask")[ref.start:end].bool(),
+        }
+        if self.has_target_token:
+            out["target_token"] = fh.get_slice("target_token")[ref.start:end].long()
+        return out
+
+
+def split_samples(num_samples: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Held-out split of sample indices: ``round(eval_fraction * n)`` samples (at least 1 when the fraction is
+    positive and n >= 2), chosen by a seeded permutation. Returns sorted ``(train, heldout)``; they partition
+    ``range(num_samples)``."""
+    n_eval = int(round(eval_fraction * num_samples))
+    if eval_fraction > 0 and num_samples >= 2:
+        n_eval = max(1, n_eval)
+    n_eval = min(n_eval, num_samples - 1)
+    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def pack_rows(lengths: list[int], order: list[int], capacity: int) -> list[list[tuple[int, int]]]:
+    """Greedy packing in ``order``: rows of ``(sample, tokens taken)`` with at most ``capacity`` tokens.
+
+    A sample longer than ``capacity`` is cut to ``capacity`` tokens and gets a row of its own.
+    """
+    rows: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    used = 0
+    for s in order:
+        n = min(lengths[s], capacity)
+        if cur and used + n > capacity:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append((s, n))
+        used += n
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+class BatchPlan:
+    """Which packed row every (optimizer step, micro-batch, rank) trains on: a pure function of the seed.
+
+    Epoch ``e`` shuffles ``train_ids`` with a generator seeded by ``(seed, e)`` and packs them with
+    :func:`pack_rows`; since the number of rows depends on the order, every epoch has its own step count
+    ``len(rows_e) // (world * grad_accum)`` (the leftover rows of an epoch are skipped, counted in
+    :attr:`skipped_rows`). Step ``s`` of epoch ``e`` gives rank ``r`` micro-batch ``m`` row
+    ``(s_e * grad_accum + m) * world + r``.
+
+    ``epochs`` may be fractional (the last epoch is cut to ``ceil(frac * steps)``); ``max_steps`` overrides it.
+
+    Raises:
+        ValueError: an epoch has fewer rows than one optimizer step needs.
+    """
+
+    def __init__(self, lengths: list[int], train_ids: list[int], capacity: int, *, seed: int, world: int,
+                 grad_accum: int, epochs: float, max_steps: int | None = None):
+        self.lengths, self.train_ids, self.capacity = lengths, list(train_ids), capacity
+        self.seed, self.world, self.grad_accum = seed, world, grad_accum
+        self.per_step = world * grad_accum
+        self._rows: dict[int, list] = {}
+        self.steps_per_epoch: list[int] = []
+        self.skipped_rows = 0
+        total, e = 0, 0
+        target = max_steps if max_steps else None
+        while True:
+            n = self._count(e)
+            if n < 1:
+                raise ValueError(f"{len(self.train_ids)} training samples pack into {len(self.rows(e))} rows of "
+                                 f"{capacity} tokens, fewer than one optimizer step needs ({world} processes x "
+                                 f"{grad_accum} micro-batches); lower train.tokens_per_batch or grad_accum")
+            if target is None:
+                whole = int(math.floor(epochs))
+                if e >= whole:
+                    frac = epochs - whole
+                    if frac > 0:
+                        self.steps_per_epoch.append(max(1, math.ceil(frac * n)))
+                    break
+            elif total + n >= target:
+                self.steps_per_epoch.append(target - total)
+                break
+            self.steps_per_epoch.append(n)
+            self.skipped_rows += len(self.rows(e)) - n * self.per_step
+            total += n
+            e += 1
+        if not self.steps_per_epoch:
+            self.steps_per_epoch.append(max(1, self._count(0)))
+        self.total_steps = sum(self.steps_per_epoch)
+        self._starts = [sum(self.steps_per_epoch[:i]) for i in range(len(self.steps_per_epoch))]
+
+    def _count(self, epoch: int) -> int:
+        return len(self.rows(epoch)) // self.per_step
+
+    def rows(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """Packed rows of ``epoch`` (cached for the last two epochs asked for)."""
+        if epoch not in self._rows:
+            if len(self._rows) >= 2:
+                self._rows.pop(next(iter(self._rows)))
+            g = torch.Generator().manual_seed(_seed_of(self.seed, "epoch", epoch))
+            order = [self.train_ids[i] for i in torch.randperm(len(self.train_ids), generator=g).tolist()]
+            self._rows[epoch] = pack_rows(self.lengths, order, self.capacity)
+        return self._rows[epoch]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """``(epoch, step within the epoch)`` of global optimizer step ``step``."""
+        if not 0 <= step < self.total_steps:
+            raise IndexError(f"step {step} outside 0..{self.total_steps - 1}")
+        e = max(i for i, s0 in enumerate(self._starts) if s0 <= step)
+        return e, step - self._starts[e]
+
+    def items(self, first: int, last: int, rank: int) -> Iterator[tuple[int, int, int]]:
+        """``(step, epoch, row index)`` of every micro-batch of ``rank`` for steps ``first .. last - 1``."""
+        for step in range(first, last):
+            epoch, i = self.locate(step)
+            for m in range(self.grad_accum):
+                yield step, epoch, (i * self.grad_accum + m) * self.world + rank
+
+
+def _seed_of(*parts: Any) -> int:
+    """A 63-bit seed from a tuple (stable across processes and Python versions)."""
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
+               feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
+               bucket_anchors: bool = False) -> PackedBatch:
+    """Read and pack one row of samples into a :class:`PackedBatch` with ``R = 1``.
+
+    Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
+    to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
+    ``pad_anchors_to`` (``anchor_valid`` False), or with ``bucket_anchors`` to the next power of two (at least
+    ``pad_anchors_to``): on GPU a handful of shapes keeps compiled flex_attention kernels from recompiling.
+    Anchors: :func:`draftsmith.modeling.sample_anchors` with a generator seeded by ``seed``.
+    """
+    parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
+    total = sum(p["input_ids"].numel() for p in parts)
+    S = max(pad_tokens_to, -(-total // pad_tokens_to) * pad_tokens_to)
+    feats = torch.zeros(S, index.width, dtype=feature_dtype)
+    ids = torch.zeros(S, dtype=torch.long)
+    mask = torch.zeros(S, dtype=torch.bool)
+    docs = torch.full((S,), -1, dtype=torch.long)
+    pos = torch.zeros(S, dtype=torch.long)
+    tgt = torch.zeros(S, dtype=torch.long) if index.has_target_token else None
+    o = 0
+    for d, p in enumerate(parts):
+        n = p["input_ids"].numel()
+        feats[o:o + n] = p["features"]
+        ids[o:o + n] = p["input_ids"]
+        mask[o:o + n] = p["loss_mask"]
+        docs[o:o + n] = d
+        pos[o:o + n] = torch.arange(n)
+        if tgt is not None:
+            tgt[o:o + n] = p["target_token"]
+        o += n
+    anchors = sample_anchors(mask, docs, num_anchors, torch.Generator().manual_seed(seed))
+    if bucket_anchors:
+        A = max(pad_anchors_to, 1 << max(0, anchors.numel() - 1).bit_length())
+    else:
+        A = max(pad_anchors_to, -(-anchors.numel() // pad_anchors_to) * pad_anchors_to)
+    anchor_valid = torch.zeros(A, dtype=torch.bool)
+    anchor_valid[:anchors.numel()] = True
+    anchors = torch.cat([anchors, torch.zeros(A - anchors.numel(), dtype=torch.long)])
+    return PackedBatch(feats[None], ids[None], mask[None], docs[None], pos[None], anchors[None],
+                       anchor_valid[None], None if tgt is None else tgt[None])
+
+
+class Prefetcher:
+    """Runs ``make(item)`` for every item of ``items`` on a background thread, ``depth`` batches ahead.
+
+    Iterating yields the results in order. An exception in the thread is re-raised in the consumer.
+    With ``pin``, batches are page-locked (asynchronous copies to the GPU).
+    """
+
+    _END = object()
+
+    def __init__(self, items: list, make, depth: int = 4, pin: bool = False):
+        self.items, self.make, self.pin = items, make, pin
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="draftsmith-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self.items:
+                if self.stop.is_set():
+                    return
+                out = self.make(item)
+                if self.pin:
+                    out = out.pin_memory()
+                self._put(out)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put(exc)
+            return
+        self._put(self._END)
+
+    def _put(self, obj) -> None:
+        while not self.stop.is_set():
+            try:
+                self.q.put(obj, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator:
+        while True:
+            obj = self.q.get()
+            if obj is self._END:
+                return
+            if isinstance(obj, BaseException):
+                raise obj
+            yield obj
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schedule, optimizer state, checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> float:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based): linear warmup from ``1/warmup`` to 1 over
+    ``warmup_steps`` steps, then cosine from 1 down to ``min_ratio`` at ``total_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer ``state_dict`` into safetensors-able tensors (``state.<param>.<name>``) and JSON."""
+    sd = opt.state_dict()
+    tensors = {}
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"state.{pid}.{name}"] = t.detach().contiguous().cpu()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Inverse of :func:`optimizer_tensors`."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = t
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def run_fingerprint(drafter_config: dict, train_cfg: dict, index_meta: dict, world: int) -> str:
+    """sha256 of everything that decides the training trajectory (not the save / eval / log cadence)."""
+    cadence = {"save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "gpus"}
+    payload = {
+        "drafter": drafter_config,
+        "train": {k: v for k, v in sorted(train_cfg.items()) if k not in cadence},
+        "features": {k: index_meta.get(k) for k in ("num_samples", "num_tokens", "layer_ids", "target_fingerprint",
+                                                     "tokenizer_fingerprint", "storage_dtype")},
+        "world_size": world,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: torch.optim.Optimizer,
+                    state: dict, keep: int = 2) -> Path:
+    """Write ``ckpt_dir/step-XXXXXXXX/`` atomically, point ``latest.json`` at it, keep the newest ``keep``.
+
+    ``state`` (JSON) gets the sha256 of every tensor file; ``state.json`` is written last inside the
+    temporary folder, which is then renamed into place.
+    """
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"step-{step:08d}"
+    tmp = ckpt_dir / f".step-{step:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    opt_tensors, opt_meta = optimizer_tensors(opt)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = s
+    files = {"model.safetensors": model.trainable_state_dict(), "optimizer.safetensors": opt_tensors,
+             "rng.safetensors": rng}
+    hashes = {}
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        hashes[name] = sha256_file(tmp / name)
+    full = dict(state, format=CHECKPOINT_FORMAT, step=step, files=hashes, optimizer=opt_meta)
+    write_json(tmp / "state.json", full)
+    for name in list(files) + ["state.json"]:
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
+    done = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify_checkpoint(path: Path) -> dict | None:
+    """``state.json`` of a complete checkpoint folder whose files match their recorded sha256, else None."""
+    try:
+        state = read_json(path / "state.json")
+    except (FileNotFoundError, ValueError):
+        return None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        return None
+    for name, digest in (state.get("files") or {}).items():
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
+            log.warning("checkpoint %s: %s is missing or does not match its sha256; ignoring it", path, name)
+            return None
+    return state
+
+
+def load_latest_checkpoint(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest verified checkpoint: ``latest.json``'s target when valid, else the newest valid
+    ``step-*`` folder (temporary ``.step-*`` folders of killed writers are ignored)."""
+    if not ckpt_dir.is_dir():
+        return None
+    candidates = []
+    latest = ckpt_dir / "latest.json"
+    if latest.is_file():
+        try:
+            candidates.append(ckpt_dir / read_json(latest)["path"])
+        except (ValueError, KeyError):
+            log.warning("%s is unreadable; scanning the step folders", latest)
+    candidates += sorted((p for p in ckpt_dir.glob("step-*") if p.is_dir()), reverse=True)
+    for path in candidates:
+        state = verify_checkpoint(path)
+        if state is not None:
+            return path, state
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+def expected_acceptance_length(acc: list[float]) -> float:
+    """E[tau] = 1 + sum_k prod_{j<=k} acc_j from per-position accuracies ``acc_1..acc_{B-1}`` (bonus included;
+    positions treated as independent)."""
+    tau, surv = 1.0, 1.0
+    for a in acc:
+        surv *= a
+        tau += surv
+    return tau
+
+
+class Metrics:
+    """Sums of :class:`draftsmith.modeling.DFlashTrainOutput` fields over batches (and ranks)."""
+
+    def __init__(self, nslot: int, device: torch.device):
+        self.t = {"loss_w": torch.zeros((), dtype=torch.float64, device=device),
+                  "weight": torch.zeros((), dtype=torch.float64, device=device),
+                  "ce": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "correct": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "count": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "accept": torch.zeros((), dtype=torch.float64, device=device),
+                  "blocks": torch.zeros((), dtype=torch.float64, device=device)}
+
+    def add(self, out) -> None:
+        self.t["loss_w"] += out.loss.detach().double() * out.weight_sum.double()
+        self.t["weight"] += out.weight_sum.detach().double()
+        self.t["ce"] += out.ce_sum.double()
+        self.t["correct"] += out.correct.double()
+        self.t["count"] += out.count.double()
+        self.t["accept"] += out.accept_sum.double()
+        self.t["blocks"] += out.full_blocks.double()
+
+    def all_reduce(self) -> None:
+        if dist.is_initialized():
+            for v in self.t.values():
+                dist.all_reduce(v)
+
+    def summary(self) -> dict[str, Any]:
+        t = {k: v.cpu() for k, v in self.t.items()}
+        count = t["count"].clamp_min(1)
+        acc = (t["correct"] / count).tolist()
+        return {
+            "loss": float(t["loss_w"] / t["weight"].clamp_min(1e-12)),
+            "ce_per_position": (t["ce"] / count).tolist(),
+            "accuracy_per_position": acc,
+            "predictions_per_position": [int(c) for c in t["count"].tolist()],
+            "tau_expected": expected_acceptance_length(acc),
+            "tau_blocks": float(1 + t["accept"] / t["blocks"].clamp_min(1)),
+            "full_blocks": int(t["blocks"]),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_type: str) -> Dist:
+    """Initialise torch.distributed from torchrun's environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def build_model_config(index: FeatureIndex, target_dir: Path, drafter_cfg: dict, vocab_size: int):
+    """The drafter's ``Qwen3Config`` from the target config, the drafter section and the features' layer ids.
+
+    Raises:
+        ValueError: ``drafter.target_layer_ids`` differs from the layer ids the features were extracted at.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    ids = drafter_cfg.get("target_layer_ids")
+    if ids is not None and [int(i) for i in ids] != index.layer_ids:
+        raise ValueError(f"drafter.target_layer_ids {ids} differ from the features' layer_ids {index.layer_ids} "
+                         f"({index.path}); re-extract or fix the config")
+    n_feat = drafter_cfg.get("num_target_features") or drafter_cfg["num_layers"]
+    if ids is None and index.layer_ids != default_target_layer_ids(index.num_target_layers, n_feat):
+        log.warning("features were extracted at layers %s, not the default formula's %s; using the features' ids",
+                    index.layer_ids, default_target_layer_ids(index.num_target_layers, n_feat))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    except Exception as exc:  # noqa: BLE001 - a target folder without a tokenizer
+        log.warning("no tokenizer in %s (%s); mask token falls back to config", target_dir, exc)
+        tokenizer = None
+    mask_id, why = resolve_mask_token_id(drafter_cfg.get("mask_token_id"), tokenizer, vocab_size)
+    log.info("mask token id %d (%s)", mask_id, why)
+    return build_drafter_config(
+        target_config, num_layers=drafter_cfg["num_layers"], block_size=drafter_cfg["block_size"],
+        target_layer_ids=index.layer_ids, mask_token_id=mask_id, vocab_size=vocab_size,
+        layer_types=drafter_cfg.get("layer_types"), sliding_window=drafter_cfg.get("sliding_window"),
+        is_causal=drafter_cfg.get("is_causal"), intermediate_size=drafter_cfg.get("intermediate_size"),
+        num_attention_heads=drafter_cfg.get("num_attention_heads"),
+        num_key_value_heads=drafter_cfg.get("num_key_value_heads"), head_dim=drafter_cfg.get("head_dim"),
+        rope_theta=drafter_cfg.get("rope_theta"))
+
+
+def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use_target_tokens: bool,
+             device: torch.device, autocast) -> dict[str, Any]:
+    """Held-out metrics over ``batches`` (this rank's share; summed over ranks): loss, CE and accuracy per
+    position, ``tau_expected`` (from per-position accuracies) and ``tau_blocks`` (mean accepted prefix + 1 over
+    fully supervised blocks)."""
+    was_training = model.training
+    model.eval()
+    metrics = Metrics(model.block_size - 1, device)
+    with torch.no_grad():
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast():
+                out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens)
+            metrics.add(out)
+    metrics.all_reduce()
+    model.train(was_training)
+    return metrics.summary()
+
+
+class _TrainStep(torch.nn.Module):
+    """DDP needs ``forward``: this wrapper's forward is the drafter's training forward."""
+
+    def __init__(self, drafter: DFlashDraftModel):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, embed, head, gamma, use_target_tokens, backend):
+        return self.drafter.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+                                             backend=backend)
+
+
+def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
+          train_cfg: dict | None = None, drafter_cfg: dict | None = None, *, threads: int | None = None,
+          stop_after_steps: int | None = None) -> dict[str, Any]:
+    """Train a DFlash drafter; resume automatically from ``<out_dir>/checkpoints``.
+
+    Writes ``<out_dir>/trained/{model.safetensors, config.json, trainer_state.json}`` (trainer_state last),
+    checkpoints under ``<out_dir>/checkpoints/``, TensorBoard scalars under ``<out_dir>/tensorboard/``.
+
+    Args:
+        index_path: ``results/features/index.json``.
+        target_dir: the target's HF folder (config, tokenizer, safetensors with embedding / LM head).
+        train_cfg / drafter_cfg: the config sections (missing keys take :data:`TRAIN_DEFAULTS` /
+            :data:`DRAFTER_DEFAULTS`).
+        threads: CPU threads per process (``torch.set_num_threads``).
+        stop_after_steps: stop (after checkpointing) once this many steps are done, without writing
+            ``trained/`` -- a controlled "kill" for resume tests.
+
+    Returns:
+        The trainer state dict (also written to ``trainer_state.json``).
+
+    Raises:
+        ValueError: inconsistent features / config (named), too few samples for one optimizer step, or a
+            checkpoint from a different configuration in ``checkpoints/``.
+    """
+    t_start = time.time()
+    tc = {**TRAIN_DEFAULTS, **(train_cfg or {})}
+    dc = {**DRAFTER_DEFAULTS, **(drafter_cfg or {})}
+    out_dir, target_dir = Path(out_dir), Path(target_dir)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    dd = setup_distributed(device.type)
+    if dd.world > 1 and threads:
+        torch.set_num_threads(max(1, int(threads) // dd.world))
+    on_gpu = device.type == "cuda"
+    feat_dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    # -- data ------------------------------------------------------------------------------------------------
+    index = FeatureIndex(index_path)
+    use_target_tokens = tc["labels"] == "target" and index.has_target_token
+    if tc["labels"] == "target" and not index.has_target_token:
+        log.warning("train.labels = target but the features have no target_token: training on data tokens")
+    train_ids, heldout_ids = split_samples(len(index.samples), tc["eval_fraction"], tc["seed"])
+    lengths = [s.num_tokens for s in index.samples]
+    cap = int(tc["tokens_per_batch"])
+    truncated = sum(1 for i in train_ids if lengths[i] > cap)
+    log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
+             len(index.samples), len(train_ids), len(heldout_ids), truncated, cap)
+    try:
+        bplan = BatchPlan(lengths, train_ids, cap, seed=tc["seed"], world=dd.world, grad_accum=tc["grad_accum"],
+                          epochs=tc["epochs"], max_steps=tc["max_steps"])
+    except ValueError as exc:
+        raise ValueError(f"{index_path}: {exc}") from None
+    total_steps = bplan.total_steps
+    per_step = bplan.per_step
+    steps_per_epoch = bplan.steps_per_epoch[0]
+    warmup = int(round(tc["warmup_ratio"] * total_steps))
+
+    # -- model -----------------------------------------------------------------------------------------------
+    embed, head = load_target_embeddings_and_head(target_dir)
+    vocab = embed.shape[0]
+    tied = head is embed
+    embed = embed.to(device=device, dtype=feat_dtype)
+    head = embed if tied else head.to(device=device, dtype=feat_dtype)  # tied: one copy on the device
+    config = build_model_config(index, target_dir, dc, vocab)
+    block = config.dflash_config["block_size"]
+    gamma = float(tc["loss_gamma"] or default_loss_gamma(block))
+    torch.manual_seed(tc["seed"])
+    model = DFlashDraftModel(config).to(device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc["lr"],
+                            fused=on_gpu or None)
+    model_cfg_dict = drafter_config_dict(config)
+    fingerprint = run_fingerprint(model_cfg_dict, tc, index.meta, dd.world)
+
+    # one checkpoint folder per run fingerprint: a rerun with the same configuration resumes; a changed one
+    # (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
+    ckpt_dir = out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
+    others = sorted(p.name for p in ckpt_dir.parent.glob("run-*") if p != ckpt_dir) if ckpt_dir.parent.is_dir() \
+        else []
+    if others and dd.main:
+        log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s", ckpt_dir.parent,
+                 ", ".join(others))
+    start_step, history = 0, []
+    found = load_latest_checkpoint(ckpt_dir)
+    if found is not None and found[1].get("fingerprint") != fingerprint:
+        raise ValueError(f"{found[0]}: its run fingerprint {found[1].get('fingerprint', '?')[:12]} does not match "
+                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
+    if found is not None:
+        path, state = found
+        model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
+        load_optimizer_tensors(opt, load_file(str(path / "optimizer.safetensors"), device=str(device)),
+                               state["optimizer"])
+        rng = load_file(str(path / "rng.safetensors"))
+        torch.set_rng_state(rng["torch_cpu"])
+        if on_gpu and f"torch_cuda_{device.index or 0}" in rng:
+            torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
+        start_step, history = int(state["step"]), list(state.get("history", []))
+        log.info("resumed from %s (step %d of %d)", path, start_step, total_steps)
+
+    n_params = sum(p.numel() for p in params)
+    log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels %s; "
+             "%d steps (%d per epoch, warmup %d), %d process(es) on %s",
+             config.num_hidden_layers, config.hidden_size, n_params, n_params / 1e6, block, gamma,
+             "target tokens" if use_target_tokens else "data tokens", total_steps, steps_per_epoch, warmup,
+             dd.world, device)
+
+    step_model: torch.nn.Module = _TrainStep(model)
+    if dd.world > 1:
+        step_model = torch.nn.parallel.DistributedDataParallel(
+            step_model, device_ids=[device.index] if on_gpu else None)
+    if tc["compile"] and on_gpu:
+        for layer in model.layers:
+            layer.compile()  # in place: state-dict names unchanged
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else \
+        (lambda: torch.autocast("cpu", enabled=False))
+    # GPU: fixed row length and power-of-two anchor buckets, so compiled flex_attention sees few shapes
+    pad_tokens = -(-cap // 128) * 128 if on_gpu else 1
+    pad_anchors = max(1, 128 // block) if on_gpu else 1
+    if on_gpu:
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+
+    def make_train(item):
+        _, epoch, r = item
+        return make_batch(index, bplan.rows(epoch)[r], num_anchors=tc["num_anchors"],
+                          seed=_seed_of(tc["seed"], "anchors", epoch, r), feature_dtype=feat_dtype,
+                          pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu)
+
+    heldout_rows = pack_rows(lengths, heldout_ids, cap)[dd.rank::dd.world] if heldout_ids else []
+
+    def heldout_batches():
+        items = list(range(len(heldout_rows)))
+        return Prefetcher(items, lambda j: make_batch(
+            index, heldout_rows[j], num_anchors=tc["num_anchors"], seed=_seed_of(tc["seed"], "heldout", dd.rank, j),
+            feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu),
+            depth=tc["prefetch"], pin=on_gpu)
+
+    writer = None
+    if dd.main:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step or None)
+
+    def run_eval(step: int) -> dict | None:
+        if not heldout_ids:
+            return None
+        pf = heldout_batches()
+        try:
+            metrics = evaluate(model, pf, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+                               device=device, autocast=autocast)
+        finally:
+            pf.close()
+        metrics["step"] = step
+        if writer is not None:
+            writer.add_scalar("eval/loss", metrics["loss"], step)
+            writer.add_scalar("eval/tau_expected", metrics["tau_expected"], step)
+            writer.add_scalar("eval/tau_blocks", metrics["tau_blocks"], step)
+            for k, a in enumerate(metrics["accuracy_per_position"], start=1):
+                writer.add_scalar(f"eval/accuracy_pos{k:02d}", a, step)
+        log.info("step %d held-out: loss %.4f, tau_expected %.3f, tau_blocks %.3f, acc %s", step, metrics["loss"],
+                 metrics["tau_expected"], metrics["tau_blocks"],
+                 " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))
+        return metrics
+
+    def checkpoint(step: int) -> None:
+        if dd.main:
+            save_checkpoint(ckpt_dir, step, model, opt, {
+                "fingerprint": fingerprint, "total_steps": total_steps,
+                "data_position": {"step": step, "epoch": bplan.locate(min(step, total_steps - 1))[0],
+                                  "micro_batches_per_step": per_step},
+                "scheduler": {"warmup_steps": warmup, "total_steps": total_steps, "min_lr_ratio": tc["min_lr_ratio"],
+                              "lr": opt.param_groups[0]["lr"]},
+                "history": history}, keep=int(tc["keep_checkpoints"]))
+        _barrier()
+
+    # -- loop -------------------------------------------------------------------------------------------------
+    from tqdm.auto import tqdm
+
+    end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
+    prefetch = Prefetcher(list(bplan.items(start_step, end_step, dd.rank)), make_train, depth=tc["prefetch"],
+                          pin=on_gpu)
+    batches = iter(prefetch)
+    bar = tqdm(total=total_steps, initial=start_step, disable=not dd.main, desc="train", unit="step",
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    tokens_seen = 0
+    t_loop = time.time()
+    last = {}
+    try:
+        for step in range(start_step, end_step):
+            lr = tc["lr"] * lr_factor(step, total_steps, warmup, tc["min_lr_ratio"])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            metrics = Metrics(block - 1, device)
+            step_tokens = 0
+            for m in range(tc["grad_accum"]):
+                batch = next(batches).to(device, non_blocking=True)
+                step_tokens += int((batch.doc_ids >= 0).sum())
+                sync = m == tc["grad_accum"] - 1 or dd.world == 1
+                ctx = step_model.no_sync() if (dd.world > 1 and not sync) else _null()
+                with ctx, autocast():
+                    out = step_model(batch, embed, head, gamma, use_target_tokens, tc["attention"])
+                    (out.loss / tc["grad_accum"]).backward()
+                metrics.add(out)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tokens_seen += step_tokens
+            done = step + 1
+            if done % tc["log_every"] == 0 or done == end_step:
+                metrics.all_reduce()
+                s = metrics.summary()
+                elapsed = time.time() - t_loop
+                last = {"step": done, "loss": s["loss"], "lr": lr, "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_seen * dd.world / max(elapsed, 1e-9)}
+                if writer is not None:
+                    writer.add_scalar("train/loss", s["loss"], done)
+                    writer.add_scalar("train/lr", lr, done)
+                    writer.add_scalar("train/grad_norm", float(grad_norm), done)
+                    writer.add_scalar("train/tokens_per_s", last["tokens_per_s"], done)
+                    writer.add_scalar("train/accuracy_pos01", s["accuracy_per_position"][0], done)
+                bar.set_postfix(loss=f"{s['loss']:.4f}", lr=f"{lr:.2e}")
+            bar.update(1)
+            if done % tc["eval_every"] == 0 and done != total_steps:
+                ev = run_eval(done)
+                if ev is not None:
+                    history.append(ev)
+            if done % tc["save_every"] == 0 or done == end_step:
+                checkpoint(done)
+    finally:
+        prefetch.close()
+        bar.close()
+
+    if end_step < total_steps:  # stopped early on purpose (tests): checkpoint written, no final outputs
+        if writer is not None:
+            writer.close()
+        return {"stopped_at": end_step, "total_steps": total_steps}
+
+    final_eval = run_eval(total_steps)
+    if final_eval is not None:
+        history.append(final_eval)
+    state = {
+        "format": "draftsmith.trainer_state/1", "steps": total_steps, "steps_per_epoch": bplan.steps_per_epoch,
+        "world_size": dd.world, "device": str(device),
+        "samples": {"total": len(index.samples), "train": len(train_ids), "heldout": len(heldout_ids),
+                    "train_truncated": truncated},
+        "rows_skipped_at_epoch_ends": bplan.skipped_rows, "tokens_per_batch": cap, "block_size": block, "gamma": gamma,
+        "labels": "target" if use_target_tokens else "data", "trainable_parameters": n_params,
+        "last_train": last, "heldout": final_eval, "history": history, "fingerprint": fingerprint,
+        "resumed_from_step": start_step, "wall_s": time.time() - t_start,
+    }
+    if dd.main:
+        trained = out_dir / "trained"
+        model.save_pretrained(trained)
+        write_json(trained / "trainer_state.json", state)
+        log.info("wrote %s (held-out tau_expected %s)", trained,
+                 f"{final_eval['tau_expected']:.3f}" if final_eval else "n/a")
+    if writer is not None:
+        writer.close()
+    _barrier()
+    return state
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,385 @@
+"""The DFlash drafter model: interop with the official z-lab package, inference-exact training, no leaks.
+
+The official ``dflash==0.1.0`` (``pip install --no-deps``, test extra) is the reference: its
+``DFlashDraftModel.from_pretrained`` must load our folder and give the same hidden states; its ``dflash_generate``
+must return the target's own greedy tokens with our drafter. Training semantics are tested against the
+inference forward itself (a training block == the decode step that would draft it), and by perturbation
+(features at / after the anchor, or in another packed document, never change a block's logits).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from draftsmith.modeling import (
+    DFlashDraftModel,
+    PackedBatch,
+    block_targets,
+    build_drafter_config,
+    default_loss_gamma,
+    default_target_layer_ids,
+    load_target_embeddings_and_head,
+    resolve_mask_token_id,
+    sample_anchors,
+    slot_weights,
+    training_flops,
+)
+from tiny import tiny_target
+
+MASK = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def official(unpacked_wheel):
+    """The official z-lab ``dflash.model`` (0.1.0): installed, else the pinned wheel unpacked by the shared
+    helper (its pinned dependencies would downgrade datasets / tqdm, so it is never pip-installed here)."""
+    try:
+        return importlib.import_module("dflash.model")
+    except ImportError:
+        pass
+    sys.path.insert(0, str(unpacked_wheel("dflash==0.1.0")))
+    return importlib.import_module("dflash.model")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", initializer_range=0.1)
+
+
+def make_drafter(target, *, layer_types=None, sliding_window=None, is_causal=None, block_size=4, layer_ids=(1, 2),
+                 seed=0, num_layers=2):
+    """A random drafter for ``target`` with perturbed norm weights (so every weight matters in comparisons)."""
+    cfg = build_drafter_config(target.config, num_layers=num_layers, block_size=block_size,
+                               target_layer_ids=list(layer_ids), mask_token_id=MASK, layer_types=layer_types,
+                               sliding_window=sliding_window, is_causal=is_causal)
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+VARIANTS = {
+    "full": {},
+    "sliding+full": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+    "sliding-noncausal": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 6,
+                          "is_causal": False},
+}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configuration helpers
+# ------------------------------------------------------------------------------------------------------------
+
+def test_default_target_layer_ids_official_formula(official):
+    # the published 27B-class drafter: 64 target layers, 5 taps
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(5, 2) == [1, 2]
+    with pytest.raises(ValueError, match="explicitly"):
+        default_target_layer_ids(4, 3)  # ids would collide
+    for L in (8, 28, 36, 48, 64):
+        for n in (1, 2, 3, 5):
+            if L - 4 >= n - 1:
+                assert default_target_layer_ids(L, n) == official.build_target_layer_ids(L, n)
+
+
+class _Tok:
+    def __init__(self, n, mask=None, pad=None, eos=None):
+        self.n, self.mask_token_id, self.pad_token_id, self.eos_token_id, self.unk_token_id = n, mask, pad, eos, None
+
+    def __len__(self):
+        return self.n
+
+
+def test_mask_token_resolution_order():
+    assert resolve_mask_token_id(7, _Tok(100, mask=5), 128) == (7, "config")
+    assert resolve_mask_token_id(None, _Tok(100, mask=5), 128)[0] == 5
+    assert resolve_mask_token_id(None, _Tok(100), 128)[0] == 100  # first unused embedding row
+    assert resolve_mask_token_id(None, _Tok(128, pad=9, eos=2), 128)[0] == 9
+    assert resolve_mask_token_id(None, _Tok(128, eos=[2, 4]), 128)[0] == 2
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        resolve_mask_token_id(128, None, 128)
+    with pytest.raises(ValueError, match="set drafter.mask_token_id"):
+        resolve_mask_token_id(None, _Tok(128), 128)
+
+
+def test_loss_gamma_default():
+    assert default_loss_gamma(16) == 7.0 and default_loss_gamma(8) == 3.5
+    w = slot_weights(16, 7.0)
+    assert w[0] == 1.0 and w[-1] == pytest.approx(torch.exp(torch.tensor(-14 / 7)).item())
+
+
+@pytest.mark.parametrize("layout", ["untied", "tied", "qwen3_5_keys", "sharded"])
+def test_load_target_embeddings_and_head_by_key(tmp_path, layout):
+    torch.manual_seed(0)
+    embed, head = torch.randn(50, 8), torch.randn(50, 8)
+    other = {"model.layers.0.mlp.up_proj.weight": torch.randn(4, 8)}
+    cfg = {"tie_word_embeddings": layout == "tied"}
+    if layout == "untied":
+        save_file({"model.embed_tokens.weight": embed, "lm_head.weight": head, **other},
+                  str(tmp_path / "model.safetensors"))
+    elif layout == "tied":
+        save_file({"model.embed_tokens.weight": embed, **other}, str(tmp_path / "model.safetensors"))
+        head = embed
+    elif layout == "qwen3_5_keys":  # Qwen3_5ForConditionalGeneration names
+        save_file({"model.language_model.embed_tokens.weight": embed, "lm_head.weight": head,
+                   "model.visual.blocks.0.attn.qkv.weight": torch.randn(3, 3), **other},
+                  str(tmp_path / "model.safetensors"))
+    else:
+        save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "model-00001-of-00002.safetensors"))
+        save_file({"lm_head.weight": head, **other}, str(tmp_path / "model-00002-of-00002.safetensors"))
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+            "model.layers.0.mlp.up_proj.weight": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    e, h = load_target_embeddings_and_head(tmp_path)
+    assert torch.equal(e, embed) and torch.equal(h, head)
+
+
+def test_load_embeddings_of_a_saved_hf_target_equal_its_modules(tmp_path):
+    for tied in (False, True):
+        t = tiny_target("qwen3", tie_word_embeddings=tied)
+        t.save_pretrained(tmp_path / str(tied))
+        e, h = load_target_embeddings_and_head(tmp_path / str(tied))
+        assert torch.equal(e, t.get_input_embeddings().weight.detach())
+        assert torch.equal(h, t.lm_head.weight.detach())
+
+
+def test_load_embeddings_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_target_embeddings_and_head(tmp_path)
+    save_file({"foo.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(KeyError, match="no input embedding"):
+        load_target_embeddings_and_head(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# interop with the official z-lab package
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_official_package_loads_our_folder_and_matches(official, target, tmp_path, variant):
+    ours = make_drafter(target, **VARIANTS[variant])
+    ours.save_pretrained(tmp_path)
+    ref = official.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
+    assert ref.target_layer_ids == ours.target_layer_ids and ref.mask_token_id == MASK and ref.block_size == 4
+    assert [l.self_attn.is_causal for l in ref.layers] == [l.self_attn.is_causal for l in ours.layers]
+    assert [l.self_attn.sliding_window for l in ref.layers] == [l.self_attn.sliding_window for l in ours.layers]
+    torch.manual_seed(1)
+    noise = torch.randn(2, 4, 64)
+    ctx = torch.randn(2, 9, 128)
+    pos = torch.arange(13).expand(2, -1)
+    with torch.no_grad():
+        a = ours(position_ids=pos, noise_embedding=noise, target_hidden=ctx)
+        b = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx)
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+        head = target.lm_head
+        assert torch.allclose(ours.compute_logits(a, head), ref.compute_logits(b, head), atol=1e-5)
+        # decode with a KV cache over two steps, as dflash_generate does
+        caches = [official._make_cache(m.config) for m in (ours, ref)]
+        outs = []
+        for model, cache in zip((ours, ref), caches):
+            h1 = model(position_ids=pos[:, :13], noise_embedding=noise, target_hidden=ctx, past_key_values=cache,
+                       use_cache=True)
+            official._crop_to(cache, 9)
+            h2 = model(position_ids=torch.arange(9, 15).expand(2, -1), noise_embedding=noise,
+                       target_hidden=ctx[:, :2], past_key_values=cache, use_cache=True)
+            outs.append((h1, h2))
+        assert torch.allclose(outs[0][0], outs[1][0], atol=1e-6) and torch.allclose(outs[0][1], outs[1][1], atol=1e-6)
+
+
+def test_our_loader_roundtrip_and_refusals(target, tmp_path):
+    ours = make_drafter(target, **VARIANTS["sliding+full"])
+    ours.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 4}
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
+    assert cfg["use_sliding_window"] is True and "is_causal" in cfg and cfg["num_target_layers"] == 4
+    back = DFlashDraftModel.from_pretrained(tmp_path)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    del cfg["dflash_config"]["mask_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mask_token_id is missing"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_official_generate_with_our_drafter_is_lossless(official, target, tmp_path, monkeypatch):
+    monkeypatch.setattr(official, "_cuda_time", time.perf_counter)  # timing only; it assumes CUDA
+    make_drafter(target, block_size=5).save_pretrained(tmp_path)
+    drafter = official.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
+    prompt = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = official.dflash_generate(drafter, target, prompt, 30, None, return_stats=True)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(30):
+            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.output_ids.tolist() == ids.tolist()
+    assert sum(out.acceptance_lengths) == 29  # every committed token accounted for (first one from prefill)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# training semantics
+# ------------------------------------------------------------------------------------------------------------
+
+def packed_batch(seed=0, lengths=(11, 15, 9), anchors=None, target_tokens=False):
+    """A packed row of three documents with random features and all positions supervised."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(lengths)
+    docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(5, 500, (1, S), generator=g)
+    if anchors is None:
+        anchors = [2, 9, 12, 20, 24, 27, 33]
+    anchors = torch.tensor([anchors])
+    tt = torch.randint(5, 500, (1, S), generator=g) if target_tokens else None
+    return PackedBatch(torch.randn(1, S, 128, generator=g), ids, torch.ones(1, S, dtype=torch.bool), docs, pos,
+                       anchors, torch.ones_like(anchors, dtype=torch.bool), tt)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_training_block_equals_the_inference_decode_step(target, variant):
+    """Each training block's hidden states == the drafter's inference forward on [doc context < a, block]."""
+    model = make_drafter(target, **VARIANTS[variant])
+    E = target.get_input_embeddings().weight.detach()
+    batch = packed_batch()
+    with torch.no_grad():
+        h = model.block_hidden(batch, E, backend="sdpa")[0]
+        for j, a in enumerate(batch.anchors[0].tolist()):
+            doc = batch.doc_ids[0, a]
+            start = int((batch.doc_ids[0] == doc).nonzero()[0])
+            p = a - start
+            noise = F.embedding(torch.tensor([[batch.input_ids[0, a].item()] + [MASK] * 3]), E)
+            ref = model(position_ids=torch.arange(p + 4)[None], noise_embedding=noise,
+                        target_hidden=batch.features[:, start:a])
+            assert torch.allclose(h[j], ref[0], atol=2e-6), (variant, j, (h[j] - ref[0]).abs().max())
+
+
+@pytest.mark.parametrize("variant", ["full", "sliding+full"])
+def test_no_leak_from_positions_at_or_after_the_anchor_or_other_documents(target, variant):
+    model = make_drafter(target, **VARIANTS[variant])
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    base = packed_batch()
+    j, a = 3, 20  # block anchored at row 20 (document 1 = rows 11..25)
+
+    def logits(batch):
+        with torch.no_grad():
+            return model.compute_logits(model.block_hidden(batch, E, backend="sdpa")[0, j], Hd)
+
+    ref = logits(base)
+    for what in ("features_at_and_after_anchor", "other_documents", "other_document_tokens"):
+        b = packed_batch()
+        if what == "features_at_and_after_anchor":
+            b.features[0, a:26] = torch.randn(26 - a, 128) * 10
+        elif what == "other_documents":
+            b.features[0, :11] = torch.randn(11, 128) * 10
+            b.features[0, 26:] = torch.randn(9, 128) * 10
+        else:
+            b.input_ids[0, :11] = 7
+            b.input_ids[0, 26:] = 7
+        assert torch.equal(logits(b), ref), what
+    # control: the feature just before the anchor is context, so changing it must change the logits
+    b = packed_batch()
+    b.features[0, a - 1] += 1.0
+    assert not torch.allclose(logits(b), ref)
+
+
+def test_sliding_layers_see_exactly_the_window(target):
+    """W = 5: slot k of the block at a sees context p >= a + k - 4; older context must not matter."""
+    model = make_drafter(target, layer_types=["sliding_attention"], sliding_window=5, num_layers=1)
+    E = target.get_input_embeddings().weight.detach()
+    a = 20  # document 1 starts at 11: positions 11..19 are context
+    base = packed_batch()
+    with torch.no_grad():
+        ref = model.block_hidden(base, E, backend="sdpa")[0, 3]
+        b = packed_batch()
+        b.features[0, 11:a - 4] = torch.randn(a - 4 - 11, 128) * 10  # older than a - 4: outside every slot's window
+        assert torch.equal(model.block_hidden(b, E, backend="sdpa")[0, 3], ref)
+        b = packed_batch()
+        b.features[0, a - 2] += 1.0  # visible to slots 0..2 (a + k - 4 <= a - 2), not slot 3
+        h = model.block_hidden(b, E, backend="sdpa")[0, 3]
+        assert not torch.allclose(h[0], ref[0]) and torch.equal(h[3], ref[3])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_flex_attention_and_dense_sdpa_give_the_same_loss(target, variant):
+    """flex_attention BlockMask (CUDA path; its eager CPU forward here) == dense SDPA mask (CPU path)."""
+    model = make_drafter(target, **VARIANTS[variant])
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch(target_tokens=True)
+    with torch.no_grad():
+        dense = model.training_forward(batch, E, Hd, gamma=3.5, use_target_tokens=True, backend="sdpa")
+        flex = model.training_forward(batch, E, Hd, gamma=3.5, use_target_tokens=True, backend="flex")
+    assert torch.allclose(dense.loss, flex.loss, atol=1e-5, rtol=1e-5), (dense.loss, flex.loss)
+    assert torch.equal(dense.count, flex.count) and torch.equal(dense.correct, flex.correct)
+
+
+def test_labels_validity_and_weighted_loss(target):
+    model = make_drafter(target)
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch(target_tokens=True, anchors=[2, 9, 24])
+    batch.loss_mask[0, 5] = False
+    labels, valid = block_targets(batch, 4, use_target_tokens=False)
+    assert labels[0, 0].tolist() == batch.input_ids[0, 3:6].tolist()  # slot k -> token a + k
+    assert valid[0, 0].tolist() == [True, True, False]  # loss_mask[5] = 0
+    assert valid[0, 1].tolist() == [True, False, False]  # rows 11, 12 are document 1
+    assert valid[0, 2].tolist() == [True, False, False]  # document 1 ends at row 25
+    t_labels, _ = block_targets(batch, 4, use_target_tokens=True)
+    assert t_labels[0, 0].tolist() == batch.target_token[0, 2:5].tolist()  # target's next-token at a + k - 1
+    with torch.no_grad():
+        out = model.training_forward(batch, E, Hd, gamma=2.0, backend="sdpa")
+        h = model.block_hidden(batch, E, backend="sdpa")[0, :, 1:]
+        logits = model.compute_logits(h, Hd)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[0].reshape(-1), reduction="none").view(3, 3)
+        w = valid[0].float() * torch.exp(-torch.arange(3.0) / 2.0)
+        assert out.loss.item() == pytest.approx(((ce * w).sum() / w.sum()).item(), rel=1e-5)
+    assert out.count.tolist() == [3, 1, 0] and out.full_blocks.item() == 0
+
+
+def test_sample_anchors_per_document():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    docs = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1, -1])
+    a = sample_anchors(mask, docs, 100)
+    assert a.tolist() == [1, 2, 6, 7, 8]  # 3: mask[4]=0; 5: next is another document; 9: next is padding
+    g = torch.Generator().manual_seed(0)
+    a2 = sample_anchors(mask, docs, 1, g)
+    assert len(a2) == 2 and a2[0] in (1, 2) and a2[1] in (6, 7, 8)
+    assert torch.equal(a2, sample_anchors(mask, docs, 1, torch.Generator().manual_seed(0)))
+
+
+def test_training_flops_match_the_flop_counter(target):
+    """training_flops (used for MFU) == torch's FlopCounterMode on a real training step (matmuls)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_drafter(target).train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch(target_tokens=True)
+    _, valid = block_targets(batch, 4, True)
+    want = training_flops(model.config, ctx_tokens=batch.input_ids.shape[1],
+                          block_tokens=batch.anchors.shape[1] * 4, head_tokens=int(valid.sum()), attended_pairs=0)
+    with FlopCounterMode(display=False) as counter:
+        out = model.training_forward(batch, E, Hd, gamma=3.5, use_target_tokens=True, backend="sdpa")
+        out.loss.backward()
+    mm = sum(v for k, v in counter.get_flop_counts()["Global"].items() if "mm" in str(k) and "bmm" not in str(k))
+    assert want["total"] == mm

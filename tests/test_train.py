@@ -1,0 +1,356 @@
+"""train stage: feature reading, packing, schedule, checkpoints / resume, DDP, and the overfit gate.
+
+Features are produced the way extraction produces them (``draftsmith.target.capture_layers`` on a tiny random
+Qwen3 target, written as ``draftsmith.features/1`` chunks plus a ``draftsmith.index/1`` index), so the trainer reads
+exactly the on-disk contract. The overfit gate trains on 8 target-generated samples and measures the acceptance
+length with the official z-lab ``dflash_generate`` (real speculative decoding against the target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.target import capture_layers
+from draftsmith.train import (
+    BatchPlan,
+    FeatureIndex,
+    expected_acceptance_length,
+    load_latest_checkpoint,
+    lr_factor,
+    make_batch,
+    pack_rows,
+    split_samples,
+    train,
+)
+from test_modeling import official  # noqa: F401 - the official z-lab dflash.model fixture
+from tiny import tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+MASK = 3  # an id the tiny targets never generate in these tests' prompts (prompts use ids >= 5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers shared with test_export.py
+# ------------------------------------------------------------------------------------------------------------
+
+def greedy_continuation(target, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """``[1, P + n]``: the target's greedy continuation of ``prompt`` (no stop token)."""
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = target(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def make_samples(target, num: int, prompt_len: int, gen_len: int, seed: int = 0) -> list[dict]:
+    """Target-generated samples: random prompt (loss mask 0) + greedy continuation (loss mask 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        prompt = torch.randint(5, 500, (1, prompt_len), generator=g)
+        ids = greedy_continuation(target, prompt, gen_len)[0]
+        mask = torch.zeros_like(ids, dtype=torch.int8)
+        mask[prompt_len:] = 1
+        out.append({"input_ids": ids, "loss_mask": mask, "prompt_len": prompt_len})
+    return out
+
+
+def write_features(folder: Path, target, layer_ids: list[int], samples: list[dict], *, per_chunk: int = 3,
+                   storage_dtype: str = "bfloat16", target_tokens: bool = True) -> Path:
+    """Extract features of ``samples`` with hooks and write chunks + ``index.json`` (the merge contract)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    H = target.config.hidden_size
+    chunks = []
+    for c0 in range(0, len(samples), per_chunk):
+        part = list(range(c0, min(c0 + per_chunk, len(samples))))
+        hs, ids, lm, tt, offsets = [], [], [], [], [0]
+        for i in part:
+            x = samples[i]["input_ids"][None]
+            with torch.no_grad(), capture_layers(target, layer_ids) as cap:
+                logits = target(x).logits
+                feats = cap.features()[0]
+            hs.append(feats)
+            ids.append(samples[i]["input_ids"].to(torch.int32))
+            lm.append(samples[i]["loss_mask"].to(torch.int8))
+            tt.append(logits[0].argmax(-1).to(torch.int32))
+            offsets.append(offsets[-1] + x.shape[1])
+        hidden = torch.cat(hs)
+        tensors = {"input_ids": torch.cat(ids), "loss_mask": torch.cat(lm),
+                   "offsets": torch.tensor(offsets, dtype=torch.int64),
+                   "sample_index": torch.tensor(part, dtype=torch.int64)}
+        if storage_dtype == "float8_e4m3fn":
+            n = len(layer_ids)
+            per = hidden.view(-1, n, H)
+            scales = per.abs().amax(-1).clamp_min(1e-12) / 448.0
+            tensors["hidden_states"] = (per / scales[..., None]).to(torch.float8_e4m3fn).view(-1, n * H)
+            tensors["scales"] = scales.float()
+        else:
+            tensors["hidden_states"] = hidden.to(getattr(torch, storage_dtype))
+        if target_tokens:
+            tensors["target_token"] = torch.cat(tt)
+        name = f"shard-0/chunk-{c0 // per_chunk:05d}.safetensors"
+        (folder / "shard-0").mkdir(exist_ok=True)
+        save_file(tensors, str(folder / name))
+        chunks.append({"path": name, "shard": 0, "num_samples": len(part), "num_tokens": offsets[-1],
+                       "bytes": (folder / name).stat().st_size, "rows": part})
+    index = {"format": "draftsmith.index/1", "chunks": chunks, "num_samples": len(samples),
+             "num_tokens": sum(c["num_tokens"] for c in chunks), "bytes": sum(c["bytes"] for c in chunks),
+             "layer_ids": layer_ids, "layer_semantics": "id i = output of decoder layer i = HF "
+             "output_hidden_states[i + 1]; the last layer includes the final norm", "hidden_size": H,
+             "num_target_layers": target.config.num_hidden_layers, "storage_dtype": storage_dtype,
+             "has_target_token": target_tokens, "target_fingerprint": "test", "tokenizer_fingerprint": "test",
+             "chat_template_kwargs": {}, "layer_stats": {}}
+    (folder / "index.json").write_text(json.dumps(index))
+    return folder / "index.json"
+
+
+def save_target(target, folder: Path) -> Path:
+    target.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread (and 2 shared CI cores oversubscribe badly); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TINY_TRAIN = {"tokens_per_batch": 128, "num_anchors": 16, "lr": 3e-3, "warmup_ratio": 0.1, "eval_fraction": 0.0,
+              "save_every": 1000, "eval_every": 1000, "log_every": 5, "grad_clip": 1.0, "labels": "target",
+              "prefetch": 2}
+TINY_DRAFTER = {"num_layers": 1, "block_size": 4, "mask_token_id": MASK, "target_layer_ids": [1, 2]}
+
+
+@pytest.fixture(scope="module")
+def qwen3_setup(tmp_path_factory):
+    """A tiny Qwen3 target folder and features of 8 target-generated samples (8 + 40 tokens).
+
+    ``initializer_range=0.1``: with the default 0.02 the frozen random LM head gives logits so flat that no
+    drafter can reach a near-zero loss in a few hundred steps (real heads are far sharper)."""
+    root = tmp_path_factory.mktemp("qwen3")
+    target = tiny_target("qwen3", initializer_range=0.1)
+    samples = make_samples(target, 8, 8, 40, seed=1)
+    index = write_features(root / "features", target, [1, 2], samples)
+    return {"target": target, "target_dir": save_target(target, root / "target"), "index": index,
+            "samples": samples, "root": root}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# data
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_feature_index_reads_each_sample_exactly(tmp_path, storage):
+    target = tiny_target("qwen3")
+    samples = make_samples(target, 5, 4, 6)
+    index_path = write_features(tmp_path, target, [0, 3], samples, per_chunk=2, storage_dtype=storage)
+    index = FeatureIndex(index_path)
+    assert [s.row for s in index.samples] == [0, 1, 2, 3, 4]
+    for ref, sample in zip(index.samples, samples):
+        got = index.read(ref, dtype=torch.float32)
+        x = sample["input_ids"][None]
+        with torch.no_grad(), capture_layers(target, [0, 3]) as cap:
+            logits = target(x).logits
+            want = cap.features()[0]
+        assert torch.equal(got["input_ids"], sample["input_ids"])
+        assert torch.equal(got["loss_mask"], sample["loss_mask"].bool())
+        assert torch.equal(got["target_token"], logits[0].argmax(-1))
+        tol = 0.02 if storage == "bfloat16" else 0.07  # relative: bf16 rounding, fp8 e4m3 rounding
+        assert ((got["features"] - want).abs() <= tol * want.abs() + 1e-3).all()
+    part = index.read(index.samples[1], length=3)
+    assert part["input_ids"].tolist() == samples[1]["input_ids"][:3].tolist()
+
+
+def test_feature_index_errors_name_the_file(tmp_path):
+    target = tiny_target("qwen3")
+    index_path = write_features(tmp_path, target, [1], make_samples(target, 2, 4, 4))
+    meta = json.loads(index_path.read_text())
+    chunk = tmp_path / meta["chunks"][0]["path"]
+    tensors = load_file(str(chunk))
+    del tensors["loss_mask"]
+    save_file(tensors, str(chunk))
+    with pytest.raises(ValueError, match=r"chunk-00000\.safetensors: tensor 'loss_mask' is missing"):
+        FeatureIndex(index_path)
+    chunk.unlink()
+    with pytest.raises(FileNotFoundError, match="chunk 0"):
+        FeatureIndex(index_path)
+
+
+def test_packing_and_split_reconcile():
+    lengths = [5, 9, 3, 12, 7, 1, 20]
+    rows = pack_rows(lengths, list(range(len(lengths))), capacity=12)
+    assert all(sum(n for _, n in r) <= 12 for r in rows)
+    assert sorted(s for r in rows for s, _ in r) == list(range(len(lengths)))  # every sample exactly once
+    assert [n for r in rows for s, n in r if s == 6] == [12]  # a longer sample is cut to the capacity
+    train_ids, held = split_samples(50, 0.1, seed=3)
+    assert len(held) == 5 and sorted(train_ids + held) == list(range(50))
+    assert split_samples(50, 0.1, seed=3) == (train_ids, held)
+    assert len(split_samples(8, 0.02, seed=0)[1]) == 1  # a positive fraction holds out at least one
+
+
+def test_batch_plan_epochs_cover_every_sample_once():
+    lengths = [int(x) for x in torch.randint(5, 60, (40,), generator=torch.Generator().manual_seed(0))]
+    train_ids = list(range(3, 40))
+    plan = BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=3)
+    counts = [len(plan.rows(e)) for e in range(3)]
+    assert len(set(counts)) > 1  # the packing (so the step count) differs between epochs
+    assert plan.steps_per_epoch == [c // 4 for c in counts] and plan.total_steps == sum(plan.steps_per_epoch)
+    for e in range(3):
+        assert sorted(s for row in plan.rows(e) for s, _ in row) == train_ids  # each sample once per epoch
+    items = list(plan.items(0, plan.total_steps, 0)) + list(plan.items(0, plan.total_steps, 1))
+    assert len(items) == plan.total_steps * 4
+    for e in range(3):  # every rank's micro-batches of an epoch are distinct rows, leftovers are counted
+        used = sorted(r for _, ep, r in items if ep == e)
+        assert used == list(range(plan.steps_per_epoch[e] * 4))
+    assert plan.skipped_rows == sum(counts) - 4 * plan.total_steps
+    assert plan.locate(plan.steps_per_epoch[0]) == (1, 0)
+    assert BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=1.5).steps_per_epoch == \
+        [plan.steps_per_epoch[0], -(-plan.steps_per_epoch[1] // 2)]
+    assert BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=1, max_steps=7).total_steps == 7
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        BatchPlan(lengths, train_ids[:2], 64, seed=1, world=2, grad_accum=2, epochs=1)
+
+
+def test_make_batch_documents_positions_and_anchors(qwen3_setup):
+    index = FeatureIndex(qwen3_setup["index"])
+    batch = make_batch(index, [(0, 48), (1, 48)], num_anchors=5, seed=0, feature_dtype=torch.float32,
+                       pad_tokens_to=128, pad_anchors_to=8)
+    assert batch.input_ids.shape == (1, 128) and batch.features.shape == (1, 128, 128)
+    assert batch.doc_ids[0, :48].eq(0).all() and batch.doc_ids[0, 48:96].eq(1).all()
+    assert batch.doc_ids[0, 96:].eq(-1).all() and not batch.loss_mask[0, 96:].any()
+    assert batch.position_ids[0, 48].item() == 0 and batch.position_ids[0, 95].item() == 47
+    a = batch.anchors[0][batch.anchor_valid[0]]
+    assert a.numel() == 10 and batch.anchors.shape[1] == 16  # 5 per document, padded to a multiple of 8
+    assert (batch.loss_mask[0, a] & batch.loss_mask[0, a + 1]).all()
+    assert torch.equal(batch.doc_ids[0, a], batch.doc_ids[0, a + 1])
+
+
+def test_lr_schedule_and_expected_tau():
+    f = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[10] == pytest.approx(1.0) and f[99] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0
+    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance_length([0.0, 1.0]) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# checkpoints and resume
+# ------------------------------------------------------------------------------------------------------------
+
+def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
+    cfg = dict(TINY_TRAIN, max_steps=8, save_every=3, eval_fraction=0.15, eval_every=4, grad_accum=2,
+               tokens_per_batch=64)
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], a, cfg, TINY_DRAFTER, threads=1)
+    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, cfg, TINY_DRAFTER, threads=1,
+                    stop_after_steps=5)
+    assert stopped["stopped_at"] == 5 and not (b / "trained").exists()
+    (ckpts,) = (b / "checkpoints").glob("run-*")  # one folder per configuration
+    found = load_latest_checkpoint(ckpts)
+    assert found is not None and found[1]["step"] == 5
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003", "step-00000005"]
+    # a killed writer leaves a temporary folder and a truncated file: neither may be accepted
+    junk = ckpts / ".step-00000006.tmp-999"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"\0" * 10)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, cfg, TINY_DRAFTER, threads=1)
+    assert state["resumed_from_step"] == 5 and state["steps"] == 8
+    wa = load_file(str(a / "trained" / "model.safetensors"))
+    wb = load_file(str(b / "trained" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    sa = json.loads((a / "trained" / "trainer_state.json").read_text())
+    assert sa["heldout"]["loss"] == pytest.approx(state["heldout"]["loss"], rel=1e-6)
+    assert sa["samples"]["train"] + sa["samples"]["heldout"] == sa["samples"]["total"] == 8
+    # checkpoints at 3, 5 | 6, 8 (final); the newest 2 kept. A corrupted newest one falls back to the previous.
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000006", "step-00000008"]
+    newest = ckpts / "step-00000008"
+    (newest / "optimizer.safetensors").write_bytes(b"broken")
+    assert load_latest_checkpoint(ckpts)[1]["step"] == 6
+    # a changed configuration (Snakemake reruns train on changed params) starts fresh, never resumes another
+    # configuration's checkpoint, and leaves it in place
+    state2 = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, dict(cfg, lr=1e-4, max_steps=2),
+                   TINY_DRAFTER, threads=1)
+    assert state2["resumed_from_step"] == 0 and len(list((b / "checkpoints").glob("run-*"))) == 2
+    assert ckpts.is_dir()
+    assert any((a / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
+    """The rule's shape: torchrun with 2 CPU processes (gloo), through scripts/train.py."""
+    args = {"train": dict(TINY_TRAIN, max_steps=4, tokens_per_batch=64, eval_fraction=0.15),
+            "drafter": TINY_DRAFTER, "target": {}}
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "scripts" / "train.py"), "--index", str(qwen3_setup["index"]), "--target",
+           str(qwen3_setup["target_dir"]), "--out", str(tmp_path), "--threads", "2", "--args", json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((tmp_path / "trained" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["steps"] == 4
+    assert len(list((tmp_path / "checkpoints").glob("run-*/step-00000004/state.json"))) == 1
+    cfg = json.loads((tmp_path / "trained" / "config.json").read_text())
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 4}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# overfit gate: near-zero loss, then real speculative decoding with the official package
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_setup, tmp_path, monkeypatch):  # noqa: F811
+    dm = official
+    from draftsmith.export import export_drafter
+
+    cfg = dict(TINY_TRAIN, max_steps=300, lr=1e-2, warmup_ratio=0.05, num_anchors=64, tokens_per_batch=96)
+    drafter = dict(TINY_DRAFTER, num_layers=2)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, cfg, drafter, threads=1)
+    assert state["last_train"]["loss"] < 0.05, state["last_train"]
+    export_drafter(tmp_path / "trained", qwen3_setup["target_dir"], tmp_path / "final", dtype="float32")
+
+    monkeypatch.setattr(dm, "_cuda_time", time.perf_counter)  # its timing calls assume CUDA; semantics untouched
+    model = dm.DFlashDraftModel.from_pretrained(str(tmp_path / "final")).eval()
+    target = qwen3_setup["target"]
+    try:  # draftsmith's own speculative decoder (evaluate stage), with our model class
+        from draftsmith.evaluate.decode import DFlashProposer, speculative_generate
+        from draftsmith.modeling import DFlashDraftModel
+        ours = DFlashDraftModel.from_pretrained(tmp_path / "final")
+    except ImportError:
+        speculative_generate = None
+    taus, taus_own = [], []
+    for sample in qwen3_setup["samples"]:
+        p = sample["prompt_len"]
+        prompt = sample["input_ids"][None, :p]
+        n_new = sample["input_ids"].numel() - p
+        out = dm.dflash_generate(model, target, prompt, n_new, None, return_stats=True)
+        # lossless: speculative output is the target's own greedy continuation
+        assert out.output_ids[0].tolist() == sample["input_ids"].tolist()
+        taus.append(sum(out.acceptance_lengths) / len(out.acceptance_lengths))
+        if speculative_generate is not None:
+            res = speculative_generate(target, DFlashProposer(ours, target), prompt, max_new_tokens=n_new)
+            assert res.tokens == sample["input_ids"][p:].tolist()
+            assert res.committed == out.acceptance_lengths  # same decode, step by step
+            taus_own.append(res.tau)
+    tau = sum(taus) / len(taus)
+    block = drafter["block_size"]
+    print(f"overfit gate: tau = {tau:.3f} (block {block}), per sample {[round(t, 2) for t in taus]}; "
+          f"draftsmith decoder: {[round(t, 2) for t in taus_own]}")
+    assert tau >= 0.8 * block, taus
+    assert not taus_own or sum(taus_own) / len(taus_own) >= 0.8 * block, taus_own
