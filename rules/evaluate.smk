@@ -1,18 +1,32 @@
 # evaluate: real speculative decoding with the target: acceptance length, speedup, losslessness.
+# Library: draftsmith/evaluate/ (decode loops, exact GDN rollback, sets, report). One GPU (leased).
+
+
+def evaluate_followups(wildcards=None):
+    """{source name: data folder} of the MT-Bench (adapter mtbench) sources used by evaluate.sets: their
+    question files hold the turn-2 questions, asked after the target's own answer to turn 1."""
+    wanted = {s.get("source") for s in config["evaluate"]["sets"].values()}
+    return {s["name"]: source_path(s) for s in config["data"]["sources"]
+            if s["adapter"] == "mtbench" and s["name"] in wanted}
 
 
 rule evaluate:
     input:
         drafter="results/drafter/final/config.json",
+        weights="results/drafter/final/model.safetensors",
         target=target_dir(),
         eval="results/curated/eval.parquet",
         tokenized="results/tokenized/eval.parquet",
+        followups=lambda w: sorted(evaluate_followups().values()),
     output:
         json="results/eval/report.json",
-        md=report("results/eval/report.md", category="Evaluation"),
-        tau=report("results/eval/tau.png", category="Evaluation"),
-        positions=report("results/eval/per_position.png", category="Evaluation"),
-        histogram=report("results/eval/acceptance_hist.png", category="Evaluation"),
+        md=report("results/eval/report.md", category="Evaluation", labels={"figure": "report (tables)"}),
+        tau=report("results/eval/tau.png", category="Evaluation",
+                   labels={"figure": "acceptance length per set (DFlash vs prompt lookup)"}),
+        positions=report("results/eval/per_position.png", category="Evaluation",
+                         labels={"figure": "per-position acceptance"}),
+        histogram=report("results/eval/acceptance_hist.png", category="Evaluation",
+                         labels={"figure": "acceptance-length histogram"}),
     log:
         "logs/evaluate/evaluate.log",
     benchmark:
@@ -20,6 +34,8 @@ rule evaluate:
     params:
         evaluate=config["evaluate"],
         target=config["target"],
+        sources=config["data"]["sources"],
+        followups=evaluate_followups(),
     threads: workflow.cores
     resources:
         gpu=config["evaluate"]["gpus"],

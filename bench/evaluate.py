@@ -1,0 +1,174 @@
+"""Benchmark of the evaluate stage's decoding loop: speedup as a function of the acceptance length τ,
+and the cost of rolling back Gated DeltaNet state exactly.
+
+Target: a random Hugging Face model of a given shape (``--preset``), bf16 on CUDA, fp32 on CPU.
+Drafter: a real draftsmith ``DFlashDraftModel`` (one layer; its forward and K/V cache run every step)
+whose logits are forced to the target's own greedy continuation, with draft slot ``k`` always wrong, so
+every verify step accepts exactly ``k - 1`` drafts: τ = k exactly (k = B: every draft right, τ = B).
+This isolates the loop's cost from drafter quality: the speedup printed for a given τ is what a drafter
+reaching that τ gets from this implementation on this machine.
+
+Baseline, measured in the same run on the same prompt: target-only greedy decoding
+(``draftsmith.evaluate.target_generate``). Printed per τ: tokens/s, speedup = baseline time / time,
+and whether the output equals the baseline token for token. For hybrid targets each τ runs with
+``rollback=mixer`` (re-run the accepted tokens through the GDN mixers only) and ``rollback=forward``
+(through the whole target); ``τ = B`` never rolls back, so it shows the loop without that cost.
+
+    python -m bench.evaluate                          # tiny hybrid target on CPU (seconds)
+    python -m bench.evaluate --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU
+
+(``python -m`` from the repository root: bench/tokenize.py would shadow the standard library
+``tokenize`` module if this file were run as ``python bench/evaluate.py``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
+from draftsmith.modeling import DFlashDraftModel, build_drafter_config
+
+PRESETS = {
+    # tests/tiny.py-sized hybrid
+    "tiny": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4),
+    # Qwen3.5-27B text shape (layer_types: 3 x linear_attention, 1 x full_attention, repeated)
+    "qwen3.5-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_num_key_heads=16, linear_num_value_heads=48),
+    # Llama-3.1-8B shape (attention only)
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
+}
+
+
+def build_target(preset: str, layers: int | None, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(PRESETS[preset])
+    model_type = kw.pop("model_type")
+    if layers:
+        kw["num_hidden_layers"] = layers
+    if model_type.startswith("qwen3_5"):
+        kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                             for i in range(kw["num_hidden_layers"])]
+    config = AutoConfig.for_model(model_type, max_position_embeddings=8192, initializer_range=0.1,
+                                  tie_word_embeddings=False, **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+class ForcedDrafter(DFlashDraftModel):
+    """Real drafter forward and cache; logits forced to ``reference`` with slot ``wrong`` corrupted."""
+
+    reference: torch.Tensor
+    wrong: int | None = None
+
+    def forward(self, position_ids, *args, **kwargs):
+        out = super().forward(position_ids, *args, **kwargs)
+        self._positions = position_ids[0, -out.shape[1]:]
+        return out
+
+    def compute_logits(self, hidden, output_head):
+        logits = super().compute_logits(hidden, output_head)  # the LM-head matmul is paid, as in real use
+        positions = self._positions[-logits.shape[1]:].clamp(max=self.reference.shape[0] - 1)
+        ref = self.reference[positions].clone()
+        if self.wrong is not None and self.wrong <= ref.shape[0]:
+            ref[self.wrong - 1] = (ref[self.wrong - 1] + 1) % logits.shape[-1]
+        forced = torch.full_like(logits, -1e4)
+        forced[0, torch.arange(ref.shape[0], device=ref.device), ref] = 1e4
+        return forced
+
+
+def timed(fn, repeats: int):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None, help="override the number of target layers")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
+    ap.add_argument("--taus", default="1,2,4,8,16", help="τ values to force (<= block size)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto = bfloat16 on CUDA, float32 on CPU; float32 on CUDA runs with TF32 off, so that "
+                         "differently shaped forwards agree and the forced τ holds on a random-weight target")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    target = build_target(args.preset, args.layers, device, dtype)
+    L = target.config.num_hidden_layers
+    hybrid = "linear_attention" in (getattr(target.config, "layer_types", None) or [])
+    B = args.block_size
+    cfg = build_drafter_config(target.config, num_layers=1, block_size=B,
+                               target_layer_ids=sorted({1, L // 2, L - 2}) if L >= 4 else [0], mask_token_id=0)
+    torch.manual_seed(1)
+    with torch.device(device):
+        drafter = ForcedDrafter(cfg).to(dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, target.config.vocab_size, (1, args.prompt_tokens), generator=g).to(device)
+    params = sum(p.numel() for p in target.parameters())
+    print(f"target {args.preset} ({L} layers, {params / 1e9:.2f} B params, {'hybrid GDN' if hybrid else 'attention'}"
+          f"), {device} {dtype}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new, block {B}")
+
+    target_generate(target, prompt, max_new_tokens=args.new_tokens)  # warm-up
+    base_s, base = timed(lambda: target_generate(target, prompt, max_new_tokens=args.new_tokens), args.repeats)
+    base_tps = len(base.tokens) / base_s
+    print(f"baseline target-only: {base_tps:.1f} tok/s ({base_s * 1e3 / len(base.tokens):.2f} ms/token)")
+    drafter.reference = torch.cat([prompt[0], torch.tensor(base.tokens, device=device)])
+
+    rows = []
+    modes = ["mixer", "forward"] if hybrid else ["auto"]
+    for tau in [int(t) for t in args.taus.split(",") if int(t) <= B]:
+        drafter.wrong = tau if tau < B else None
+        for mode in modes:
+            proposer = DFlashProposer(drafter, target)
+            speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens, rollback=mode)  # warm-up
+            s, out = timed(lambda: speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens,
+                                                        rollback=mode), args.repeats)
+            row = {"tau_forced": tau, "tau_measured": out.tau, "rollback": mode if tau < B else "none needed",
+                   "tokens_per_s": len(out.tokens) / s, "speedup": base_s / s,
+                   "lossless": out.tokens == base.tokens,
+                   "first_difference": next((i for i, (a, b) in enumerate(zip(out.tokens, base.tokens)) if a != b),
+                                            None)}
+            rows.append(row)
+            print(f"τ {tau:>2} (measured {out.tau:5.2f}) rollback {row['rollback']:<11} "
+                  f"{row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:5.2f}x  lossless {row['lossless']}"
+                  + ("" if row["lossless"] else f" (first difference at token {row['first_difference']})"))
+            if tau == B:
+                break
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "device": str(device), "baseline_tokens_per_s": base_tps,
+                       "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""evaluate: real speculative decoding of the target with the DFlash drafter.
+
+Measures what users care about, with the target and drafter decoding together: acceptance length τ
+(tokens committed per target verify forward, bonus included), per-position acceptance, the
+acceptance-length histogram, tokens/s and wall-clock speedup against target-only decoding of the same
+prompts in the same run, prompt-lookup (n-gram) decoding as a reference drafter, and a lossless check
+(greedy speculative output == greedy target-only output), per benchmark set.
+
+Modules: :mod:`.sampling` (greedy / sampling / rejection sampling), :mod:`.cache` (target cache with
+exact rollback of GDN recurrent state), :mod:`.decode` (the decoding loops and proposers),
+:mod:`.prompts` (benchmark sets), :mod:`.report` (metrics, report.md, plots), :mod:`.run` (the stage).
+"""
+
+from draftsmith.evaluate.cache import TargetCache
+from draftsmith.evaluate.decode import (
+    DFlashProposer,
+    GenerationResult,
+    PromptLookupProposer,
+    Proposer,
+    speculative_generate,
+    target_generate,
+)
+from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation, stop_tokens
+from draftsmith.evaluate.report import lossless_check, render_markdown, summarize
+from draftsmith.evaluate.run import check_pair, load_drafter, run_evaluate
+from draftsmith.evaluate.sampling import SamplingConfig, greedy_accept, rejection_sample, sampling_probs
+
+__all__ = [
+    "BenchmarkSet", "Conversation", "DFlashProposer", "GenerationResult",
+    "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "greedy_accept",
+    "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
+    "sampling_probs", "speculative_generate", "split_conversation", "stop_tokens", "summarize",
+    "target_generate",
+]

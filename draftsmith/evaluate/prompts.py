@@ -1,0 +1,213 @@
+"""Benchmark sets: which curated eval conversations are decoded, and how each becomes prompts.
+
+A set is ``{source, max_prompts, max_new_tokens}`` from config ``evaluate.sets``:
+
+* ``source: heldout`` = the held-out rows (curated ``eval.parquet``) of the sources whose
+  ``split`` is ``both`` (the training mix's own distribution);
+* any other value = the rows of that curated source (an eval-only benchmark: mtbench, humaneval,
+  bfcl, mmath, tau2, ... or any source name).
+
+Rows are taken in file order (curate writes them in a stable order), the first ``max_prompts``
+conversations. Each conversation gives one or more *turns*:
+
+* a row with an assistant turn: prompt = the messages before the last assistant turn (the reference
+  answer is not shown), one turn;
+* a prompt-only row (user turns, no assistant turn; MT-Bench, tau2): each user turn in order, each
+  asked after the target's own answer to the previous one; MT-Bench's second question (not stored
+  in the curated row, see ``draftsmith.curate.mtbench_questions``) is appended the same way.
+
+Rendering uses ``draftsmith.tokenize.render_prompt`` with the chat template kwargs recorded in the
+tokenized parquet's metadata, so evaluation prompts are the exact serving render of training (a
+thinking on/off mismatch is a known silent failure, z-lab/dflash#133).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.parquet as pq
+
+log = logging.getLogger("draftsmith.evaluate")
+
+HELDOUT = "heldout"
+SET_DEFAULTS = {"max_prompts": 16, "max_new_tokens": 128}
+
+
+@dataclass
+class Conversation:
+    """One benchmark conversation.
+
+    Attributes:
+        id: curated row id.
+        source: curated source name.
+        context: messages before the first asked turn (system prompt, earlier reference turns).
+        user_turns: user messages asked one after the other, each after the target's answer to the
+            previous (length 1 for rows with a reference answer: the last user-side message block).
+        tools: JSON string of the tool schemas, or None.
+    """
+
+    id: str
+    source: str
+    context: list[dict]
+    user_turns: list[list[dict]]
+    tools: str | None = None
+
+
+@dataclass
+class BenchmarkSet:
+    """A benchmark set: its conversations and the rows skipped while reading it (by reason)."""
+
+    name: str
+    source: str
+    max_prompts: int
+    max_new_tokens: int
+    conversations: list[Conversation] = field(default_factory=list)
+    rows_read: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str, row_id: str, detail: str = "") -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        log.warning("set %s: row %s skipped (%s) %s", self.name, row_id, reason, detail)
+
+
+def set_config(name: str, cfg: dict) -> dict:
+    """A set's config with the schema defaults filled in (``max_prompts`` 16, ``max_new_tokens`` 128).
+
+    Raises:
+        ValueError: no ``source``, or a non-positive size.
+    """
+    if not isinstance(cfg, dict) or not cfg.get("source"):
+        raise ValueError(f"evaluate.sets.{name}: needs a 'source' (heldout or a curated source name)")
+    out = {**SET_DEFAULTS, **cfg}
+    for key in ("max_prompts", "max_new_tokens"):
+        if int(out[key]) < 1:
+            raise ValueError(f"evaluate.sets.{name}.{key} must be >= 1, got {out[key]}")
+    return out
+
+
+def _clean(message: dict) -> dict:
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def split_conversation(row_id: str, source: str, messages: list[dict], tools: str | None,
+                       followups: list[str] | None = None) -> Conversation | None:
+    """Turn a curated row into a :class:`Conversation`; ``None`` when it has no user turn to ask.
+
+    Args:
+        messages: curated messages (Arrow structs as dicts; null fields allowed).
+        followups: extra user questions asked after the last one (MT-Bench turn 2).
+    """
+    messages = [_clean(m) for m in messages]
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last_assistant is not None:
+        prompt = messages[:last_assistant]
+        if not any(m.get("role") == "user" for m in prompt):
+            return None
+        turns = [prompt]
+        context: list[dict] = []
+    else:
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            return None
+        context = messages[:users[0]]
+        bounds = users[1:] + [len(messages)]
+        turns = [messages[u:b] for u, b in zip(users, bounds)]
+    for text in followups or []:
+        turns.append([{"role": "user", "content": text}])
+    if last_assistant is not None:
+        return Conversation(row_id, source, [], turns, tools)
+    return Conversation(row_id, source, context, turns, tools)
+
+
+def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list[str],
+              followups: dict[str, dict[str, list[str]]] | None = None) -> list[BenchmarkSet]:
+    """Read the benchmark sets from the curated eval parquet.
+
+    Args:
+        curated_eval: path of ``results/curated/eval.parquet``.
+        sets: config ``evaluate.sets`` (name -> {source, max_prompts, max_new_tokens}).
+        heldout_sources: names of the ``split: both`` sources (the ``heldout`` set).
+        followups: per source, ``{row id: [extra user questions]}`` (MT-Bench turn 2).
+
+    Returns:
+        One :class:`BenchmarkSet` per configured set, in config order. ``rows_read`` counts the rows
+        of the set's source(s) considered; rows_read = len(conversations) + sum(skipped) (rows past
+        ``max_prompts`` are not read).
+
+    Raises:
+        ValueError: a set names a source with no row in the eval split (names the file and source).
+    """
+    table = pq.read_table(curated_eval, columns=["id", "source", "messages", "tools"])
+    rows = table.to_pylist()
+    by_source: dict[str, list[dict]] = {}
+    for row in rows:
+        by_source.setdefault(row["source"], []).append(row)
+    out = []
+    for name, raw in sets.items():
+        cfg = set_config(name, raw)
+        bset = BenchmarkSet(name, cfg["source"], int(cfg["max_prompts"]), int(cfg["max_new_tokens"]))
+        if cfg["source"] == HELDOUT:
+            wanted = [s for s in heldout_sources if s in by_source]
+            if not heldout_sources:
+                raise ValueError(f"evaluate.sets.{name}: source heldout but no data source has split: both")
+            candidates = [r for r in rows if r["source"] in set(wanted)]
+        else:
+            candidates = by_source.get(cfg["source"], [])
+        if not candidates:
+            raise ValueError(f"{curated_eval}: evaluate.sets.{name} wants source {cfg['source']!r} but the eval "
+                             f"split has no row of it (sources present: {sorted(by_source)})")
+        for row in candidates:
+            if len(bset.conversations) >= bset.max_prompts:
+                break
+            bset.rows_read += 1
+            extra = ((followups or {}).get(row["source"]) or {}).get(row["id"])
+            conv = split_conversation(row["id"], row["source"], row["messages"] or [], row["tools"], extra)
+            if conv is None:
+                bset.skip("no_user_turn", row["id"])
+                continue
+            bset.conversations.append(conv)
+        out.append(bset)
+    return out
+
+
+def render(tokenizer, messages: list[dict], tools: Any, chat_template_kwargs: dict) -> list[int]:
+    """Serving render of a prompt (generation prompt appended) -> token ids.
+
+    Uses ``draftsmith.tokenize.render_prompt`` (the tokenize stage's own render, tool-call arguments
+    parsed to dicts, null fields dropped).
+    """
+    from draftsmith.tokenize import render_prompt
+
+    return list(render_prompt(tokenizer, messages, tools, chat_template_kwargs))
+
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                      "<|end_of_text|>", "</s>", "<|return|>", "<|call|>")
+
+
+def stop_tokens(tokenizer, target_dir: str | None = None, extra: list[str] | None = None) -> list[int]:
+    """Stop token ids: eos (tokenizer, ``generation_config.json``, ``config.json``) plus the
+    end-of-turn special tokens the tokenizer defines (``<|im_end|>``, ``<|eot_id|>``, ...) and ``extra``.
+
+    Raises:
+        ValueError: an ``extra`` token that is not a single token of the vocabulary; or no stop token at all.
+    """
+    from draftsmith.tokenize import stop_token_ids
+
+    ids = set(stop_token_ids(tokenizer, target_dir))
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    added = set(getattr(tokenizer, "get_added_vocab", lambda: {})())
+    vocab = tokenizer.get_vocab()
+    for tok in END_OF_TURN_TOKENS:
+        if tok in vocab and (tok in specials or tok in added):
+            ids.add(int(vocab[tok]))
+    for tok in extra or []:
+        if tok not in vocab:
+            raise ValueError(f"evaluate.stop_tokens: {tok!r} is not a token of the target's vocabulary")
+        ids.add(int(vocab[tok]))
+    if not ids:
+        raise ValueError("no stop token: the tokenizer has no eos and no end-of-turn token; "
+                         "set evaluate.stop_tokens")
+    return sorted(ids)

@@ -1,0 +1,285 @@
+"""Metrics of a benchmark set and the report files (report.json, report.md, PNG plots).
+
+Definitions (DESIGN.md terms):
+
+* acceptance length τ = tokens committed per verify forward of the target, bonus token included
+  (``tau``: total committed / total verify forwards over the set; ``tau_per_prompt``: the mean over
+  prompts of each prompt's τ, the figure the official ``dflash`` benchmark prints);
+* per-position acceptance rate at draft slot k = verify steps whose first k drafts were all accepted /
+  steps that proposed at least k drafts (``per_position``), and the conditional rate given slots
+  1..k-1 were accepted (``per_position_conditional``);
+* acceptance-length histogram: how many verify steps committed 1, 2, ..., B tokens;
+* tokens/s = generated tokens / wall-clock seconds (prefill + decode, CUDA synchronised), summed over
+  the prompts; speedup = tokens/s of the method / tokens/s of target-only decoding of the same prompts
+  in the same run (= the wall-clock ratio when both generate the same tokens, as greedy decoding does);
+  ``decode_speedup`` uses decode time only (prefill excluded, as the official benchmark's TPOT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from draftsmith.evaluate.decode import GenerationResult
+
+
+def summarize(results: list[GenerationResult], baseline: list[GenerationResult] | None = None,
+              max_block: int | None = None) -> dict:
+    """Aggregate metrics of one decoding method over a set's prompts.
+
+    Args:
+        results: one :class:`GenerationResult` per prompt of the method.
+        baseline: target-only results of the same prompts (for speedups), or None.
+        max_block: histogram length (B); default the largest committed count seen.
+
+    Returns:
+        dict with ``prompts, tokens, seconds, decode_seconds, tokens_per_s, steps, tau, tau_per_prompt,
+        per_position, per_position_conditional, acceptance_histogram`` (list, index i = i + 1 tokens
+        committed), and ``speedup`` / ``decode_speedup`` when a baseline is given.
+    """
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    decode_seconds = sum(r.decode_seconds for r in results)
+    committed = [c for r in results for c in r.committed]
+    steps = len(committed)
+    out = {
+        "prompts": len(results),
+        "tokens": tokens,
+        "seconds": seconds,
+        "decode_seconds": decode_seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "steps": steps,
+        "tau": sum(committed) / steps if steps else None,
+        "tau_per_prompt": (sum(r.tau for r in results if r.committed)
+                           / sum(1 for r in results if r.committed)) if steps else None,
+    }
+    max_drafts = max((p for r in results for p in r.proposed), default=0)
+    reached = [0] * (max_drafts + 1)  # steps that proposed >= k drafts
+    hit = [0] * (max_drafts + 1)  # ... and accepted >= k of them
+    survived = [0] * (max_drafts + 1)  # ... and accepted >= k - 1 (slot k was reached)
+    for r in results:
+        for p, a in zip(r.proposed, r.accepted):
+            for k in range(1, p + 1):
+                reached[k] += 1
+                hit[k] += a >= k
+                survived[k] += a >= k - 1
+    ks = range(1, max_drafts + 1)
+    out["per_position"] = [hit[k] / reached[k] if reached[k] else None for k in ks]
+    out["per_position_conditional"] = [hit[k] / survived[k] if survived[k] else None for k in ks]
+    size = max(max_block or 0, max(committed, default=0))
+    hist = [0] * size
+    for c in committed:
+        hist[c - 1] += 1
+    out["acceptance_histogram"] = hist
+    if baseline is not None:
+        b_tokens = sum(len(r.tokens) for r in baseline)
+        b_seconds = sum(r.seconds for r in baseline)
+        b_decode = sum(r.decode_seconds for r in baseline)
+        out["speedup"] = _ratio(tokens / seconds if seconds else None, b_tokens / b_seconds if b_seconds else None)
+        dec_tokens = tokens - len(results)  # the first token of each prompt comes from the prefill
+        b_dec_tokens = b_tokens - len(baseline)
+        out["decode_speedup"] = _ratio(dec_tokens / decode_seconds if decode_seconds > 0 else None,
+                                       b_dec_tokens / b_decode if b_decode > 0 else None)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def lossless_check(reference: list[GenerationResult], other: list[GenerationResult],
+                   labels: list[str]) -> dict:
+    """Token-for-token comparison of greedy outputs with the target-only reference.
+
+    Returns:
+        ``{"lossless": bool, "prompts": n, "mismatches": [{"prompt", "first_mismatch", "ref_tokens",
+        "tokens"}]}``; first_mismatch = index of the first differing generated token.
+    """
+    mismatches = []
+    for label, ref, res in zip(labels, reference, other):
+        if ref.tokens != res.tokens:
+            first = next((i for i, (a, b) in enumerate(zip(ref.tokens, res.tokens)) if a != b),
+                         min(len(ref.tokens), len(res.tokens)))
+            mismatches.append({"prompt": label, "first_mismatch": first, "ref_tokens": len(ref.tokens),
+                               "tokens": len(res.tokens)})
+    return {"lossless": not mismatches, "prompts": len(reference), "mismatches": mismatches}
+
+
+# ------------------------------------------------------------------------------------------------
+# report.md
+# ------------------------------------------------------------------------------------------------
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(header: list[str], rows: Iterable[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> str:
+    """report.md: setup, one summary table over the sets, per-position and histogram tables."""
+    run = report["run"]
+    lines = ["# draftsmith evaluation: speculative decoding with the DFlash drafter", ""]
+    lines.append(f"- target: `{run['target']}`  ")
+    lines.append(f"- drafter: `{run['drafter']}` (block size {run['block_size']}, target layer ids "
+                 f"{run['target_layer_ids']}, mask token {run['mask_token_id']})  ")
+    lines.append(f"- device: {run['device']}, dtype {run['dtype']}, sampling: {run['sampling_text']}  ")
+    lines.append(f"- chat template kwargs: `{run['chat_template_kwargs']}`; stop tokens {run['stop_token_ids']}  ")
+    lines.append(f"- reference drafter: prompt lookup (n-gram ≤ {run['prompt_lookup_ngram']}, "
+                 f"≤ {run['prompt_lookup_num_tokens']} drafts per step); recurrent-state rollback: {run['rollback']}")
+    lines.append("")
+    lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
+                 "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
+                 "Lossless = greedy speculative output equals target-only output token for token.")
+    lines.append("")
+    rows = []
+    for name, s in report["sets"].items():
+        t, d, p = s["target_only"], s["dflash"], s["prompt_lookup"]
+        rows.append([name, s["conversations"], s["prompts"], t["tokens"], t["tokens_per_s"], d["tau"],
+                     d["tokens_per_s"], d.get("speedup"), p["tau"], p.get("speedup"),
+                     _lossless_text(s)])
+    o = report.get("overall")
+    if o:
+        rows.append(["**all**", o["conversations"], o["prompts"], o["target_only"]["tokens"],
+                     o["target_only"]["tokens_per_s"], o["dflash"]["tau"], o["dflash"]["tokens_per_s"],
+                     o["dflash"].get("speedup"), o["prompt_lookup"]["tau"], o["prompt_lookup"].get("speedup"),
+                     _lossless_text(o)])
+    lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", "DFlash τ",
+                         "DFlash tok/s", "DFlash speedup", "lookup τ", "lookup speedup", "lossless"], rows))
+    lines.append("")
+    lines.append("## Per-position acceptance (DFlash): P(drafts 1..k all accepted)")
+    lines.append("")
+    width = max((len(s["dflash"]["per_position"]) for s in report["sets"].values()), default=0)
+    lines.append(_table(["set"] + [f"k={k}" for k in range(1, width + 1)],
+                        [[n] + s["dflash"]["per_position"] + [None] * (width - len(s["dflash"]["per_position"]))
+                         for n, s in report["sets"].items()]))
+    lines.append("")
+    lines.append("## Acceptance-length histogram (DFlash): verify steps committing n tokens")
+    lines.append("")
+    width = max((len(s["dflash"]["acceptance_histogram"]) for s in report["sets"].values()), default=0)
+    lines.append(_table(["set"] + [f"n={n}" for n in range(1, width + 1)],
+                        [[n] + s["dflash"]["acceptance_histogram"]
+                         + [0] * (width - len(s["dflash"]["acceptance_histogram"]))
+                         for n, s in report["sets"].items()]))
+    lines.append("")
+    skipped = {n: {**s["skipped_rows"], **s["skipped_prompts"]} for n, s in report["sets"].items()
+               if s["skipped_rows"] or s["skipped_prompts"]}
+    if skipped:
+        lines.append("## Skipped")
+        lines.append("")
+        for n, reasons in skipped.items():
+            lines.append(f"- {n}: " + ", ".join(f"{k} × {v}" for k, v in sorted(reasons.items())))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _lossless_text(s: dict) -> str:
+    ll = s.get("lossless")
+    if ll is None:
+        return "n/a (sampling)"
+    both = ll["dflash"]["lossless"] and ll["prompt_lookup"]["lossless"]
+    if both:
+        return "yes"
+    bad = len(ll["dflash"]["mismatches"]) + len(ll["prompt_lookup"]["mismatches"])
+    return f"NO ({bad} mismatching outputs)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tau(report: dict, path) -> None:
+    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated."""
+    from draftsmith.io import atomic_path
+
+    plt = _pyplot()
+    names = list(report["sets"])
+    d = [report["sets"][n]["dflash"]["tau"] or 0.0 for n in names]
+    p = [report["sets"][n]["prompt_lookup"]["tau"] or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names) + 2), 3.8))
+    xs = range(len(names))
+    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label="DFlash drafter")
+    bars_p = ax.bar([x + 0.2 for x in xs], p, 0.4, label="prompt lookup (reference)")
+    for bars, key in ((bars_d, "dflash"), (bars_p, "prompt_lookup")):
+        for bar, n in zip(bars, names):
+            sp = report["sets"][n][key].get("speedup")
+            if sp is not None:
+                ax.annotate(f"{sp:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("acceptance length τ (tokens / target forward)")
+    ax.set_title("τ per benchmark set (labels: wall-clock speedup vs target-only)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_per_position(report: dict, path) -> None:
+    """Lines: per-position acceptance rate P(drafts 1..k accepted) against draft slot k, per set."""
+    from draftsmith.io import atomic_path
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, s in report["sets"].items():
+        rates = s["dflash"]["per_position"]
+        ks = [k + 1 for k, r in enumerate(rates) if r is not None]
+        ax.plot(ks, [r for r in rates if r is not None], marker="o", ms=3, label=name)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(drafts 1..k accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("DFlash per-position acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_histogram(report: dict, path) -> None:
+    """Bars: fraction of verify steps committing n tokens (n = 1..B), per set."""
+    from draftsmith.io import atomic_path
+
+    plt = _pyplot()
+    names = list(report["sets"])
+    width = max((len(report["sets"][n]["dflash"]["acceptance_histogram"]) for n in names), default=1)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * width + 3), 3.8))
+    bar_w = 0.8 / max(len(names), 1)
+    for i, n in enumerate(names):
+        hist = report["sets"][n]["dflash"]["acceptance_histogram"]
+        total = sum(hist) or 1
+        ax.bar([k + 1 - 0.4 + bar_w * (i + 0.5) for k in range(len(hist))], [h / total for h in hist],
+               bar_w, label=n)
+    ax.set_xticks(range(1, width + 1))
+    ax.set_xlabel("tokens committed in a verify step (accepted drafts + bonus)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("DFlash acceptance-length histogram")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

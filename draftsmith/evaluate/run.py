@@ -1,0 +1,401 @@
+"""The evaluate stage: decode every benchmark prompt three ways in the same run and write the report.
+
+For each prompt of each set: target-only decoding (the baseline and the lossless reference), DFlash
+speculative decoding with the exported drafter, and prompt-lookup speculative decoding (reference
+drafter), in an order rotated from prompt to prompt so that no method is always timed first. Each set's results are saved under ``partial_dir`` (atomically, keyed by a fingerprint of
+the drafter weights, target, set, sampling and template kwargs) so a killed job resumes at the next
+unfinished set; the folder is removed once the report is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.evaluate.decode import (
+    DFlashProposer,
+    GenerationResult,
+    PromptLookupProposer,
+    speculative_generate,
+    target_generate,
+)
+from draftsmith.evaluate.prompts import load_sets, render, stop_tokens
+from draftsmith.evaluate.report import (
+    lossless_check,
+    plot_histogram,
+    plot_per_position,
+    plot_tau,
+    render_markdown,
+    summarize,
+)
+from draftsmith.evaluate.sampling import SamplingConfig
+from draftsmith.io import read_json, sha256_file, write_json, write_text
+
+log = logging.getLogger("draftsmith.evaluate")
+
+METHODS = ("target_only", "dflash", "prompt_lookup")
+REPORT_FORMAT = "draftsmith.eval/1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and checks
+# ------------------------------------------------------------------------------------------------
+
+def load_drafter(folder: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype,
+                 implementation: str = "draftsmith") -> nn.Module:
+    """Load an exported DFlash drafter folder (z-lab format: config.json + model.safetensors).
+
+    Args:
+        implementation: ``draftsmith`` (``draftsmith.modeling.DFlashDraftModel``) or ``dflash`` (the
+            official z-lab package, if installed); both have the same inference interface.
+
+    Raises:
+        FileNotFoundError: missing folder / files.
+        ValueError: a DFlash-2 checkpoint (candidate selector; not supported), or an unknown implementation.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
+    raw = read_json(cfg_path)
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise ValueError(f"{cfg_path}: DFlash2DraftModel checkpoints (candidate selector) are not supported")
+    if implementation == "draftsmith":
+        from draftsmith.modeling import DFlashDraftModel
+
+        return DFlashDraftModel.from_pretrained(folder, dtype=dtype, device=device).eval()
+    if implementation == "dflash":
+        from dflash.model import DFlashDraftModel as Official
+
+        return Official.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    raise ValueError(f"unknown drafter implementation {implementation!r} (draftsmith, dflash)")
+
+
+def check_pair(drafter: nn.Module, target: nn.Module) -> None:
+    """Raise ``ValueError`` (naming the field) unless the drafter was built for this target: width,
+    number of target layers, tapped layer ids within range, mask token inside the embedding."""
+    from draftsmith.target import num_layers, text_config, validate_layer_ids
+
+    L = num_layers(target)
+    tcfg = text_config(target.config)
+    n_cfg = getattr(drafter.config, "num_target_layers", None)
+    if n_cfg is not None and int(n_cfg) != L:
+        raise ValueError(f"drafter config num_target_layers={n_cfg} but the target has {L} decoder layers: "
+                         "the drafter was trained for another target")
+    validate_layer_ids(list(drafter.target_layer_ids), L)
+    if int(drafter.config.hidden_size) != int(tcfg.hidden_size):
+        raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} != target hidden_size {tcfg.hidden_size}")
+    rows = target.get_input_embeddings().weight.shape[0]
+    if drafter.mask_token_id is None or not 0 <= int(drafter.mask_token_id) < rows:
+        raise ValueError(f"drafter dflash_config.mask_token_id={drafter.mask_token_id} is not a row of the "
+                         f"target's embedding (0..{rows - 1})")
+
+
+def target_fingerprint(target_dir: str | os.PathLike) -> str:
+    """sha256 over the target's config.json and the names and sizes of its weight files (cheap; the
+    weights of a 27B target are not hashed here)."""
+    folder = Path(target_dir)
+    digest = hashlib.sha256()
+    digest.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# Partial results (resume)
+# ------------------------------------------------------------------------------------------------
+
+def _result_from_dict(d: dict) -> GenerationResult:
+    return GenerationResult(**d)
+
+
+def _save_partial(path: Path, key: str, payload: dict) -> None:
+    write_json(path, {"key": key, **payload})
+
+
+def _load_partial(path: Path, key: str) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except ValueError:
+        log.warning("%s is not valid JSON: recomputing that set", path)
+        return None
+    if data.get("key") != key:
+        log.info("%s was computed with other inputs: recomputing that set", path)
+        return None
+    return data
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------------
+
+def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokenized_eval: str,
+                 outputs: dict[str, str], evaluate_cfg: dict, target_cfg: dict, sources: list[dict],
+                 followup_files: dict[str, str] | None = None, device: torch.device | str | None = None,
+                 partial_dir: str | None = None, drafter_implementation: str = "draftsmith") -> dict:
+    """Run the evaluate stage and write report.json, report.md and the three plots.
+
+    Args:
+        target_dir: the target's Hugging Face folder.
+        drafter_dir: the exported drafter folder (``results/drafter/final``).
+        curated_eval: ``results/curated/eval.parquet`` (benchmark conversations).
+        tokenized_eval: ``results/tokenized/eval.parquet`` (its metadata: chat template kwargs and
+            tokenizer fingerprint used for training).
+        outputs: paths ``json``, ``md``, ``tau``, ``positions``, ``histogram``.
+        evaluate_cfg: config ``evaluate`` (sets, sampling, prompt lookup, ...).
+        target_cfg: config ``target`` (dtype, attn_implementation, trust_remote_code).
+        sources: config ``data.sources`` (``split: both`` sources form the ``heldout`` set).
+        followup_files: per source name, the MT-Bench question file folder (turn 2 questions).
+        device: default: ``cuda`` if available else ``cpu``.
+        partial_dir: where per-set results are kept until the report is written (resume).
+
+    Returns:
+        The report dict (also written to ``outputs["json"]``).
+
+    Raises:
+        ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
+    """
+    from draftsmith.target import default_device, load_target, resolve_dtype
+    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, tokenizer_fingerprint
+
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
+    sampling = SamplingConfig(float(evaluate_cfg.get("temperature", 0.0)), float(evaluate_cfg.get("top_p", 1.0)),
+                              int(evaluate_cfg.get("top_k", 0)))
+    seed = int(evaluate_cfg.get("seed", 0))
+    rollback = evaluate_cfg.get("rollback", "auto")
+
+    meta = read_tokenized_metadata(tokenized_eval)
+    template_kwargs = meta["chat_template_kwargs"]
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=bool(target_cfg.get("trust_remote_code", False)))
+    fp = tokenizer_fingerprint(tokenizer)
+    if fp != meta["tokenizer_fingerprint"]:
+        raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
+                         f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
+                         f"({fp[:12]}); evaluation must render prompts exactly as training did")
+    stops = stop_tokens(tokenizer, target_dir, evaluate_cfg.get("stop_tokens"))
+
+    target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
+                         attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
+                         trust_remote_code=bool(target_cfg.get("trust_remote_code", False)))
+    drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
+    check_pair(drafter, target)
+    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg.get("block_size"))
+    pl_tokens = evaluate_cfg.get("prompt_lookup_num_tokens") or dflash.max_drafts
+    lookup = PromptLookupProposer(int(evaluate_cfg.get("prompt_lookup_ngram", 3)), int(pl_tokens))
+    max_positions = int(getattr(getattr(target.config, "text_config", None) or target.config,
+                                "max_position_embeddings", 1 << 30))
+    max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
+
+    followups = _read_followups(followup_files or {})
+    heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
+    sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {}, heldout_sources=heldout_sources,
+                     followups=followups)
+    if not sets:
+        raise ValueError("evaluate.sets is empty: nothing to evaluate")
+
+    drafter_sha = sha256_file(Path(drafter_dir) / "model.safetensors")
+    base_key = {"format": REPORT_FORMAT, "drafter": drafter_sha, "target": target_fingerprint(target_dir),
+                "tokenizer": fp, "template_kwargs": template_kwargs, "sampling": dataclasses.asdict(sampling),
+                "seed": seed, "block_size": dflash.block_size, "lookup": [lookup.max_ngram, lookup.max_drafts],
+                "stops": stops, "device": device.type, "dtype": str(dtype), "rollback": rollback,
+                "max_prompt_tokens": max_prompt_tokens}
+    partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
+
+    def run_all(ids: list[int], max_new: int, gen_seed: int, rotate: int = 0) -> dict[str, GenerationResult]:
+        out = {}
+        order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]  # no method always first
+        for method in order:
+            gen = torch.Generator(device=device).manual_seed(gen_seed) if not sampling.greedy else None
+            if method == "target_only":
+                out[method] = target_generate(target, ids, max_new_tokens=max_new, stop_token_ids=stops,
+                                              sampling=sampling, generator=gen)
+            else:
+                proposer = dflash if method == "dflash" else lookup
+                out[method] = speculative_generate(target, proposer, ids, max_new_tokens=max_new,
+                                                   stop_token_ids=stops, sampling=sampling, generator=gen,
+                                                   rollback=rollback)
+        return out
+
+    warmed = False
+    set_reports: dict[str, dict] = {}
+    all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
+    all_labels: list[str] = []
+    for bset in sets:
+        key_src = json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts, bset.max_new_tokens],
+                              "rows": [c.id for c in bset.conversations]}, sort_keys=True)
+        key = hashlib.sha256(key_src.encode()).hexdigest()
+        ppath = partial / f"{bset.name}.json"
+        cached = _load_partial(ppath, key)
+        if cached is not None:
+            log.info("set %s: reusing results of an interrupted run (%s)", bset.name, ppath)
+            results = {m: [_result_from_dict(d) for d in cached["results"][m]] for m in METHODS}
+            labels, skipped, planned = cached["labels"], cached["skipped_prompts"], cached["planned"]
+        else:
+            results = {m: [] for m in METHODS}
+            labels: list[str] = []
+            skipped: dict[str, int] = {}
+            planned = 0
+            for conv in bset.conversations:
+                history = list(conv.context)
+                planned += len(conv.user_turns)
+                for t, turn in enumerate(conv.user_turns):
+                    history = history + turn
+                    ids = render(tokenizer, history, conv.tools, template_kwargs)
+                    if len(ids) > max_prompt_tokens or len(ids) + bset.max_new_tokens > max_positions:
+                        left = len(conv.user_turns) - t  # later turns need this one's answer
+                        skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + left
+                        log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
+                                    "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
+                                    max_prompt_tokens, bset.max_new_tokens, max_positions, left - 1)
+                        break
+                    if not warmed:
+                        run_all(ids, min(16, bset.max_new_tokens), seed)  # first-call costs out of the timings
+                        warmed = True
+                    gen_seed = int.from_bytes(hashlib.sha256(f"{seed}:{conv.id}:{t}".encode()).digest()[:6], "little")
+                    res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
+                    for m in METHODS:
+                        results[m].append(res[m])
+                    labels.append(f"{conv.id}#{t}")
+                    answer = tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
+                    history = history + [{"role": "assistant", "content": answer}]
+                    log.info("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
+                             bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
+                             res["dflash"].tau, res["prompt_lookup"].tau)
+            _save_partial(ppath, key, {"results": {m: [dataclasses.asdict(r) for r in results[m]] for m in METHODS},
+                                       "labels": labels, "skipped_prompts": skipped, "planned": planned})
+        set_reports[bset.name] = _set_report(bset, results, labels, skipped, planned, sampling, dflash.block_size)
+        for m in METHODS:
+            all_results[m].extend(results[m])
+        all_labels.extend(f"{bset.name}:{lab}" for lab in labels)
+
+    report = {
+        "format": REPORT_FORMAT,
+        "run": {
+            "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
+            "drafter_implementation": drafter_implementation,
+            "block_size": dflash.block_size, "target_layer_ids": dflash.layer_ids,
+            "mask_token_id": dflash.mask_token_id, "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
+            "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": seed,
+            "chat_template_kwargs": template_kwargs, "tokenizer_fingerprint": fp, "stop_token_ids": stops,
+            "prompt_lookup_ngram": lookup.max_ngram, "prompt_lookup_num_tokens": lookup.max_drafts,
+            "rollback": _rollback_text(target, rollback),
+            "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                         "python": platform.python_version()},
+        },
+        "sets": set_reports,
+        "overall": _overall(set_reports, all_results, all_labels, sampling, dflash.block_size),
+    }
+    write_json(outputs["json"], report)
+    write_text(outputs["md"], render_markdown(report))
+    plot_tau(report, outputs["tau"])
+    plot_per_position(report, outputs["positions"])
+    plot_histogram(report, outputs["histogram"])
+    shutil.rmtree(partial, ignore_errors=True)
+    bad = [n for n, s in set_reports.items() if s["lossless"] is not None
+           and not (s["lossless"]["dflash"]["lossless"] and s["lossless"]["prompt_lookup"]["lossless"])]
+    if bad:
+        log.warning("!" * 20 + " greedy speculative output differs from target-only output in set(s) %s "
+                    "(see report.json lossless.mismatches; bf16 kernels whose results depend on the number of "
+                    "tokens per forward can flip near-tied argmaxes)", ", ".join(bad))
+    return report
+
+
+def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -> dict:
+    base = results["target_only"]
+    if planned != len(base) + sum(skipped.values()):
+        raise RuntimeError(f"set {bset.name}: {planned} prompts planned != {len(base)} decoded + {skipped} skipped")
+    if bset.rows_read != len(bset.conversations) + sum(bset.skipped.values()):
+        raise RuntimeError(f"set {bset.name}: {bset.rows_read} rows read != {len(bset.conversations)} kept + "
+                           f"{bset.skipped} skipped")
+    out = {
+        "source": bset.source,
+        "max_prompts": bset.max_prompts,
+        "max_new_tokens": bset.max_new_tokens,
+        "rows_read": bset.rows_read,
+        "conversations": len(bset.conversations),
+        "skipped_rows": dict(bset.skipped),
+        "prompts_planned": planned,
+        "prompts": len(base),
+        "skipped_prompts": dict(skipped),
+        "target_only": summarize(base),
+        "dflash": summarize(results["dflash"], base, block_size),
+        "prompt_lookup": summarize(results["prompt_lookup"], base),
+        "lossless": None if not sampling.greedy else {
+            "dflash": lossless_check(base, results["dflash"], labels),
+            "prompt_lookup": lossless_check(base, results["prompt_lookup"], labels)},
+        "per_prompt": [
+            {"prompt": lab, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
+             "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
+             "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau}
+            for lab, b, d, p in zip(labels, base, results["dflash"], results["prompt_lookup"])],
+    }
+    return out
+
+
+def _overall(set_reports, all_results, all_labels, sampling, block_size) -> dict:
+    base = all_results["target_only"]
+    return {
+        "conversations": sum(s["conversations"] for s in set_reports.values()),
+        "prompts": len(base),
+        "target_only": summarize(base),
+        "dflash": summarize(all_results["dflash"], base, block_size),
+        "prompt_lookup": summarize(all_results["prompt_lookup"], base),
+        "lossless": None if not sampling.greedy else {
+            "dflash": lossless_check(base, all_results["dflash"], all_labels),
+            "prompt_lookup": lossless_check(base, all_results["prompt_lookup"], all_labels)},
+    }
+
+
+def _read_followups(files: dict[str, str]) -> dict[str, dict[str, list[str]]]:
+    """Per source, ``{row id: [turn 2, ...]}`` from MT-Bench question files (draftsmith.curate)."""
+    out = {}
+    for source, path in files.items():
+        from draftsmith.curate import mtbench_questions
+
+        questions = mtbench_questions(path)
+        out[source] = {rid: [t for t in (q.get("turns") or [])[1:] if isinstance(t, str)]
+                       for rid, q in questions.items()}
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _sampling_text(s: SamplingConfig) -> str:
+    if s.greedy:
+        return "greedy"
+    return f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'} (rejection sampling)"
+
+
+def _rollback_text(target, rollback: str) -> str:
+    from draftsmith.evaluate.cache import TargetCache
+
+    with TargetCache(target, rollback) as tc:
+        if not tc.recurrent:
+            return "crop (attention-only target)"
+        return f"snapshot + re-run accepted tokens through the {'recurrent mixers' if tc.mode == 'mixer' else 'target'}"
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
