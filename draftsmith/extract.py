@@ -33,7 +33,7 @@ so every sample is its own row of a right-padded batch.
 Pipeline: forwards in the main thread; device-to-host copies on a side CUDA stream into two pinned
 chunk buffers; one writer thread serialises, fsyncs and hashes each chunk (hashing concurrently with
 the write, :func:`write_safetensors`) while the next chunk computes, so only the last chunk's write is
-not hidden. Measured with ``python bench/extract.py --tokens 65536`` on one H200 (random-weight
+not hidden. Measured with ``python bench/bench_extract.py --tokens 65536`` on one H200 (random-weight
 Qwen3.5-27B shape, flash-linear-attention, 68K real tokens of ShareGPT-shaped lengths, budget 16384,
 layer ids [1, 16, 31, 46, 61], steady state): default config (target tokens) 6.4K tok/s end to end and
 7.2K tok/s compute-only against 5.8K tok/s for ``output_hidden_states=True`` on the same batches

@@ -13,9 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-# bench/tokenize.py shadows the stdlib module `tokenize` when bench/ is first on sys.path (a script's folder)
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
 
 import argparse  # noqa: E402
 import time  # noqa: E402

@@ -23,10 +23,6 @@ from __future__ import annotations
 import os
 import sys
 
-# bench/ (like scripts/) holds tokenize.py, which would shadow the standard library's `tokenize` when this file
-# is run directly: replace this folder on sys.path by the repository root before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

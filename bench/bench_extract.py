@@ -42,9 +42,6 @@ from __future__ import annotations
 import os
 import sys
 
-# bench/ holds tokenize.py (the tokenize benchmark), which would shadow the standard library's tokenize
-# module for every script run from this folder: drop the script's folder from the import path first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -22,10 +22,6 @@ from __future__ import annotations
 import os
 import sys
 
-# This file is named like the stdlib module `tokenize` (which pyarrow and linecache import): run as a
-# script, its own folder comes first on sys.path and would shadow it.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
 
 import argparse
 import json

@@ -21,10 +21,6 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a file, Python puts bench/ first on sys.path, where bench/tokenize.py would shadow the standard
-# library's `tokenize` (imported by linecache / inspect): drop that entry before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
 import shutil  # noqa: E402
