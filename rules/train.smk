@@ -26,4 +26,4 @@ rule train:
         "{GPU_LEASE} {resources.gpu} -- {PYTHON} -m torch.distributed.run --standalone"
         " --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} : 1 ))"
         " {input.script} --index {input.index} --target {input.target}"
-        " --out results/drafter --threads {threads} --args '{params.args}' > {log} 2>&1"
+        " --out results/drafter --threads {threads} --args {params.args:q} > {log} 2>&1"
