@@ -42,15 +42,20 @@ log = logging.getLogger("draftsmith.evaluate")
 ROLLBACK_MODES = ("auto", "mixer", "forward")
 
 
+# Name of the cache argument of a token mixer: ``cache_params`` up to transformers 5.23, ``cache`` from 5.24.
+_CACHE_ARGS = ("cache_params", "cache")
+
+
 def _mixer_of(layer: nn.Module) -> nn.Module | None:
-    """The token-mixer child of a decoder layer that owns a recurrent cache (its forward takes
-    ``cache_params``: ``linear_attn`` in Qwen3.5 / Qwen3-Next, ``mamba`` / ``mixer`` elsewhere)."""
+    """The token-mixer child of a decoder layer that owns a recurrent cache (its forward takes the
+    cache: ``linear_attn`` in Qwen3.5 / Qwen3-Next, ``mamba`` / ``mixer`` elsewhere). Called only on
+    layers whose cache layer is recurrent, which have no attention child."""
     for child in layer.children():
         try:
             params = inspect.signature(child.forward).parameters
         except (TypeError, ValueError):
             continue
-        if "cache_params" in params:
+        if any(name in params for name in _CACHE_ARGS):
             return child
     return None
 
