@@ -320,27 +320,6 @@ def free_disk_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(p).free
 
 
-def target_fingerprint(target_dir: str | os.PathLike) -> str:
-    """A cheap, deterministic fingerprint of a target folder (not a full content hash).
-
-    sha256 over ``config.json`` and, for every ``*.safetensors`` file (sorted by name), its name, size,
-    and its first and last MiB (the header with every tensor's name, dtype, shape and offsets, plus
-    weight bytes). Hashing tens of GB of weights per shard job would cost minutes.
-    """
-    folder = tgt.check_model_folder(target_dir)
-    digest = hashlib.sha256()
-    digest.update((folder / "config.json").read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        size = f.stat().st_size
-        digest.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            digest.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                digest.update(fh.read(1 << 20))
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------------------------------
 # batches and chunks
 
@@ -776,7 +755,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         crow = [r for b in bs for r in b.rows]
         chunks.append(_ChunkWork(j, bs, crow, [tok.ids[r] for r in crow], sum(b.real_tokens for b in bs)))
 
-    fingerprint = target_fingerprint(target_dir)
+    fingerprint = tgt.target_fingerprint(target_dir)
     model_dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else \
         str(tgt.resolve_dtype(target_cfg.get("dtype", "auto"),
                               device or tgt.default_device())).replace("torch.", "")

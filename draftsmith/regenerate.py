@@ -54,6 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from draftsmith.target import target_fingerprint
 from draftsmith.io import atomic_path, sha256_file
 from draftsmith.tokenize import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
                                  tokenizer_fingerprint)
@@ -261,14 +262,6 @@ class Regenerator:
 # Files
 
 
-def target_fingerprint(target_dir: str | os.PathLike) -> str:
-    """sha256 of the target folder's config.json and of its weight files' names and sizes (cheap, no read)."""
-    folder = Path(target_dir)
-    digest = hashlib.sha256()
-    for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
-        digest.update(p.name.encode())
-        digest.update(p.read_bytes() if p.suffix == ".json" else str(p.stat().st_size).encode())
-    return digest.hexdigest()
 
 
 def _check_counts(stats: collections.Counter) -> None:

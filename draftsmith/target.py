@@ -12,6 +12,7 @@ list-valued ``output_hidden_states`` changed meaning between transformers 5.17 a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -61,6 +62,28 @@ def check_model_folder(path: str | os.PathLike) -> Path:
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ValueError(f"{folder} has a config.json but no *.safetensors weights")
     return folder
+
+
+def target_fingerprint(target_dir: str | os.PathLike) -> str:
+    """A cheap, deterministic fingerprint of a target folder (not a full content hash); shared by
+    extract (manifests), regenerate and evaluate (resume keys).
+
+    sha256 over ``config.json`` and, for every ``*.safetensors`` file (sorted by name), its name, size,
+    and its first and last MiB (the header with every tensor's name, dtype, shape and offsets, plus
+    weight bytes). Hashing tens of GB of weights per shard job would cost minutes.
+    """
+    folder = check_model_folder(target_dir)
+    digest = hashlib.sha256()
+    digest.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                digest.update(fh.read(1 << 20))
+    return digest.hexdigest()
 
 
 def text_config(config):

@@ -38,6 +38,7 @@ from draftsmith.evaluate.report import (
     summarize,
 )
 from draftsmith.evaluate.sampling import SamplingConfig
+from draftsmith.target import target_fingerprint
 from draftsmith.io import read_json, sha256_file, write_json, write_text
 
 log = logging.getLogger("draftsmith.evaluate")
@@ -100,15 +101,6 @@ def check_pair(drafter: nn.Module, target: nn.Module) -> None:
                          f"target's embedding (0..{rows - 1})")
 
 
-def target_fingerprint(target_dir: str | os.PathLike) -> str:
-    """sha256 over the target's config.json and the names and sizes of its weight files (cheap; the
-    weights of a 27B target are not hashed here)."""
-    folder = Path(target_dir)
-    digest = hashlib.sha256()
-    digest.update((folder / "config.json").read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        digest.update(f"{f.name}:{f.stat().st_size}".encode())
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
