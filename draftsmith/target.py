@@ -134,22 +134,23 @@ def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.d
     return model.to(device).eval()
 
 
+def _decoder_part(model: nn.Module, name: str, what: str):
+    """Attribute ``name`` of the target's decoder (``model.get_decoder()``); ValueError naming ``what``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    part = getattr(decoder, name, None)
+    if part is None:
+        raise ValueError(f"cannot find the {what} of {type(model).__name__}")
+    return part
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's decoder layers, in order (``model.get_decoder().layers``)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers
+    return _decoder_part(model, "layers", "decoder layers")
 
 
 def final_norm(model: nn.Module) -> nn.Module:
     """The target's final norm (applied by HF to ``output_hidden_states[L]``)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    norm = getattr(decoder, "norm", None)
-    if norm is None:
-        raise ValueError(f"cannot find the final norm of {type(model).__name__}")
-    return norm
+    return _decoder_part(model, "norm", "final norm")
 
 
 def num_layers(model_or_config) -> int:

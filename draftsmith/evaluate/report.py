@@ -210,10 +210,18 @@ def _pyplot():
     return plt
 
 
-def plot_tau(report: dict, path) -> None:
-    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated."""
+def _save_figure(plt, fig, path) -> None:
+    """Lay out ``fig``, write it as PNG atomically to ``path``, and free it."""
     from draftsmith.io import atomic_path
 
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_tau(report: dict, path) -> None:
+    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated."""
     plt = _pyplot()
     names = list(report["sets"])
     d = [report["sets"][n]["dflash"]["tau"] or 0.0 for n in names]
@@ -233,16 +241,11 @@ def plot_tau(report: dict, path) -> None:
     ax.set_ylabel("acceptance length τ (tokens / target forward)")
     ax.set_title("τ per benchmark set (labels: wall-clock speedup vs target-only)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save_figure(plt, fig, path)
 
 
 def plot_per_position(report: dict, path) -> None:
     """Lines: per-position acceptance rate P(drafts 1..k accepted) against draft slot k, per set."""
-    from draftsmith.io import atomic_path
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for name, s in report["sets"].items():
@@ -254,16 +257,11 @@ def plot_per_position(report: dict, path) -> None:
     ax.set_ylim(0, 1.02)
     ax.set_title("DFlash per-position acceptance")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save_figure(plt, fig, path)
 
 
 def plot_histogram(report: dict, path) -> None:
     """Bars: fraction of verify steps committing n tokens (n = 1..B), per set."""
-    from draftsmith.io import atomic_path
-
     plt = _pyplot()
     names = list(report["sets"])
     width = max((len(report["sets"][n]["dflash"]["acceptance_histogram"]) for n in names), default=1)
@@ -279,7 +277,4 @@ def plot_histogram(report: dict, path) -> None:
     ax.set_ylabel("fraction of steps")
     ax.set_title("DFlash acceptance-length histogram")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path, suffix=".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save_figure(plt, fig, path)

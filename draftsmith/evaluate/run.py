@@ -322,12 +322,7 @@ def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -
         "prompts_planned": planned,
         "prompts": len(base),
         "skipped_prompts": dict(skipped),
-        "target_only": summarize(base),
-        "dflash": summarize(results["dflash"], base, block_size),
-        "prompt_lookup": summarize(results["prompt_lookup"], base),
-        "lossless": None if not sampling.greedy else {
-            "dflash": lossless_check(base, results["dflash"], labels),
-            "prompt_lookup": lossless_check(base, results["prompt_lookup"], labels)},
+        **_decoder_metrics(results, labels, sampling, block_size),
         "per_prompt": [
             {"prompt": lab, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
              "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
@@ -337,17 +332,25 @@ def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -
     return out
 
 
+def _decoder_metrics(results, labels, sampling, block_size) -> dict:
+    """Summaries of target-only, DFlash and prompt-lookup decoding, and (greedy) the lossless checks."""
+    base = results["target_only"]
+    return {
+        "target_only": summarize(base),
+        "dflash": summarize(results["dflash"], base, block_size),
+        "prompt_lookup": summarize(results["prompt_lookup"], base),
+        "lossless": None if not sampling.greedy else {
+            "dflash": lossless_check(base, results["dflash"], labels),
+            "prompt_lookup": lossless_check(base, results["prompt_lookup"], labels)},
+    }
+
+
 def _overall(set_reports, all_results, all_labels, sampling, block_size) -> dict:
     base = all_results["target_only"]
     return {
         "conversations": sum(s["conversations"] for s in set_reports.values()),
         "prompts": len(base),
-        "target_only": summarize(base),
-        "dflash": summarize(all_results["dflash"], base, block_size),
-        "prompt_lookup": summarize(all_results["prompt_lookup"], base),
-        "lossless": None if not sampling.greedy else {
-            "dflash": lossless_check(base, all_results["dflash"], all_labels),
-            "prompt_lookup": lossless_check(base, all_results["prompt_lookup"], all_labels)},
+        **_decoder_metrics(all_results, all_labels, sampling, block_size),
     }
 
 
