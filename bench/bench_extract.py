@@ -207,6 +207,60 @@ def warm_up(model, batches, vocab: int, device: str) -> None:
     sync(device)
 
 
+KERNEL_CLASSES = (  # first match wins; lower-case substrings of CUDA kernel names
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
+    ("attention (full layers)", ("flash", "fmha", "attention", "sdpa")),
+    ("gated deltanet (fla triton)", ("chunk", "recurrent", "delta", "l2norm", "solve", "fwd_kernel", "bwd_kernel",
+                                     "conv")),
+    ("norms / activations / elementwise", ("norm", "elementwise", "vectorized", "silu", "sigmoid", "softplus",
+                                           "reduce", "cat", "copy", "index", "fill", "exp", "mul", "add")),
+)
+
+
+@torch.inference_mode()
+def profile_kernels(model, batch, ids, repeats: int) -> dict:
+    """GPU time of ``repeats`` decoder forwards on one padded batch, grouped by kernel class.
+
+    Returns ``{"total_ms", "classes": {class: ms}, "top": [(kernel, ms, calls)]}``; printed as a table.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = max(batch.lengths)
+    x = torch.zeros(len(batch.rows), seq, dtype=torch.long)
+    for j, r in enumerate(batch.rows):
+        x[j, :batch.lengths[j]] = torch.from_numpy(ids[r].astype(np.int64))
+    x = x.cuda()
+    mask = (torch.arange(seq)[None] < torch.tensor(batch.lengths)[:, None]).long().cuda() if len(batch.rows) > 1 \
+        else None
+    dec = model.get_decoder()
+    dec(input_ids=x, attention_mask=mask, use_cache=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            dec(input_ids=x, attention_mask=mask, use_cache=False)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.key and not e.key.startswith(("ProfilerStep", "cuda")):
+            rows.append((e.key, t / 1e3 / repeats, e.count // repeats))
+    rows.sort(key=lambda r: -r[1])
+    classes: dict[str, float] = {}
+    for name, ms, _ in rows:
+        low = name.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+        classes[cls] = classes.get(cls, 0.0) + ms
+    total = sum(classes.values())
+    print(f"\n=== GPU time of one decoder forward ({len(batch.rows)} x {seq} tokens, "
+          f"{sum(batch.lengths)} real): {total:.1f} ms ===")
+    for c, ms in sorted(classes.items(), key=lambda kv: -kv[1]):
+        print(f"  {c:<36} {ms:8.1f} ms  {100 * ms / total:5.1f} %")
+    print("  top kernels:")
+    for name, ms, n in rows[:25]:
+        print(f"    {ms:8.2f} ms  x{n:<4d} {name[:110]}")
+    return {"total_ms": total, "classes": classes, "top": rows[:40]}
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -226,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-full-warmup", dest="full_warmup", action="store_false",
                    help="skip the untimed pass of each path over all batches")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="also profile K decoder forwards (the first batch) and print GPU time per kernel class")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
@@ -348,6 +404,8 @@ def main(argv=None) -> int:
                  row["model_tflops"], 100 * row["fraction_of_peak"],
                  f"{row['bytes_per_token']:.0f} B/token" if nbytes else "(no disk)", row["compute_s"],
                  _fmt(row["write_s"]), _fmt(row["wait_s"]), _fmt(row["host_alloc_s"]), mem)
+    if args.profile and device == "cuda":
+        results["profile"] = profile_kernels(model, max(batches, key=lambda b: b.padded_tokens), ids, args.profile)
     naive = [r["tokens_per_s"] for r in rows_out if r["variant"].startswith("naive")]
     base = float(np.mean(naive)) if naive else None
     print("\n=== extract benchmark: %s, %s, fla=%s, %.2fB params, %d samples / %d real tokens (%.1f %% padding), "

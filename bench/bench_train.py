@@ -168,15 +168,15 @@ def flex_vs_dense(model, embed, head, batch, gamma, device) -> dict:
             "grad_max_rel_diff": worst}
 
 
-def run_e2e(workdir: Path, steps: int = 40) -> dict:
-    """The real training loop (``draftsmith.train.train``: prefetch thread, pinned copies, flex, fused AdamW,
-    checkpoints, held-out metrics) on small synthetic features: arithmetic token sequences, so the drafter can
-    learn them. Checks that it runs on this device and that the loss falls; not a speed figure."""
+SYNTH = dict(hidden=256, vocab=4096, target_layers=8, layer_ids=[1, 5])
+
+
+def write_synthetic(workdir: Path) -> tuple[Path, Path]:
+    """Small synthetic features (arithmetic token sequences, so a drafter can learn them) and a target folder
+    holding only the config, embedding and LM head. Returns (index.json, target folder)."""
     from safetensors.torch import save_file
 
-    from draftsmith.train import train
-
-    H, V, L, ids_ = 256, 4096, 8, [1, 5]
+    H, V, L, ids_ = SYNTH["hidden"], SYNTH["vocab"], SYNTH["target_layers"], SYNTH["layer_ids"]
     tdir = workdir / "target"
     tdir.mkdir(parents=True, exist_ok=True)
     Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=512, num_hidden_layers=L, num_attention_heads=4,
@@ -211,17 +211,60 @@ def run_e2e(workdir: Path, steps: int = 40) -> dict:
         "num_tokens": sum(c["num_tokens"] for c in chunks),
         "layer_ids": ids_, "hidden_size": H, "num_target_layers": L, "storage_dtype": "bfloat16",
         "has_target_token": True, "target_fingerprint": "synthetic", "tokenizer_fingerprint": "synthetic"}))
+    return fdir / "index.json", tdir
+
+
+def synthetic_cfg(steps: int) -> dict:
+    return {"train": {"max_steps": steps, "tokens_per_batch": 1024, "num_anchors": 64, "lr": 3e-3,
+                      "save_every": steps // 2, "eval_every": steps // 2, "eval_fraction": 0.1, "log_every": 5,
+                      "labels": "data"},
+            "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": SYNTH["vocab"] - 1,
+                        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128}}
+
+
+def run_e2e(workdir: Path, steps: int = 40) -> dict:
+    """The real training loop (``draftsmith.train.train``: prefetch thread, pinned copies, flex, fused AdamW,
+    checkpoints, held-out metrics) on :func:`write_synthetic` features. Checks that it runs on this device and
+    that the loss falls; not a speed figure."""
+    from draftsmith.train import train
+
+    index, tdir = write_synthetic(workdir)
+    cfg = synthetic_cfg(steps)
     t = time.perf_counter()
-    state = train(fdir / "index.json", tdir, workdir / "out", {
-        "max_steps": steps, "tokens_per_batch": 1024, "num_anchors": 64, "lr": 3e-3, "save_every": steps // 2,
-        "eval_every": steps // 2, "eval_fraction": 0.1, "log_every": 5, "labels": "data"},
-        {"num_layers": 2, "block_size": 8, "mask_token_id": V - 1,
-         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128})
+    state = train(index, tdir, workdir / "out", cfg["train"], cfg["drafter"])
     first = state["history"][0]["loss"] if state["history"] else None
     return {"wall_s": time.perf_counter() - t, "steps": state["steps"], "heldout_first": first,
             "heldout_final": state["heldout"], "last_train": state["last_train"],
             "checkpoints": sorted(p.name for p in (workdir / "out" / "checkpoints").iterdir()),
             "trained": sorted(p.name for p in (workdir / "out" / "trained").iterdir())}
+
+
+def run_ddp(workdir: Path, nproc: int, steps: int = 40) -> dict:
+    """``torchrun --nproc-per-node nproc scripts/train.py`` (the train rule's command; NCCL on CUDA) on
+    :func:`write_synthetic` features, then the same with one process; returns both trainer states' figures.
+    Each rank takes its own rows, so a step of N processes sees N times the rows of a step of one."""
+    import subprocess
+
+    index, tdir = write_synthetic(workdir)
+    cfg = synthetic_cfg(steps)
+    res = {}
+    for n in (nproc, 1):
+        out = workdir / f"out-{n}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               str(Path(__file__).resolve().parents[1] / "scripts" / "train.py"), "--index", str(index),
+               "--target", str(tdir), "--out", str(out), "--args", json.dumps(cfg)]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0:
+            res[f"procs_{n}"] = {"returncode": proc.returncode, "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+            continue
+        state = json.loads((out / "trained" / "trainer_state.json").read_text())
+        res[f"procs_{n}"] = {"wall_s": wall, "steps": state["steps"], "world": state.get("world_size"),
+                             "heldout_first": state["history"][0]["loss"] if state["history"] else None,
+                             "heldout_final": state["heldout"]["loss"], "last_train": state["last_train"],
+                             "log_tail": (proc.stdout + proc.stderr)[-800:]}
+    return res
 
 
 def main() -> int:
@@ -232,6 +275,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no optional stage past this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--e2e", action="store_true", help="also run draftsmith.train.train on small synthetic features")
+    ap.add_argument("--ddp", type=int, default=0, metavar="N",
+                    help="only run scripts/train.py under torchrun with N processes (and 1) on synthetic features")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.json and progress.log")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -248,6 +293,15 @@ def main() -> int:
         return time.perf_counter() - t_start
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.ddp:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            res = run_ddp(Path(tmp), args.ddp)
+        (out / "ddp.json").write_text(json.dumps(res, indent=1))
+        for k, r in res.items():
+            say(f"{k}: " + json.dumps({a: b for a, b in r.items() if a != "log_tail"}))
+            say(f"{k} log tail:\n{r.get('log_tail', '')}")
+        return 0
     shape = TINY if args.tiny else REAL
     torch.backends.cuda.matmul.allow_tf32 = True
     import transformers

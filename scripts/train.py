@@ -40,7 +40,11 @@ def main() -> int:
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
-    train(args.index, args.target, args.out, cfg.get("train"), cfg.get("drafter"), threads=args.threads)
+    try:
+        train(args.index, args.target, args.out, cfg.get("train"), cfg.get("drafter"), threads=args.threads)
+    finally:
+        if torch.distributed.is_initialized():  # NCCL warns (and may leak) without an explicit teardown
+            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -500,3 +500,13 @@ def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path):
               f"(relative to the row max {worst_rel:.2e}), target_token mismatches {mismatched}/{total}")
         assert worst_rel <= 2 ** -6, worst_rel  # a couple of bf16 ulps at most (kernel choice)
         assert mismatched <= 0.01 * total  # near-ties of bf16 logits may flip between kernels
+
+
+def test_hybrid_on_cpu_with_fla_installed_is_refused_with_a_sentence(targets, monkeypatch):
+    # seen on an H200 box: with fla importable, transformers sends CPU tensors to fla's Triton kernels
+    from draftsmith import target as tgt
+
+    monkeypatch.setattr(tgt, "fla_available", lambda: True)
+    with pytest.raises(RuntimeError, match="flash-linear-attention is installed.*CUDA device"):
+        tgt.load_target(targets["qwen3_5"], device="cpu")
+    assert tgt.load_target(targets["llama"], device="cpu") is not None  # attention-only targets are unaffected
