@@ -214,22 +214,22 @@ def write_synthetic(workdir: Path) -> tuple[Path, Path]:
     return fdir / "index.json", tdir
 
 
-def synthetic_cfg(steps: int) -> dict:
+def synthetic_cfg(steps: int, compile_layers: bool = False) -> dict:
     return {"train": {"max_steps": steps, "tokens_per_batch": 1024, "num_anchors": 64, "lr": 3e-3,
                       "save_every": steps // 2, "eval_every": steps // 2, "eval_fraction": 0.1, "log_every": 5,
-                      "labels": "data"},
+                      "labels": "data", "compile": compile_layers},
             "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": SYNTH["vocab"] - 1,
                         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128}}
 
 
-def run_e2e(workdir: Path, steps: int = 40) -> dict:
+def run_e2e(workdir: Path, steps: int = 40, compile_layers: bool = False) -> dict:
     """The real training loop (``draftsmith.train.train``: prefetch thread, pinned copies, flex, fused AdamW,
     checkpoints, held-out metrics) on :func:`write_synthetic` features. Checks that it runs on this device and
     that the loss falls; not a speed figure."""
     from draftsmith.train import train
 
     index, tdir = write_synthetic(workdir)
-    cfg = synthetic_cfg(steps)
+    cfg = synthetic_cfg(steps, compile_layers)
     t = time.perf_counter()
     state = train(index, tdir, workdir / "out", cfg["train"], cfg["drafter"])
     first = state["history"][0]["loss"] if state["history"] else None
@@ -239,14 +239,14 @@ def run_e2e(workdir: Path, steps: int = 40) -> dict:
             "trained": sorted(p.name for p in (workdir / "out" / "trained").iterdir())}
 
 
-def run_ddp(workdir: Path, nproc: int, steps: int = 40) -> dict:
+def run_ddp(workdir: Path, nproc: int, steps: int = 40, compile_layers: bool = False) -> dict:
     """``torchrun --nproc-per-node nproc scripts/train.py`` (the train rule's command; NCCL on CUDA) on
     :func:`write_synthetic` features, then the same with one process; returns both trainer states' figures.
     Each rank takes its own rows, so a step of N processes sees N times the rows of a step of one."""
     import subprocess
 
     index, tdir = write_synthetic(workdir)
-    cfg = synthetic_cfg(steps)
+    cfg = synthetic_cfg(steps, compile_layers)
     res = {}
     for n in (nproc, 1):
         out = workdir / f"out-{n}"
@@ -275,6 +275,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no optional stage past this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--e2e", action="store_true", help="also run draftsmith.train.train on small synthetic features")
+    ap.add_argument("--compile-loop", action="store_true",
+                    help="--e2e / --ddp: train with train.compile (torch.compile of the drafter layers)")
+    ap.add_argument("--e2e-only", action="store_true", help="skip the step benchmark; implies --e2e")
     ap.add_argument("--ddp", type=int, default=0, metavar="N",
                     help="only run scripts/train.py under torchrun with N processes (and 1) on synthetic features")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.json and progress.log")
@@ -296,11 +299,18 @@ def main() -> int:
     if args.ddp:
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            res = run_ddp(Path(tmp), args.ddp)
+            res = run_ddp(Path(tmp), args.ddp, compile_layers=args.compile_loop)
         (out / "ddp.json").write_text(json.dumps(res, indent=1))
         for k, r in res.items():
             say(f"{k}: " + json.dumps({a: b for a, b in r.items() if a != "log_tail"}))
             say(f"{k} log tail:\n{r.get('log_tail', '')}")
+        return 0
+    if args.e2e_only:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            res = run_e2e(Path(tmp), compile_layers=args.compile_loop)
+        (out / "e2e.json").write_text(json.dumps(res, indent=1))
+        say("e2e train loop: " + json.dumps(res)[:1500])
         return 0
     shape = TINY if args.tiny else REAL
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -385,7 +395,7 @@ def main() -> int:
         say("e2e: draftsmith.train.train on synthetic features")
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                results["e2e"] = run_e2e(Path(tmp))
+                results["e2e"] = run_e2e(Path(tmp), compile_layers=args.compile_loop)
         except Exception:  # noqa: BLE001 - report and keep the measured figures
             results["e2e"] = {"error": traceback.format_exc()[-3000:]}
         say("e2e train loop: " + json.dumps(results["e2e"])[:1500])
