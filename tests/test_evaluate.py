@@ -549,6 +549,15 @@ def test_load_sets(tmp_path):
     assert [c.id for c in code.conversations] == ["x1"]
     with pytest.raises(ValueError, match="humaneval"):
         load_sets(path, {"he": {"source": "humaneval"}}, heldout_sources=["chat"])
+    # prompts that do not fit are skipped, counted, and the set is filled from the rows after them
+    long_first = [{"id": "L", "source": "chat", "messages": [m("user", "x" * 50), m("assistant", "a")],
+                   "tools": None}] + rows
+    path = write_curated(tmp_path / "eval2.parquet", long_first)
+    (held,) = load_sets(path, {"heldout": {"source": "heldout", "max_prompts": 2, "max_new_tokens": 3}},
+                        heldout_sources=["chat", "math"],
+                        first_prompt_fits=lambda conv, new: len(conv.user_turns[0][0]["content"]) + new <= 10)
+    assert [c.id for c in held.conversations] == ["h1", "h3"]
+    assert held.skipped == {"prompt_too_long": 1, "no_user_turn": 1} and held.rows_read == 4
 
 
 @pytest.fixture(scope="module")
@@ -640,8 +649,10 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(report))
     held, mt = report["sets"]["heldout"], report["sets"]["mtbench"]
-    assert held["rows_read"] == 3 and held["conversations"] == 3 and held["prompts"] == 2
-    assert held["skipped_prompts"] == {"prompt_too_long": 1} and held["prompts_planned"] == 3
+    # the over-long first prompt is skipped when the set is read (counted), not at decode time
+    assert held["rows_read"] == 3 and held["conversations"] == 2 and held["prompts"] == 2
+    assert held["skipped_rows"] == {"prompt_too_long": 1} and held["skipped_prompts"] == {}
+    assert held["prompts_planned"] == 2
     assert mt["conversations"] == 1 and mt["prompts"] == 2  # both MT-Bench turns
     for s in (held, mt):
         assert s["lossless"]["dflash"]["lossless"] and s["lossless"]["prompt_lookup"]["lossless"]

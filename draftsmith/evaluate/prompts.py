@@ -8,7 +8,9 @@ A set is ``{source, max_prompts, max_new_tokens}`` from config ``evaluate.sets``
   bfcl, mmath, tau2, ... or any source name).
 
 Rows are taken in file order (curate writes them in a stable order), the first ``max_prompts``
-conversations. Each conversation gives one or more *turns*:
+conversations whose first prompt fits ``evaluate.max_prompt_tokens`` (longer ones are skipped and counted,
+so the held-out set can be held to the prompt lengths training saw). Each conversation gives one or more
+*turns*:
 
 * a row with an assistant turn: prompt = the messages before the last assistant turn (the reference
   answer is not shown), one turn;
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow.parquet as pq
 
@@ -122,7 +124,8 @@ def split_conversation(row_id: str, source: str, messages: list[dict], tools: st
 
 
 def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list[str],
-              followups: dict[str, dict[str, list[str]]] | None = None) -> list[BenchmarkSet]:
+              followups: dict[str, dict[str, list[str]]] | None = None,
+              first_prompt_fits: Callable[[Conversation, int], bool] | None = None) -> list[BenchmarkSet]:
     """Read the benchmark sets from the curated eval parquet.
 
     Args:
@@ -130,6 +133,9 @@ def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list
         sets: config ``evaluate.sets`` (name -> {source, max_prompts, max_new_tokens}).
         heldout_sources: names of the ``split: both`` sources (the ``heldout`` set).
         followups: per source, ``{row id: [extra user questions]}`` (MT-Bench turn 2).
+        first_prompt_fits: ``(conversation, max_new_tokens) -> bool``; a conversation whose first prompt does
+            not fit is skipped (reason ``prompt_too_long``) and does not count towards ``max_prompts``, so a
+            set is filled with prompts of the length the drafter was trained on.
 
     Returns:
         One :class:`BenchmarkSet` per configured set, in config order. ``rows_read`` counts the rows
@@ -166,6 +172,9 @@ def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list
             conv = split_conversation(row["id"], row["source"], row["messages"] or [], row["tools"], extra)
             if conv is None:
                 bset.skip("no_user_turn", row["id"])
+                continue
+            if first_prompt_fits is not None and not first_prompt_fits(conv, bset.max_new_tokens):
+                bset.skip("prompt_too_long", row["id"], "(first prompt longer than evaluate.max_prompt_tokens)")
                 continue
             bset.conversations.append(conv)
         out.append(bset)
