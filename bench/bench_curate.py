@@ -14,8 +14,8 @@ disturbs less), curate / baseline ratio, peak RSS of each, and the reconciled co
 at two sizes (``--rows`` and a tenth of it) to show that memory does not grow with the input beyond
 the ids kept for de-duplication (~100 bytes per unique row).
 
-    python bench/curate.py                     # 1,000,000 rows (~0.6 GB of JSON, ~1-2 minutes)
-    python bench/curate.py --rows 100000
+    python bench/bench_curate.py                     # 1,000,000 rows (~0.6 GB of JSON, ~1-2 minutes)
+    python bench/bench_curate.py --rows 100000
 """
 
 from __future__ import annotations

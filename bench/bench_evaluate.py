@@ -14,11 +14,8 @@ and whether the output equals the baseline token for token. For hybrid targets e
 ``rollback=mixer`` (re-run the accepted tokens through the GDN mixers only) and ``rollback=forward``
 (through the whole target); ``τ = B`` never rolls back, so it shows the loop without that cost.
 
-    python -m bench.evaluate                          # tiny hybrid target on CPU (seconds)
-    python -m bench.evaluate --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU
-
-(``python -m`` from the repository root: bench/tokenize.py would shadow the standard library
-``tokenize`` module if this file were run as ``python bench/evaluate.py``.)
+    python bench/bench_evaluate.py                          # tiny hybrid target on CPU (seconds)
+    python bench/bench_evaluate.py --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU
 """
 
 from __future__ import annotations

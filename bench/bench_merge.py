@@ -12,8 +12,8 @@ Ratios are printed against the baseline. The chunk files have just been written,
 page cache: this measures the CPU cost of merge, not the disk (on a cold network file system the
 header-only path wins by more, since it reads ~1 KB per chunk instead of the whole file).
 
-    python bench/merge.py                # 10,000 chunks, 8 shards
-    python bench/merge.py --chunks 2000 --tokens-per-chunk 256 --hidden 256
+    python bench/bench_merge.py                # 10,000 chunks, 8 shards
+    python bench/bench_merge.py --chunks 2000 --tokens-per-chunk 256 --hidden 256
 """
 
 from __future__ import annotations

@@ -14,8 +14,15 @@ Printed against baselines measured in the same run:
   ``torch.compile`` of the decoder layers;
 * flex vs dense: loss and gradient agreement on the real shape (the CPU tests can only check the forward).
 
-    python bench/train.py --tiny                 # CPU debug, tiny shapes
-    python bench/train.py --out $OUT             # H200: the real shape; writes bench.json
+    python bench/bench_train.py --tiny                 # CPU debug, tiny shapes
+    python bench/bench_train.py --out $OUT             # H200: the real shape; writes bench.json
+    python bench/bench_train.py --e2e-only [--compile-loop]   # draftsmith.train.train on synthetic features
+    python bench/bench_train.py --ddp 2                # scripts/train.py under torchrun, 2 processes vs 1
+
+Measured on one H200 (2026-11-29, torch 2.11, transformers 5.17): bf16 matmul peak 785.5 TFLOP/s; 123.3
+TFLOP per step (layers 79.6, LM head 39.0, fc 1.6, attention 3.1); eager + dense SDPA mask 366 ms/step
+(8,390 ctx tok/s, MFU 42.9%), eager + flex_attention 318 ms (9,663 tok/s, 49.4%), compiled layers + flex
+277 ms (11,075 tok/s, 56.6%); flex vs dense: loss rel. diff 8e-6, worst gradient rel. diff 1.2% (bf16).
 """
 
 from __future__ import annotations
