@@ -193,6 +193,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
 
     followups = _read_followups(followup_files or {})
     heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
+
     def first_prompt_fits(conv, max_new: int) -> bool:
         n = len(render(tokenizer, list(conv.context) + conv.user_turns[0], conv.tools, template_kwargs))
         return n <= max_prompt_tokens and n + max_new <= max_positions
