@@ -12,7 +12,11 @@ in one run:
   parquet and plan read, hooks, target tokens through the chunked LM-head argmax, sanity checks, chunk
   files written to local disk atomically with fsync and sha256, progress records, manifest);
 * ``feat``: the same without target tokens (the forward stops after the deepest tapped layer);
-* ``tt-nomask``: ``extract.padding_mask: false``; ``fp8``: ``extract.storage_dtype: float8_e4m3fn``.
+* ``tt-nomask``: ``extract.padding_mask: false``; ``fp8``: ``extract.storage_dtype: float8_e4m3fn``;
+* ``tt-compile`` (a probe, not a config option yet): ``tt`` with each decoder layer's forward compiled
+  (``torch.compile(dynamic=True)``), after one untimed compilation pass over all batches. On the 27B shape
+  (H200, 2026-11-29) that pass had not finished after 100 s of 4 batches; graph breaks in transformers'
+  hub-kernel lookup (``ContextVar.get``) were seen on a tiny CPU model.
 
 Before timing, the kernels are compiled/autotuned once per batch size (flash-linear-attention autotunes
 per batch size) and, unless ``--no-full-warmup``, each path makes one untimed pass over all batches, so
@@ -270,6 +274,18 @@ def profile_kernels(model, batch, ids, repeats: int) -> dict:
     return {"total_ms": total, "classes": classes, "top": rows[:40]}
 
 
+def compile_layers(model) -> None:
+    """``torch.compile(dynamic=True)`` of each decoder layer's ``forward`` (an instance attribute, so forward
+    hooks still run eagerly around it; ``del layer.forward`` undoes it)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(256, getattr(dynamo_config, name)))
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -351,7 +367,8 @@ def main(argv=None) -> int:
     base_cfg = {"token_budget": args.token_budget, "chunk_tokens": args.chunk_tokens,
                 "storage_dtype": "bfloat16" if dtype == torch.bfloat16 else "float32",
                 "store_target_tokens": True, "padding_mask": True, "disk_headroom": 1.05}
-    configs = {"tt": {}, "feat": {"store_target_tokens": False}, "tt-nomask": {"padding_mask": False},
+    configs = {"tt": {}, "tt-compile": {}, "feat": {"store_target_tokens": False},
+               "tt-nomask": {"padding_mask": False},
                "fp8": {"storage_dtype": "float8_e4m3fn"}}
     if args.full_warmup:
         # one untimed pass of each path over all batches: the caching allocators (device memory for the
@@ -375,6 +392,15 @@ def main(argv=None) -> int:
             flops, nbytes, stats = flops_tt, None, {"compute_s": dt}
         else:
             out = work / v / "shard-0" / "manifest.json"
+            if v == "tt-compile":  # a probe: torch.compile each decoder layer's forward (hooks stay eager)
+                compile_layers(model)
+                t0 = time.perf_counter()
+                ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
+                                 target_dir=work / "target", manifest_path=work / "cwarm" / "shard-0" / "m.json",
+                                 shard=0, model=model, extract_cfg=base_cfg)
+                shutil.rmtree(work / "cwarm")
+                results["compile_warmup_s"] = time.perf_counter() - t0
+                log.info("tt-compile: compilation pass over all batches %.1f s", results["compile_warmup_s"])
             sync(device)
             t0 = time.perf_counter()
             stats = {}
@@ -385,7 +411,10 @@ def main(argv=None) -> int:
             dt = time.perf_counter() - t0
             flops = flops_tt if man["has_target_token"] else flops_feat
             nbytes = man["bytes"]
-            if naive_first is not None and v in ("tt", "tt-nomask", "fp8"):
+            if v == "tt-compile":
+                for layer in decoder_layers(model):
+                    del layer.forward  # back to the class's eager forward
+            if naive_first is not None and v in ("tt", "tt-compile", "tt-nomask", "fp8"):
                 chunk = ex.load_chunk(out.parent / man["chunks"][0]["file"])
                 n0 = naive_first[0].shape[0]
                 got = ex.chunk_hidden_states(chunk)[:n0]
