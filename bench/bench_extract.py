@@ -31,7 +31,7 @@ DeltaNet recurrence (~0.5 % at this shape) and padding are not counted, so the f
 
 Lengths: ``--lengths`` (a JSON ``{"num_tokens": [...]}`` or a tokenized parquet), scaled to a mean of
 ``--mean-length`` and cut at ``--max-length``. Default: results/tokenized/train.parquet when present, else
-resources/bench-extract/lengths.json (ShareGPT, 4000 conversations of resources/bench-tokenize tokenized
+bench/data/sharegpt-lengths.json (committed; ShareGPT, 4000 conversations of resources/bench-tokenize tokenized
 by draftsmith.tokenize with the SmolLM2 tokenizer, max_length 32768: mean 1426 tokens), else a fixed
 log-normal.
 
@@ -42,7 +42,8 @@ Usage::
     python bench/bench_extract.py --tokens 262144 --token-budget 32768 --variants naive,tt,feat,naive2 --profile 3
 
 Measured with that last command on one H200 (2026-11-29, torch 2.11, transformers 5.17, fla 0.6; 76 samples,
-265,139 real tokens, 10.0% padding; bf16 matmul peak 790 TFLOP/s): naive 5,545 / 5,508 tok/s (36.9% of
+265,139 real tokens, 10.0% padding; the lengths file was not on the device, so the log-normal fallback was
+used; bf16 matmul peak 790 TFLOP/s): naive 5,545 / 5,508 tok/s (36.9% of
 peak); ``tt`` (target tokens, chunks written) 6,884 tok/s end to end = 1.25x naive, 45.8% of peak (compute
 only 7,172 tok/s, 47.7%); ``feat`` (features only) 7,303 tok/s = 1.32x, 44.7% (compute only 7,632, 46.7%);
 51,209 bytes/token. GPU time of one 2 x 16,384-token decoder forward: GEMMs 55.4%, norms / activations /
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
     layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids else
                  ([1, 2, 4, 5, 6] if args.tiny else [1, 16, 31, 46, 61]))
     if args.lengths is None:
-        for cand in (REPO / "results/tokenized/train.parquet", REPO / "resources/bench-extract/lengths.json"):
+        for cand in (REPO / "results/tokenized/train.parquet", REPO / "bench/data/sharegpt-lengths.json"):
             if cand.exists():
                 args.lengths = str(cand)
                 break
