@@ -181,16 +181,31 @@ class FeatureIndex:
         return out
 
 
-def split_samples(num_samples: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Held-out split of sample indices: ``round(eval_fraction * n)`` samples (at least 1 when the fraction is
-    positive and n >= 2), chosen by a seeded permutation. Returns sorted ``(train, heldout)``; they partition
-    ``range(num_samples)``."""
+def split_samples(rows: list[int] | int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Held-out split: ``round(eval_fraction * n)`` samples (at least 1 when the fraction is positive and
+    n >= 2), chosen by a seeded permutation of the tokenized rows.
+
+    Args:
+        rows: the tokenized train row of each sample, in index order (``SampleRef.row``), or ``n`` for
+            rows ``0..n-1``. The split and the order of the returned lists follow the rows, not the index
+            order, so the held-out set and the training order do not depend on ``extract.shards`` (the
+            index lists samples shard by shard).
+
+    Returns:
+        ``(train, heldout)``: index positions, each list in row order; together they partition
+        ``range(n)``.
+    """
+    rows = list(range(rows)) if isinstance(rows, int) else list(rows)
+    num_samples = len(rows)
     n_eval = int(round(eval_fraction * num_samples))
     if eval_fraction > 0 and num_samples >= 2:
         n_eval = max(1, n_eval)
     n_eval = min(n_eval, num_samples - 1)
+    by_row = sorted(range(num_samples), key=lambda i: rows[i])  # index positions in row order
     perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+    held = set(perm[:n_eval])  # ranks in row order
+    return ([by_row[r] for r in range(num_samples) if r not in held],
+            [by_row[r] for r in range(num_samples) if r in held])
 
 
 def pack_rows(lengths: list[int], order: list[int], capacity: int) -> list[list[tuple[int, int]]]:
@@ -718,7 +733,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     use_target_tokens = tc["labels"] == "target" and index.has_target_token
     if tc["labels"] == "target" and not index.has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
-    train_ids, heldout_ids = split_samples(len(index.samples), tc["eval_fraction"], tc["seed"])
+    train_ids, heldout_ids = split_samples([s.row for s in index.samples], tc["eval_fraction"], tc["seed"])
     lengths = [s.num_tokens for s in index.samples]
     cap = int(tc["tokens_per_batch"])
     truncated = sum(1 for i in train_ids if lengths[i] > cap)

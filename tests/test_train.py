@@ -199,6 +199,10 @@ def test_packing_and_split_reconcile():
     assert len(held) == 5 and sorted(train_ids + held) == list(range(50))
     assert split_samples(50, 0.1, seed=3) == (train_ids, held)
     assert len(split_samples(8, 0.02, seed=0)[1]) == 1  # a positive fraction holds out at least one
+    # the split follows the tokenized rows, not the index order (which depends on extract.shards)
+    rows = [int(r) for r in torch.randperm(50, generator=torch.Generator().manual_seed(1))]
+    tr2, held2 = split_samples(rows, 0.1, seed=3)
+    assert [rows[i] for i in held2] == held and [rows[i] for i in tr2] == train_ids
 
 
 def test_batch_plan_epochs_cover_every_sample_once():
