@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from draftsmith.evaluate.cache import TargetCache
+from draftsmith.evaluate.cache import TargetCache, cache_kwargs
 from draftsmith.evaluate.sampling import (
     SamplingConfig,
     greedy_accept,
@@ -276,7 +276,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
     stops = set(stop_token_ids or [])
     t0 = _now(device)
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = target(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
     token = int(select_tokens(out.logits[0, -1], sampling, generator).item())
     t_first = _now(device)
     tokens = [token]
@@ -285,7 +285,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
     while len(tokens) < max_new_tokens and not stopped:
         step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
         out = target(input_ids=step_ids, position_ids=torch.tensor([[position]], device=device),
-                     past_key_values=cache, use_cache=True)
+                     use_cache=True, **cache_kwargs(target, cache))
         position += 1
         token = int(select_tokens(out.logits[0, -1], sampling, generator).item())
         tokens.append(token)
@@ -333,8 +333,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
     t0 = _now(device)
     layer_ids = proposer.layer_ids if proposer.needs_features else []
     with TargetCache(target, rollback=rollback) as tcache, _maybe_capture(target, layer_ids) as cap:
-        out = target(input_ids=ids, position_ids=positions[:, :num_prompt], past_key_values=tcache.cache,
-                     use_cache=True, logits_to_keep=1)
+        out = target(input_ids=ids, position_ids=positions[:, :num_prompt], use_cache=True, logits_to_keep=1,
+                     **cache_kwargs(target, tcache.cache))
         tcache.advance(num_prompt)
         output[num_prompt] = select_tokens(out.logits[0, -1], sampling, generator)
         proposer.reset(ids, cap.features() if cap is not None else None)
@@ -352,7 +352,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                 tcache.checkpoint()
             if cap is not None:
                 cap.clear()
-            out = target(input_ids=block, position_ids=block_pos, past_key_values=tcache.cache, use_cache=True)
+            out = target(input_ids=block, position_ids=block_pos, use_cache=True,
+                         **cache_kwargs(target, tcache.cache))
             logits = out.logits[0]  # [k + 1, V]
             if sampling.greedy:
                 accepted, next_token = greedy_accept(drafts, logits)
