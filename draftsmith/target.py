@@ -123,14 +123,15 @@ def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.d
     folder = check_model_folder(path)
     device = torch.device(device) if device is not None else default_device()
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    if is_hybrid(config) and fla_available() and device.type != "cuda":
+    hybrid, has_fla = is_hybrid(config), fla_available()
+    if hybrid and has_fla and device.type != "cuda":
         # transformers then calls fla's Triton kernels whatever the device, which fail deep inside Triton
         # ("Pointer argument ... cannot be accessed from Triton (cpu tensor?)"); say it here instead
         raise RuntimeError(f"target {folder} is a hybrid Gated DeltaNet model and flash-linear-attention is "
                            f"installed, so transformers runs its GDN layers with Triton kernels that need a CUDA "
                            f"device, but the target is to run on {device}: run on a GPU, or use an environment "
                            "without flash-linear-attention for CPU runs")
-    if is_hybrid(config) and not fla_available():
+    if hybrid and not has_fla:
         msg = (f"target {folder} is a hybrid Gated DeltaNet model but flash-linear-attention is not "
                "installed: its GDN layers run a torch fallback 1.7-2.3x slower "
                "(pip install 'draftsmith[fla]' on a GPU machine)")

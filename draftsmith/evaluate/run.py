@@ -194,9 +194,12 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     followups = _read_followups(followup_files or {})
     heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
 
+    def fits(num_prompt_tokens: int, max_new: int) -> bool:
+        return num_prompt_tokens <= max_prompt_tokens and num_prompt_tokens + max_new <= max_positions
+
     def first_prompt_fits(conv, max_new: int) -> bool:
-        n = len(render(tokenizer, list(conv.context) + conv.user_turns[0], conv.tools, template_kwargs))
-        return n <= max_prompt_tokens and n + max_new <= max_positions
+        ids = render(tokenizer, list(conv.context) + conv.user_turns[0], conv.tools, template_kwargs)
+        return fits(len(ids), max_new)
 
     sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {}, heldout_sources=heldout_sources,
                      followups=followups, first_prompt_fits=first_prompt_fits)
@@ -251,7 +254,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                 for t, turn in enumerate(conv.user_turns):
                     history = history + turn
                     ids = render(tokenizer, history, conv.tools, template_kwargs)
-                    if len(ids) > max_prompt_tokens or len(ids) + bset.max_new_tokens > max_positions:
+                    if not fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
                         left = len(conv.user_turns) - t  # later turns need this one's answer
                         skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + left
                         log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
