@@ -10,13 +10,12 @@ in one run:
   tokens from its logits, both copied to the host (no disk);
 * ``tt``: the real ``draftsmith.extract.extract_shard`` end to end with the default config (tokenized
   parquet and plan read, hooks, target tokens through the chunked LM-head argmax, sanity checks, chunk
-  files written to local disk atomically with fsync and sha256, progress records, manifest);
-* ``feat``: the same without target tokens (the forward stops after the deepest tapped layer);
-* ``tt-nomask``: ``extract.padding_mask: false``; ``fp8``: ``extract.storage_dtype: float8_e4m3fn``;
-* ``tt-compile`` (a probe, not a config option yet): ``tt`` with each decoder layer's forward compiled
-  (``torch.compile(dynamic=True)``), after one untimed compilation pass over all batches. On the 27B shape
-  (H200, 2026-11-29) that pass had not finished after 100 s of 4 batches; graph breaks in transformers'
-  hub-kernel lookup (``ContextVar.get``) were seen on a tiny CPU model.
+  files written to local disk atomically with fsync and sha256, progress records, manifest), which on
+  CUDA fuses the target's elementwise work (``extract.fuse: auto``, draftsmith/fused.py: compiled norms
+  and MLPs, flash-linear-attention's causal conv1d);
+* ``tt-eager``: the same with ``extract.fuse: false`` (transformers' own forward);
+* ``feat`` / ``feat-eager``: the same without target tokens (the forward stops after the deepest tapped layer);
+* ``tt-nomask``: ``extract.padding_mask: false``; ``fp8``: ``extract.storage_dtype: float8_e4m3fn``.
 
 Before timing, the kernels are compiled/autotuned once per batch size (flash-linear-attention autotunes
 per batch size) and, unless ``--no-full-warmup``, each path makes one untimed pass over all batches, so
@@ -41,14 +40,34 @@ Usage::
     python bench/bench_extract.py --tiny              # a tiny target on the CPU, to debug the script
     python bench/bench_extract.py --tokens 262144 --token-budget 32768 --variants naive,tt,feat,naive2 --profile 3
 
-Measured with that last command on one H200 (2026-11-29, torch 2.11, transformers 5.17, fla 0.6; 76 samples,
-265,139 real tokens, 10.0% padding; the lengths file was not on the device, so the log-normal fallback was
-used; bf16 matmul peak 790 TFLOP/s): naive 5,545 / 5,508 tok/s (36.9% of
-peak); ``tt`` (target tokens, chunks written) 6,884 tok/s end to end = 1.25x naive, 45.8% of peak (compute
-only 7,172 tok/s, 47.7%); ``feat`` (features only) 7,303 tok/s = 1.32x, 44.7% (compute only 7,632, 46.7%);
-51,209 bytes/token. GPU time of one 2 x 16,384-token decoder forward: GEMMs 55.4%, norms / activations /
-copies 29.5% (depthwise causal conv1d alone 5.5%, transformers' torch fallback), Gated DeltaNet kernels
-10.6%, full-attention SDPA 4.6%.
+Measured on one H200 (2026-11-29, torch 2.11, transformers 5.17, fla 0.6) with
+``--tokens 196608 --token-budget 32768 --variants naive,tt,tt-eager,feat --profile 1`` (lengths from
+bench/data/sharegpt-lengths.json: 60 samples, 197,398 real tokens, 12.1% padding; bf16 matmul peak
+783 TFLOP/s):
+
+=========  ========  ==========  =============  ========
+variant    tok/s     % of peak   compute tok/s  vs naive
+=========  ========  ==========  =============  ========
+naive      5,714     38.0%       5,714          1.00x
+tt         8,533     **56.8%**   9,030 (60.1%)  **1.49x**
+tt-eager   6,809     45.3%       7,148 (47.5%)  1.19x
+feat       9,117     55.9%       9,708 (59.5%)  1.60x
+=========  ========  ==========  =============  ========
+
+51,209 bytes per token (5 taps x 5120 x bf16 + target token). Fusion costs ~30 s of compilation at the start
+of a job (the fused warm-up pass took 52.8 s vs ~23 s of steady state). GPU time of one 6 x 5,422-token
+decoder forward: eager 3,927 ms (GEMMs 51.3%, norms / activations / copies 29.7% of which the depthwise
+conv1d fallback 202 ms, SDPA 9.8%, GDN 9.2%); fused 3,095 ms (GEMMs 69.7%, SDPA 12.8%, elementwise
+11.4%: mostly transformers' repeat_interleave / layout copies, 123 ms; GDN 6.2%, fla's conv1d 28 ms).
+
+Accuracy: ``tt-eager`` equals ``naive`` exactly; ``tt`` differs from it by bf16 rounding (different
+kernels), which a 64-layer *random-weight* target amplifies (max abs diff 18 of max |x| 157 on batch 0,
+greedy tokens agree 77%: random logits are near-ties). Against a float32 reference the fused bf16
+forward is as accurate as eager bf16 (tests/test_fused.py on the H200, 8-layer hybrid target: relative RMS
+error of the last hidden state 2.91e-2 fused vs 2.98e-2 eager; greedy tokens equal to float32's 92.5% vs
+92.3%).
+
+Before fusion (same day, log-normal lengths, 262K tokens): naive 5,545 tok/s, eager ``tt`` 6,884 (1.25x, 45.8%).
 """
 
 from __future__ import annotations
@@ -73,6 +92,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftsmith import extract as ex  # noqa: E402
+from draftsmith.fused import fused_target  # noqa: E402
 from draftsmith.io import write_json  # noqa: E402
 from draftsmith.target import decoder_layers, fla_available, text_config  # noqa: E402
 
@@ -275,18 +295,6 @@ def profile_kernels(model, batch, ids, repeats: int) -> dict:
     return {"total_ms": total, "classes": classes, "top": rows[:40]}
 
 
-def compile_layers(model) -> None:
-    """``torch.compile(dynamic=True)`` of each decoder layer's ``forward`` (an instance attribute, so forward
-    hooks still run eagerly around it; ``del layer.forward`` undoes it)."""
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(256, getattr(dynamo_config, name)))
-    for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -301,7 +309,7 @@ def main(argv=None) -> int:
     p.add_argument("--mean-length", type=float, default=3072)
     p.add_argument("--max-length", type=int, default=None)
     p.add_argument("--layer-ids", default=None, help="comma-separated (default 1,16,31,46,61)")
-    p.add_argument("--variants", default="naive,tt,feat,tt-nomask,fp8,naive2")
+    p.add_argument("--variants", default="naive,tt,tt-eager,feat,feat-eager,naive2")
     p.add_argument("--workdir", default="/tmp/draftsmith-bench-extract")
     p.add_argument("--no-full-warmup", dest="full_warmup", action="store_false",
                    help="skip the untimed pass of each path over all batches")
@@ -368,20 +376,27 @@ def main(argv=None) -> int:
     base_cfg = {"token_budget": args.token_budget, "chunk_tokens": args.chunk_tokens,
                 "storage_dtype": "bfloat16" if dtype == torch.bfloat16 else "float32",
                 "store_target_tokens": True, "padding_mask": True, "disk_headroom": 1.05}
-    configs = {"tt": {}, "tt-compile": {}, "feat": {"store_target_tokens": False},
-               "tt-nomask": {"padding_mask": False},
-               "fp8": {"storage_dtype": "float8_e4m3fn"}}
+    configs = {"tt": {}, "tt-eager": {"fuse": False}, "feat": {"store_target_tokens": False},
+               "feat-eager": {"store_target_tokens": False, "fuse": False},
+               "tt-nomask": {"padding_mask": False}, "fp8": {"storage_dtype": "float8_e4m3fn"}}
     if args.full_warmup:
         # one untimed pass of each path over all batches: the caching allocators (device memory for the
         # naive path's ~75 GiB peak, pinned host buffers for ours) and every kernel shape are warm, so
         # the timed runs measure the steady state of a long shard job
         t0 = time.perf_counter()
         run_naive(model, batches, ids, layer_ids, device)
-        ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
-                         target_dir=work / "target", manifest_path=work / "warmup" / "shard-0" / "manifest.json",
-                         shard=0, model=model, extract_cfg=base_cfg)
-        shutil.rmtree(work / "warmup")
-        log.info("full warm-up pass (naive + ours) %.1f s", time.perf_counter() - t0)
+        log.info("full warm-up pass, naive: %.1f s", time.perf_counter() - t0)
+        for name in dict.fromkeys(("tt" if v.endswith("-eager") else v) for v in variants
+                                  if not v.startswith("naive")):
+            # fused paths compile here (torch.compile of the norm / MLP classes, once per process)
+            t0 = time.perf_counter()
+            ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
+                             target_dir=work / "target", manifest_path=work / "warmup" / "shard-0" / "manifest.json",
+                             shard=0, model=model, extract_cfg={**base_cfg, **configs[name]})
+            shutil.rmtree(work / "warmup")
+            results.setdefault("warmup_s", {})[name] = time.perf_counter() - t0
+            log.info("full warm-up pass, %s (includes compilation when fused): %.1f s", name,
+                     time.perf_counter() - t0)
     naive_first = None
     rows_out = []
     for v in variants:
@@ -393,15 +408,6 @@ def main(argv=None) -> int:
             flops, nbytes, stats = flops_tt, None, {"compute_s": dt}
         else:
             out = work / v / "shard-0" / "manifest.json"
-            if v == "tt-compile":  # a probe: torch.compile each decoder layer's forward (hooks stay eager)
-                compile_layers(model)
-                t0 = time.perf_counter()
-                ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
-                                 target_dir=work / "target", manifest_path=work / "cwarm" / "shard-0" / "m.json",
-                                 shard=0, model=model, extract_cfg=base_cfg)
-                shutil.rmtree(work / "cwarm")
-                results["compile_warmup_s"] = time.perf_counter() - t0
-                log.info("tt-compile: compilation pass over all batches %.1f s", results["compile_warmup_s"])
             sync(device)
             t0 = time.perf_counter()
             stats = {}
@@ -412,10 +418,7 @@ def main(argv=None) -> int:
             dt = time.perf_counter() - t0
             flops = flops_tt if man["has_target_token"] else flops_feat
             nbytes = man["bytes"]
-            if v == "tt-compile":
-                for layer in decoder_layers(model):
-                    del layer.forward  # back to the class's eager forward
-            if naive_first is not None and v in ("tt", "tt-compile", "tt-nomask", "fp8"):
+            if naive_first is not None and v in ("tt", "tt-eager", "tt-nomask", "fp8"):
                 chunk = ex.load_chunk(out.parent / man["chunks"][0]["file"])
                 n0 = naive_first[0].shape[0]
                 got = ex.chunk_hidden_states(chunk)[:n0]
@@ -444,7 +447,12 @@ def main(argv=None) -> int:
                  f"{row['bytes_per_token']:.0f} B/token" if nbytes else "(no disk)", row["compute_s"],
                  _fmt(row["write_s"]), _fmt(row["wait_s"]), _fmt(row["host_alloc_s"]), mem)
     if args.profile and device == "cuda":
-        results["profile"] = profile_kernels(model, max(batches, key=lambda b: b.padded_tokens), ids, args.profile)
+        big = max(batches, key=lambda b: b.padded_tokens)
+        print("\n--- eager (extract.fuse: false)")
+        results["profile_eager"] = profile_kernels(model, big, ids, args.profile)
+        with fused_target(model) as report:
+            print(f"\n--- fused (extract.fuse: auto on CUDA): {report}")
+            results["profile_fused"] = profile_kernels(model, big, ids, args.profile)
     naive = [r["tokens_per_s"] for r in rows_out if r["variant"].startswith("naive")]
     base = float(np.mean(naive)) if naive else None
     print("\n=== extract benchmark: %s, %s, fla=%s, %.2fB params, %d samples / %d real tokens (%.1f %% padding), "

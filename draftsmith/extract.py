@@ -30,15 +30,20 @@ Not done on purpose: packing several samples into one row (``cu_seqlens``). DESI
 leaks across documents for Gated DeltaNet targets (the short causal conv does not see the boundaries),
 so every sample is its own row of a right-padded batch.
 
+On CUDA the forward is fused by default (``extract.fuse: auto``, :mod:`draftsmith.fused`): the target's
+norm and MLP modules run torch.compile'd (the model's own code, rounding where eager rounds) and its
+Gated DeltaNet conv1d runs flash-linear-attention's Triton kernel instead of transformers' torch fallback.
+
 Pipeline: forwards in the main thread; device-to-host copies on a side CUDA stream into two pinned
 chunk buffers; one writer thread serialises, fsyncs and hashes each chunk (hashing concurrently with
 the write, :func:`write_safetensors`) while the next chunk computes, so only the last chunk's write is
-not hidden. Measured with ``python bench/bench_extract.py --tokens 65536`` on one H200 (random-weight
-Qwen3.5-27B shape, flash-linear-attention, 68K real tokens of ShareGPT-shaped lengths, budget 16384,
-layer ids [1, 16, 31, 46, 61], steady state): default config (target tokens) 6.4K tok/s end to end and
-7.2K tok/s compute-only against 5.8K tok/s for ``output_hidden_states=True`` on the same batches
-(1.11x / 1.25x; 43 % / 48 % of the measured 781 TFLOP/s bf16 matmul peak); features only 6.9K / 7.7K
-tok/s (1.19x / 1.34x). Stored features equal the naive path's bit for bit.
+not hidden. Measured with ``python bench/bench_extract.py --tokens 196608 --token-budget 32768`` on one
+H200 (random-weight Qwen3.5-27B shape, flash-linear-attention, 197K real tokens of ShareGPT lengths,
+layer ids [1, 16, 31, 46, 61], steady state): default config (target tokens, fused) 8.5K tok/s end to end
+and 9.0K tok/s compute-only against 5.7K tok/s for ``output_hidden_states=True`` on the same batches
+(1.49x; 56.8 % / 60.1 % of the measured 783 TFLOP/s bf16 matmul peak); eager forward 6.8K tok/s (1.19x,
+45.3 %); features only, fused, 9.1K tok/s (1.60x, 55.9 %). Eager features equal the naive path's bit for
+bit; fused ones differ by bf16 rounding and are as close to a float32 reference (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftsmith import fused
 from draftsmith import target as tgt
 from draftsmith.io import atomic_path, read_json, sha256_file, write_json
 
@@ -686,7 +692,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         manifest_path: ``results/features/shard-{i}/manifest.json``.
         shard: shard index in the plan.
         extract_cfg: the ``extract`` config section (token_budget, chunk_tokens, storage_dtype,
-            store_target_tokens, require_fla, disk_headroom, padding_mask).
+            store_target_tokens, require_fla, disk_headroom, padding_mask, fuse).
         target_cfg: the ``target`` config section (dtype, attn_implementation, trust_remote_code).
         model: an already loaded target (tests, benchmarks); else it is loaded with
             :func:`draftsmith.target.load_target` -- only when some chunk remains to be computed.
@@ -695,7 +701,8 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
             interrupt a job).
         run_stats: if given, filled with timings of this run (seconds): ``forwards``, ``compute_s``
             (forwards + checks + copies), ``write_s`` (writer thread busy), ``wait_s`` (compute waiting
-            on the writer), ``host_alloc_s`` (pinned buffers), ``chunks_done`` (computed now).
+            on the writer), ``host_alloc_s`` (pinned buffers), ``chunks_done`` (computed now), ``fused``
+            (what :func:`draftsmith.fused.fused_target` changed).
 
     Returns:
         The manifest (``draftsmith.features/1``), also written to ``manifest_path``.
@@ -709,7 +716,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     target_cfg = target_cfg or {}
     cfg = {"token_budget": 16384, "chunk_tokens": 32768, "storage_dtype": "bfloat16",
            "store_target_tokens": True, "require_fla": False, "disk_headroom": 1.05,
-           "padding_mask": True, **(extract_cfg or {})}
+           "padding_mask": True, "fuse": "auto", **(extract_cfg or {})}
     storage = cfg["storage_dtype"]
     if storage not in STORAGE_DTYPES:
         raise ValueError(f"extract.storage_dtype {storage!r} not in {list(STORAGE_DTYPES)}")
@@ -839,11 +846,13 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
             log.warning("!" * 20 + " " + msg)
         runner = _ShardRunner(model, folder, shard, layer_ids, tok, storage, want_tt,
                               bool(cfg["padding_mask"]), layout, done, on_chunk, common)
-        runner.run(todo, len(chunks))
+        fuse = fused.resolve_fuse(cfg["fuse"], next(model.parameters()).device)
+        with fused.fused_target(model, enabled=fuse) as fuse_report:
+            runner.run(todo, len(chunks))
         if run_stats is not None:
             run_stats.update(forwards=runner.extractor.forward_calls, compute_s=runner.compute_seconds,
                              write_s=runner.write_seconds, wait_s=runner.wait_seconds,
-                             host_alloc_s=runner.alloc_seconds, chunks_done=len(todo))
+                             host_alloc_s=runner.alloc_seconds, chunks_done=len(todo), fused=fuse_report)
         if own_model:
             del model
 

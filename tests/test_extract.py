@@ -462,11 +462,16 @@ def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 + flash-linear-attention)")
-def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path, fuse):
     """bf16 on the GPU: right-padded batches of a Qwen3.5-style target (GDN + full attention; fla when
-    installed) give the features of each sample alone. DESIGN.md measured 0.0 difference with fla."""
+    installed) give the features of each sample alone, run the same way (eager, or fused: compiled norms
+    and MLPs, fla conv1d). DESIGN.md measured 0.0 difference with fla."""
+    import contextlib
+
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
+    from draftsmith.fused import fused_target
     from draftsmith.target import fla_available
 
     cfg = Qwen3_5TextConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -485,10 +490,11 @@ def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path):
         out = tmp_path / f"f{int(padding_mask)}" / "shard-0" / "manifest.json"
         man = ex.extract_shard(plan_path=tmp_path / "plan.json", tokenized_path=tmp_path / "train.parquet",
                                target_dir=tmp_path / "target", manifest_path=out, shard=0, model=model,
-                               extract_cfg={"token_budget": 1024, "chunk_tokens": 512, "storage_dtype": "bfloat16"})
+                               extract_cfg={"token_budget": 1024, "chunk_tokens": 512, "storage_dtype": "bfloat16",
+                                            "fuse": fuse})
         worst, worst_rel, mismatched, total = 0.0, 0.0, 0, 0
         for row, hidden, t in stored_samples(out.parent, man):
-            with torch.no_grad():
+            with torch.no_grad(), (fused_target(model) if fuse else contextlib.nullcontext()):
                 o = model(torch.from_numpy(ids[row].astype(np.int64))[None].cuda(), output_hidden_states=True,
                           use_cache=False)
             ref = torch.cat([o.hidden_states[i + 1][0] for i in [0, 2, 3]], -1).float().cpu()
@@ -496,7 +502,7 @@ def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path):
             worst, worst_rel = max(worst, diff), max(worst_rel, diff / ref.abs().max().item())
             mismatched += int((t["target_token"] != o.logits[0].argmax(-1).int().cpu()).sum())
             total += len(t["target_token"])
-        print(f"cuda bf16 fla={fla_available()} padding_mask={padding_mask}: max abs diff {worst} "
+        print(f"cuda bf16 fla={fla_available()} fuse={fuse} padding_mask={padding_mask}: max abs diff {worst} "
               f"(relative to the row max {worst_rel:.2e}), target_token mismatches {mismatched}/{total}")
         assert worst_rel <= 2 ** -6, worst_rel  # a couple of bf16 ulps at most (kernel choice)
         assert mismatched <= 0.01 * total  # near-ties of bf16 logits may flip between kernels
