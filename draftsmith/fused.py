@@ -168,13 +168,18 @@ def fused_target(model: nn.Module, enabled: bool = True) -> Iterator[dict]:
     """Context manager: the target with compiled norms / MLPs and fla's conv1d, restored on exit.
 
     Yields a report ``{"compiled": {class: instances}, "conv1d": [patched modules], "enabled": bool}``
-    (logged once). Compilation happens on the first forward inside the block.
+    (logged once). Compilation happens on the first forward inside the block; if it fails, dynamo logs the
+    error and that module runs eagerly (``torch._dynamo.config.suppress_errors`` inside the block).
     """
     if not enabled:
         yield {"enabled": False, "compiled": {}, "conv1d": []}
         return
     t0 = time.perf_counter()
     counts = compile_elementwise(model)
+    # a compiler failure (no C compiler, a Triton / inductor bug on some shape) must not kill a shard job:
+    # dynamo then logs it and runs that function eagerly
+    suppress = torch._dynamo.config.suppress_errors
+    torch._dynamo.config.suppress_errors = True
     try:
         with fla_causal_conv1d(model) as conv:
             report = {"enabled": True, "compiled": dict(counts), "conv1d": conv}
@@ -183,4 +188,5 @@ def fused_target(model: nn.Module, enabled: bool = True) -> Iterator[dict]:
                      dict(counts) or "nothing", conv or "no module", time.perf_counter() - t0)
             yield report
     finally:
+        torch._dynamo.config.suppress_errors = suppress
         restore_elementwise(model)

@@ -83,6 +83,25 @@ def test_fused_extraction_equals_each_sample_alone(tmp_path):
     assert rows == len(LENGTHS) and man["layer_ids"] == LAYER_IDS
 
 
+def test_a_compiler_failure_falls_back_to_eager(monkeypatch):
+    """If inductor fails (no compiler, a bug), the extraction forward still runs, with eager results."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", broken)
+    torch._dynamo.reset()  # forget graphs compiled by earlier tests
+    model = tiny_target("llama")
+    x = torch.randint(3, 500, (2, 19))
+    ref = hidden_states(model, x)
+    with fused.fused_target(model):
+        got = hidden_states(model, x)
+    assert torch._dynamo.config.suppress_errors is False  # restored
+    for a, c in zip(ref, got):
+        assert torch.equal(a, c)
+
+
 def test_fuse_setting():
     assert fused.resolve_fuse("auto", "cpu") is False
     assert fused.resolve_fuse("auto", "cuda") is True
