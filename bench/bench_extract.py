@@ -388,7 +388,9 @@ def main(argv=None) -> int:
         log.info("full warm-up pass, naive: %.1f s", time.perf_counter() - t0)
         for name in dict.fromkeys(("tt" if v.endswith("-eager") else v) for v in variants
                                   if not v.startswith("naive")):
-            # fused paths compile here (torch.compile of the norm / MLP classes, once per process)
+            # fused paths compile here (torch.compile of the norm / MLP classes, once per process); an
+            # -eager variant needs no pass of its own: its kernels ran in the naive pass, its pinned host
+            # buffers are the ones the fused pass allocated
             t0 = time.perf_counter()
             ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
                              target_dir=work / "target", manifest_path=work / "warmup" / "shard-0" / "manifest.json",
