@@ -34,6 +34,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from draftsmith.target import fla_available
+
 log = logging.getLogger("draftsmith.fused")
 
 # module classes whose forward is a pure elementwise / reduction chain (plus the MLP's own GEMMs)
@@ -135,7 +137,7 @@ def fla_causal_conv1d(model: nn.Module) -> Iterator[list[str]]:
     """
     mods = _conv1d_modules(model)
     device = next(model.parameters()).device
-    usable = (mods and device.type == "cuda" and importlib.util.find_spec("fla") is not None
+    usable = (mods and device.type == "cuda" and fla_available()
               and importlib.util.find_spec("causal_conv1d") is None)
     if not usable:
         yield []

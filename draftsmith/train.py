@@ -181,21 +181,19 @@ class FeatureIndex:
         return out
 
 
-def split_samples(rows: list[int] | int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def split_samples(rows: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Held-out split: ``round(eval_fraction * n)`` samples (at least 1 when the fraction is positive and
     n >= 2), chosen by a seeded permutation of the tokenized rows.
 
     Args:
-        rows: the tokenized train row of each sample, in index order (``SampleRef.row``), or ``n`` for
-            rows ``0..n-1``. The split and the order of the returned lists follow the rows, not the index
-            order, so the held-out set and the training order do not depend on ``extract.shards`` (the
-            index lists samples shard by shard).
+        rows: the tokenized train row of each sample, in index order (``SampleRef.row``). The split and
+            the order of the returned lists follow the rows, not the index order, so the held-out set and
+            the training order do not depend on ``extract.shards`` (the index lists samples shard by shard).
 
     Returns:
         ``(train, heldout)``: index positions, each list in row order; together they partition
         ``range(n)``.
     """
-    rows = list(range(rows)) if isinstance(rows, int) else list(rows)
     num_samples = len(rows)
     n_eval = int(round(eval_fraction * num_samples))
     if eval_fraction > 0 and num_samples >= 2:

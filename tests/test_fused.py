@@ -7,7 +7,6 @@ conv1d path needs CUDA and is skipped without it.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 from draftsmith import extract as ex
 from draftsmith import fused
+from draftsmith.target import fla_available
 from test_extract import LAYER_IDS, LENGTHS, alone, run_shard, setup_run, stored_samples
 from tiny import tiny_target
 
@@ -127,7 +127,7 @@ def test_fuse_is_validated_by_the_schema():
         check_config(bad, schema)
 
 
-needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(),
                                reason="needs CUDA and flash-linear-attention")
 
 

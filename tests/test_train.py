@@ -195,10 +195,10 @@ def test_packing_and_split_reconcile():
     assert all(sum(n for _, n in r) <= 12 for r in rows)
     assert sorted(s for r in rows for s, _ in r) == list(range(len(lengths)))  # every sample exactly once
     assert [n for r in rows for s, n in r if s == 6] == [12]  # a longer sample is cut to the capacity
-    train_ids, held = split_samples(50, 0.1, seed=3)
+    train_ids, held = split_samples(list(range(50)), 0.1, seed=3)
     assert len(held) == 5 and sorted(train_ids + held) == list(range(50))
-    assert split_samples(50, 0.1, seed=3) == (train_ids, held)
-    assert len(split_samples(8, 0.02, seed=0)[1]) == 1  # a positive fraction holds out at least one
+    assert split_samples(list(range(50)), 0.1, seed=3) == (train_ids, held)
+    assert len(split_samples(list(range(8)), 0.02, seed=0)[1]) == 1  # a positive fraction holds out at least one
     # the split follows the tokenized rows, not the index order (which depends on extract.shards)
     rows = [int(r) for r in torch.randperm(50, generator=torch.Generator().manual_seed(1))]
     tr2, held2 = split_samples(rows, 0.1, seed=3)
