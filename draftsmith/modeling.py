@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -396,6 +397,107 @@ def dflash_mask_mod(doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_doc: to
     return mask_mod
 
 
+def dflash_visible_intervals(doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_doc: torch.Tensor,
+                             block_size: int, *, is_causal: bool, sliding_window: int | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each query sees under :func:`dflash_mask_mod`, as two half-open intervals.
+
+    Documents are contiguous in a packed row, so query ``q`` (slot ``k`` of block ``j``, anchor ``a``) sees exactly
+    the context keys ``[ctx_lo, ctx_hi)`` = ``[start of a's document, a)`` (sliding layers: from
+    ``a + k - W + 1``) and the block keys ``[blk_lo, blk_hi)`` = its own block's slots (causal: up to ``k``;
+    sliding: within ``W`` of ``k``), offset by ``S``. Padding blocks (``anchor_doc == -2``) see no context.
+
+    Args: as :func:`dflash_mask_mod`.
+
+    Returns:
+        ``(ctx_lo, ctx_hi, blk_lo, blk_hi)``, each ``[R, A * B]`` int64 key indices (empty when ``lo >= hi``).
+    """
+    R, S = doc_ids.shape
+    A, B = anchors.shape[1], block_size
+    device = doc_ids.device
+    pos = torch.arange(S, device=device)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=1).values  # [R, S]
+    a = anchors.clamp(0, S - 1)
+    valid = (anchor_doc >= 0) & (torch.gather(doc_ids, 1, a) == anchor_doc)
+    slot = torch.arange(B, device=device)
+    ctx_lo = torch.gather(doc_start, 1, a)[:, :, None].expand(R, A, B)
+    ctx_hi = a[:, :, None].expand(R, A, B)
+    if sliding_window is not None:
+        ctx_lo = torch.maximum(ctx_lo, a[:, :, None] + slot - sliding_window + 1)
+    ctx_lo = torch.where(valid[:, :, None], ctx_lo, torch.zeros_like(ctx_lo))
+    ctx_hi = torch.where(valid[:, :, None], ctx_hi, torch.zeros_like(ctx_hi))
+    base = S + torch.arange(A, device=device)[:, None] * B  # [A, 1]
+    blk_lo = base + (torch.clamp(slot - sliding_window + 1, min=0) if sliding_window is not None
+                     else torch.zeros_like(slot))
+    blk_hi = base + (slot + 1 if is_causal else torch.full_like(slot, B))
+    if sliding_window is not None and not is_causal:
+        blk_hi = torch.minimum(blk_hi, base + slot + sliding_window)
+    flat = lambda t: t.reshape(R, A * B)  # noqa: E731
+    return flat(ctx_lo), flat(ctx_hi), flat(blk_lo.expand(R, A, B)), flat(blk_hi.expand(R, A, B))
+
+
+def dflash_block_mask(doc_ids: torch.Tensor, anchors: torch.Tensor, anchor_doc: torch.Tensor, block_size: int, *,
+                      is_causal: bool, sliding_window: int | None, tile: int = 128):
+    """The flex_attention ``BlockMask`` of :func:`dflash_mask_mod`, built from the block structure.
+
+    ``create_block_mask`` evaluates ``mask_mod`` on the whole ``rows x queries x keys`` grid (68 GiB at 16,384 row
+    tokens and 256 anchors per document); here each query's visible keys are two intervals
+    (:func:`dflash_visible_intervals`), so which ``tile x tile`` blocks are partly or fully visible follows from
+    interval arithmetic in ``O(R * (Q + Q/tile * KV/tile))`` memory. The classification is exact: the same
+    partial / full blocks as ``create_block_mask`` (tested), with ``mask_mod`` applied inside partial blocks.
+
+    Args:
+        doc_ids, anchors, anchor_doc, block_size, is_causal, sliding_window: as :func:`dflash_mask_mod`.
+        tile: flex_attention's block size (queries and keys).
+
+    Returns:
+        ``torch.nn.attention.flex_attention.BlockMask`` for ``Q = A * B`` queries, ``KV = S + A * B`` keys, one head
+        (broadcast over heads).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    R, S = doc_ids.shape
+    A = anchors.shape[1]
+    q_len, kv_len = A * block_size, S + A * block_size
+    nq, nk = -(-q_len // tile), -(-kv_len // tile)
+    device = doc_ids.device
+    intervals = dflash_visible_intervals(doc_ids, anchors, anchor_doc, block_size, is_causal=is_causal,
+                                         sliding_window=sliding_window)
+    q_tile = torch.arange(q_len, device=device) // tile
+    touched = torch.zeros(R, nq, nk + 1, dtype=torch.int32, device=device)
+    k_start = torch.arange(nk, device=device) * tile
+    full = torch.zeros(R, nq, nk, dtype=torch.bool, device=device)
+    pad = nq * tile - q_len
+    big = torch.iinfo(torch.long).max
+    rows = torch.arange(R, device=device)[:, None].expand(R, q_len)
+    qt = q_tile[None].expand(R, q_len)
+    for lo, hi in (intervals[:2], intervals[2:]):
+        nonempty = hi > lo
+        ones = nonempty.to(torch.int32)
+        touched.index_put_((rows, qt, torch.where(nonempty, lo // tile, 0)), ones, accumulate=True)
+        touched.index_put_((rows, qt, torch.where(nonempty, (hi - 1) // tile + 1, 0)), -ones, accumulate=True)
+        # fully visible: every query of the query tile covers the key tile (padded / empty queries never do)
+        max_lo = F.pad(torch.where(nonempty, lo, big), (0, pad), value=big).view(R, nq, tile).amax(-1)
+        min_hi = F.pad(torch.where(nonempty, hi, 0), (0, pad), value=0).view(R, nq, tile).amin(-1)
+        full |= (k_start >= max_lo[:, :, None]) & (k_start + tile <= min_hi[:, :, None])
+    any_visible = torch.cumsum(touched, dim=-1)[:, :, :nk] > 0
+    partial = any_visible & ~full
+
+    def layout(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = sel.sum(-1, dtype=torch.int32)[:, None]  # [R, 1, nq]
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)[:, None]
+        return num, order
+
+    kv_num, kv_idx = layout(partial)
+    full_num, full_idx = layout(full)
+    mask_mod = dflash_mask_mod(doc_ids, anchors, anchor_doc, block_size, is_causal=is_causal,
+                               sliding_window=sliding_window)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
 def dense_mask(mask_mod: Callable, rows: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Evaluate ``mask_mod`` on the full grid: boolean ``[rows, 1, q_len, kv_len]`` for SDPA (True = attend)."""
     b = torch.arange(rows, device=device)[:, None, None]
@@ -654,6 +756,82 @@ def block_targets(batch: PackedBatch, block_size: int, use_target_tokens: bool
     return labels, valid
 
 
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Per-row cross entropy through a frozen LM head, ``[N, V]`` logits never held at once.
+
+    Forward walks the rows in chunks: float32 logits of the chunk, their log-sum-exp, CE and argmax, and the
+    gradient of each row's CE with respect to its hidden state (``(softmax - onehot) * dz/dlogit @ W``), which
+    is kept (``[N, H]``) so the backward is one scaling. The head is frozen, so no ``[V, H]`` gradient exists.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows):
+        compute = head_weight.dtype
+        n = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk_rows):
+                y = labels[s:s + chunk_rows]
+                z = F.linear(hidden[s:s + chunk_rows].to(compute), head_weight).float()
+                dz = None  # d logit / d (h @ W.T), when not 1
+                if multiplier != 1.0:
+                    z.mul_(multiplier)
+                    dz = multiplier
+                if softcap:
+                    z = torch.tanh(z.div_(softcap))
+                    dz = (1.0 - z * z) * multiplier
+                    z.mul_(softcap)
+                lse = torch.logsumexp(z, dim=-1)
+                ce[s:s + chunk_rows] = lse - z.gather(1, y[:, None])[:, 0]
+                pred[s:s + chunk_rows] = z.argmax(-1)
+                if need_grad:
+                    g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+                    if dz is not None:
+                        g.mul_(dz)
+                    grad[s:s + chunk_rows] = g.to(compute) @ head_weight
+        if need_grad:
+            ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred):
+        (grad,) = ctx.saved_tensors
+        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None
+
+
+def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
+                       multiplier: float = 1.0, softcap: float | None = None,
+                       chunk_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy of ``logits = softcap(multiplier * hidden @ head_weight.T)`` against ``labels``, chunked.
+
+    The dominant memory of DFlash training at a large vocabulary is the float32 logits of every supervised
+    slot (``N x V``: 60 GB for 60K slots at V = 248,320). This computes the same per-row CE in chunks of about
+    ``chunk_bytes`` of float32 logits and never materialises them all; the head is frozen (no gradient). On
+    float32 inputs the result and the gradient equal ``F.cross_entropy(reduction="none")`` of the full logits up
+    to summation order (tested). Logits are computed in ``head_weight``'s dtype, then promoted to float32, as
+    the unchunked path does under bf16 autocast. Softcap and multiplier follow ``dflash_config``
+    (``final_logit_softcapping``: ``c * tanh(z / c)``).
+
+    Args:
+        hidden: ``[N, H]`` drafter hidden states (differentiable).
+        head_weight: ``[V, H]`` the target's LM head (frozen).
+        labels: ``[N]`` int64 token ids.
+        chunk_bytes: float32 logits per chunk.
+
+    Returns:
+        ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
+    """
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                          float(softcap) if softcap else None, rows)
+
+
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
     """``[B - 1]`` float32 decay weights ``exp(-(k - 1) / gamma)`` for slots k = 1..B-1 (SpecForge DFlash loss)."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
@@ -692,6 +870,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        #: recompute each layer's activations in the backward pass instead of keeping them (training only):
+        #: activation memory ~ one layer instead of all, for ~1/3 more layer compute
+        self.activation_checkpointing = False
         self.post_init()
 
     # -- inference ------------------------------------------------------------------------------------------
@@ -717,8 +898,14 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         hidden_states = noise_embedding
         ctx = self.hidden_norm(self.fc(target_hidden))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values)
+            if recompute:
+                hidden_states = torch.utils.checkpoint.checkpoint(
+                    layer, hidden_states, ctx, position_embeddings, attention_mask, past_key_values,
+                    use_reentrant=False)
+            else:
+                hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values)
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
@@ -759,15 +946,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             key = layer.self_attn.mask_key
             if key in masks:
                 continue
-            mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, self.block_size,
-                                  is_causal=key[0], sliding_window=key[1])
-            if backend == "flex":
-                from torch.nn.attention.flex_attention import create_block_mask
-                # built eagerly: compiling create_block_mask fails on this mask_mod ("vr must not be None for
-                # symbol q1", torch 2.13 inductor); the eager build is a chunked evaluation, milliseconds on GPU
-                masks[key] = create_block_mask(mod, R, None, q_len, kv_len, device=batch.input_ids.device,
-                                               _compile=False)
+            if backend == "flex":  # from the block structure: no rows x queries x keys grid is built
+                masks[key] = dflash_block_mask(batch.doc_ids, batch.anchors, anchor_doc, self.block_size,
+                                               is_causal=key[0], sliding_window=key[1])
             else:
+                mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, self.block_size,
+                                      is_causal=key[0], sliding_window=key[1])
                 masks[key] = dense_mask(mod, R, q_len, kv_len, batch.input_ids.device)
         return masks
 
@@ -802,10 +986,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
                          gamma: float, use_target_tokens: bool = False, masks: dict | None = None,
-                         backend: str = "auto") -> DFlashTrainOutput:
+                         backend: str = "auto", logits_chunk_bytes: int = 1 << 30) -> DFlashTrainOutput:
         """DFlash training loss of a packed batch (and the statistics held-out metrics need).
 
-        Only valid slots go through the LM head (``[N, H] x [H, V]``), the dominant matmul.
+        Only valid slots go through the LM head (``[N, H] x [H, V]``), the dominant matmul, in chunks of about
+        ``logits_chunk_bytes`` of float32 logits (:func:`head_cross_entropy`): memory does not grow with ``N x V``.
 
         Args:
             embed_weight: ``[V, H]`` target input embedding (frozen).
@@ -820,15 +1005,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
         w_slot = slot_weights(self.block_size, gamma, hidden.device)
         flat = valid.view(-1)
-        logits = self.compute_logits(hidden.reshape(-1, hidden.shape[-1])[flat], head_weight).float()
         tgt = labels.view(-1)[flat]
-        ce = F.cross_entropy(logits, tgt, reduction="none")  # [N]
+        softcap = _draft_value(self.config, "final_logit_softcapping")
+        ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[flat], head_weight, tgt,
+                                      multiplier=float(_draft_value(self.config, "output_multiplier", 1.0)),
+                                      softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+                                      chunk_bytes=logits_chunk_bytes)  # [N]
         slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
         w = w_slot[slot]
         weight_sum = w.sum()
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
         with torch.no_grad():
-            hit = logits.argmax(-1) == tgt
+            hit = pred == tgt
             nslot = self.block_size - 1
             ce_sum = torch.zeros(nslot, device=hidden.device).index_add_(0, slot, ce.detach())
             correct = torch.zeros(nslot, dtype=torch.long, device=hidden.device).index_add_(0, slot, hit.long())

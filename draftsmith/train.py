@@ -65,6 +65,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "min_lr_ratio": 0.0, "grad_clip": 1.0, "tokens_per_batch": 8192, "grad_accum": 1, "num_anchors": 512,
     "loss_gamma": None, "labels": "target", "save_every": 500, "eval_every": 200, "eval_fraction": 0.02,
     "keep_checkpoints": 2, "prefetch": 4, "attention": "auto", "compile": False, "log_every": 10,
+    "max_anchors_per_row": None, "activation_checkpointing": False, "logits_chunk_mib": 1024,
 }
 DRAFTER_DEFAULTS: dict[str, Any] = {
     "num_layers": 1, "block_size": 16, "target_layer_ids": None, "num_target_features": None,
@@ -311,14 +312,15 @@ def _seed_of(*parts: Any) -> int:
 
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
-               bucket_anchors: bool = False) -> PackedBatch:
+               bucket_anchors: bool = False, max_anchors_per_row: int | None = None) -> PackedBatch:
     """Read and pack one row of samples into a :class:`PackedBatch` with ``R = 1``.
 
     Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
     to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
     ``pad_anchors_to`` (``anchor_valid`` False), or with ``bucket_anchors`` to the next power of two (at least
     ``pad_anchors_to``): on GPU a handful of shapes keeps compiled flex_attention kernels from recompiling.
-    Anchors: :func:`draftsmith.modeling.sample_anchors` with a generator seeded by ``seed``.
+    Anchors: :func:`draftsmith.modeling.sample_anchors` with a generator seeded by ``seed``, at most
+    ``max_anchors_per_row`` of them (a uniform subset; see :func:`cap_anchors`).
     """
     parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
     total = sum(p["input_ids"].numel() for p in parts)
@@ -340,7 +342,8 @@ def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: 
         if tgt is not None:
             tgt[o:o + n] = p["target_token"]
         o += n
-    anchors = sample_anchors(mask, docs, num_anchors, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    anchors = cap_anchors(sample_anchors(mask, docs, num_anchors, generator), max_anchors_per_row, generator)
     if bucket_anchors:
         A = max(pad_anchors_to, 1 << max(0, anchors.numel() - 1).bit_length())
     else:
@@ -350,6 +353,20 @@ def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: 
     anchors = torch.cat([anchors, torch.zeros(A - anchors.numel(), dtype=torch.long)])
     return PackedBatch(feats[None], ids[None], mask[None], docs[None], pos[None], anchors[None],
                        anchor_valid[None], None if tgt is None else tgt[None])
+
+
+def cap_anchors(anchors: torch.Tensor, limit: int | None, generator: torch.Generator) -> torch.Tensor:
+    """At most ``limit`` of a row's sorted anchors ``[A]``, drawn uniformly without replacement, still sorted.
+
+    Anchors are sampled per document (``num_anchors`` each, the published recipe's per-sequence count), so a
+    row of many short documents can hold almost one anchor per answer token: B block tokens per context
+    token. The drafter's activations grow with the block tokens (``A x B``); this bound makes a micro-batch's
+    memory independent of how many documents share the row. ``None`` keeps every anchor.
+    """
+    if limit is None or anchors.numel() <= limit:
+        return anchors
+    keep = torch.randperm(anchors.numel(), generator=generator)[:limit]
+    return torch.sort(anchors[keep]).values
 
 
 class Prefetcher:
@@ -656,7 +673,7 @@ def build_model_config(index: FeatureIndex, target_dir: Path, drafter_cfg: dict,
 
 
 def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use_target_tokens: bool,
-             device: torch.device, autocast) -> dict[str, Any]:
+             device: torch.device, autocast, logits_chunk_bytes: int = 1 << 30) -> dict[str, Any]:
     """Held-out metrics over ``batches`` (this rank's share; summed over ranks): loss, CE and accuracy per
     position, ``tau_expected`` (from per-position accuracies) and ``tau_blocks`` (mean accepted prefix + 1 over
     fully supervised blocks)."""
@@ -667,7 +684,8 @@ def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use
         for batch in batches:
             batch = batch.to(device, non_blocking=True)
             with autocast():
-                out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens)
+                out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+                                             logits_chunk_bytes=logits_chunk_bytes)
             metrics.add(out)
     metrics.all_reduce()
     model.train(was_training)
@@ -681,9 +699,9 @@ class _TrainStep(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, embed, head, gamma, use_target_tokens, backend):
+    def forward(self, batch, embed, head, gamma, use_target_tokens, backend, logits_chunk_bytes):
         return self.drafter.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
-                                             backend=backend)
+                                             backend=backend, logits_chunk_bytes=logits_chunk_bytes)
 
 
 def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -804,6 +822,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     if dd.world > 1:
         step_model = torch.nn.parallel.DistributedDataParallel(
             step_model, device_ids=[device.index] if on_gpu else None)
+    chunk_bytes = int(tc["logits_chunk_mib"]) << 20
+    model.activation_checkpointing = bool(tc["activation_checkpointing"])
     if tc["compile"] and on_gpu:
         for layer in model.layers:
             layer.compile()  # in place: state-dict names unchanged
@@ -823,7 +843,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         _, epoch, r = item
         return make_batch(index, bplan.rows(epoch)[r], num_anchors=tc["num_anchors"],
                           seed=_seed_of(tc["seed"], "anchors", epoch, r), feature_dtype=feat_dtype,
-                          pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu)
+                          pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
+                          max_anchors_per_row=tc["max_anchors_per_row"])
 
     heldout_rows = pack_rows(lengths, heldout_ids, cap)[dd.rank::dd.world] if heldout_ids else []
 
@@ -831,7 +852,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         items = list(range(len(heldout_rows)))
         return Prefetcher(items, lambda j: make_batch(
             index, heldout_rows[j], num_anchors=tc["num_anchors"], seed=_seed_of(tc["seed"], "heldout", dd.rank, j),
-            feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu),
+            feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
+            max_anchors_per_row=tc["max_anchors_per_row"]),
             depth=tc["prefetch"], pin=on_gpu)
 
     writer = None
@@ -845,7 +867,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         pf = heldout_batches()
         try:
             metrics = evaluate(model, pf, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
-                               device=device, autocast=autocast)
+                               device=device, autocast=autocast, logits_chunk_bytes=chunk_bytes)
         finally:
             pf.close()
         metrics["step"] = step
@@ -896,7 +918,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
                 sync = m == tc["grad_accum"] - 1 or dd.world == 1
                 ctx = step_model.no_sync() if (dd.world > 1 and not sync) else _null()
                 with ctx, autocast():
-                    out = step_model(batch, embed, head, gamma, use_target_tokens, tc["attention"])
+                    out = step_model(batch, embed, head, gamma, use_target_tokens, tc["attention"], chunk_bytes)
                     (out.loss / tc["grad_accum"]).backward()
                 metrics.add(out)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])

@@ -26,6 +26,9 @@ from draftsmith.modeling import (
     build_drafter_config,
     default_loss_gamma,
     default_target_layer_ids,
+    dflash_block_mask,
+    dflash_mask_mod,
+    head_cross_entropy,
     load_target_embeddings_and_head,
     resolve_mask_token_id,
     sample_anchors,
@@ -383,3 +386,92 @@ def test_training_flops_match_the_flop_counter(target):
         out.loss.backward()
     mm = sum(v for k, v in counter.get_flop_counts()["Global"].items() if "mm" in str(k) and "bmm" not in str(k))
     assert want["total"] == mm
+
+
+def _random_packing(S, docs, pad_blocks, seed, num_anchors=20):
+    """A packed row set of ``docs`` documents (random boundaries, some tail padding) with per-document anchors."""
+    g = torch.Generator().manual_seed(seed)
+    R = 2
+    doc_ids = torch.full((R, S), -1)
+    rows = []
+    for r in range(R):
+        cuts = sorted(torch.randint(1, S - 5, (docs - 1,), generator=g).tolist())
+        bounds = [0] + cuts + [S - int(torch.randint(0, 40, (1,), generator=g))]
+        for d in range(docs):
+            doc_ids[r, bounds[d]:bounds[d + 1]] = d
+        rows.append(sample_anchors(torch.rand(S, generator=g) < 0.7, doc_ids[r], num_anchors, g))
+    A = max(len(a) for a in rows) + pad_blocks
+    anchors = torch.zeros(R, A, dtype=torch.long)
+    valid = torch.zeros(R, A, dtype=torch.bool)
+    for r, a in enumerate(rows):
+        anchors[r, :len(a)], valid[r, :len(a)] = a, True
+    return doc_ids, anchors, torch.where(valid, torch.gather(doc_ids, 1, anchors), torch.full_like(anchors, -2))
+
+
+@pytest.mark.parametrize("S,docs,B,causal,window,tile", [
+    (200, 1, 4, False, None, 128), (384, 3, 16, False, None, 128), (1000, 7, 16, True, None, 64),
+    (1000, 3, 4, False, 5, 128), (384, 7, 16, True, 200, 64), (1000, 1, 16, False, 200, 128),
+    (200, 3, 4, True, 5, 64), (1000, 7, 4, False, None, 64)])
+def test_block_mask_from_the_block_structure_equals_create_block_mask(S, docs, B, causal, window, tile):
+    """The BlockMask built by interval arithmetic (no queries x keys grid) has exactly the partial and full
+    blocks that create_block_mask finds by evaluating mask_mod everywhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc_ids, anchors, anchor_doc = _random_packing(S, docs, pad_blocks=S % 5, seed=S + docs + B)
+    R, A = anchors.shape
+    ours = dflash_block_mask(doc_ids, anchors, anchor_doc, B, is_causal=causal, sliding_window=window, tile=tile)
+    mod = dflash_mask_mod(doc_ids, anchors, anchor_doc, B, is_causal=causal, sliding_window=window)
+    ref = create_block_mask(mod, R, None, A * B, S + A * B, device="cpu", BLOCK_SIZE=tile, _compile=False)
+
+    def blocks(bm):
+        return [[[sorted(idx[r, 0, q, :num[r, 0, q]].tolist()) for q in range(num.shape[2])] for r in range(R)]
+                for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices))]
+
+    partial, full = blocks(ours)
+    assert (partial, full) == tuple(blocks(ref))
+    if (window is None or window >= 2 * tile) and S // docs >= 3 * tile:  # long documents: full blocks exist
+        assert sum(map(len, sum(full, []))) > 0
+
+
+@pytest.mark.parametrize("multiplier,softcap", [(1.0, None), (0.5, None), (1.0, 30.0), (2.0, 5.0)])
+def test_chunked_head_cross_entropy_equals_full_logits(multiplier, softcap):
+    """Per-row CE, argmax and the gradient w.r.t. the hidden states equal F.cross_entropy over the full
+    logits (float32, summation-order differences only), whatever the chunk size; no gradient reaches the head."""
+    torch.manual_seed(0)
+    N, H, V = 300, 32, 1000
+    hidden = torch.randn(N, H, requires_grad=True)
+    head = torch.randn(V, H)
+    labels, w = torch.randint(0, V, (N,)), torch.rand(N)
+    z = F.linear(hidden, head) * multiplier
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    ref = F.cross_entropy(z, labels, reduction="none")
+    (ref * w).sum().backward()
+    ref_grad, hidden.grad = hidden.grad.clone(), None
+    for chunk_rows in (1, 37, N):
+        ce, pred = head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap,
+                                      chunk_bytes=4 * V * chunk_rows)
+        (ce * w).sum().backward()
+        assert torch.allclose(ce, ref, rtol=1e-6, atol=1e-5)
+        assert torch.equal(pred, z.argmax(-1))
+        assert torch.allclose(hidden.grad, ref_grad, rtol=1e-5, atol=2e-5)
+        hidden.grad = None
+    with torch.no_grad():
+        assert torch.allclose(head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap)[0],
+                              ref, rtol=1e-6, atol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(target):
+    model = make_drafter(target, **VARIANTS["sliding+full"]).train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch(target_tokens=True)
+    grads = []
+    for recompute in (False, True):
+        model.activation_checkpointing = recompute
+        model.zero_grad(set_to_none=True)
+        out = model.training_forward(batch, E, Hd, gamma=3.5, use_target_tokens=True, backend="sdpa")
+        out.loss.backward()
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for name, g in grads[0][1].items():
+        assert torch.allclose(g, grads[1][1][name], rtol=1e-6, atol=1e-7), name

@@ -240,6 +240,14 @@ def test_make_batch_documents_positions_and_anchors(qwen3_setup):
     assert a.numel() == 10 and batch.anchors.shape[1] == 16  # 5 per document, padded to a multiple of 8
     assert (batch.loss_mask[0, a] & batch.loss_mask[0, a + 1]).all()
     assert torch.equal(batch.doc_ids[0, a], batch.doc_ids[0, a + 1])
+    # max_anchors_per_row: a uniform, sorted subset of the same eligible anchors, reproducible from the seed
+    capped = make_batch(index, [(0, 48), (1, 48)], num_anchors=5, seed=0, feature_dtype=torch.float32,
+                        max_anchors_per_row=3)
+    c = capped.anchors[0][capped.anchor_valid[0]]
+    assert c.numel() == 3 and torch.equal(c, torch.sort(c).values) and set(c.tolist()) <= set(a.tolist())
+    again = make_batch(index, [(0, 48), (1, 48)], num_anchors=5, seed=0, feature_dtype=torch.float32,
+                       max_anchors_per_row=3)
+    assert torch.equal(again.anchors, capped.anchors)
 
 
 def test_lr_schedule_and_expected_tau():
