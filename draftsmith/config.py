@@ -44,3 +44,19 @@ def check_config(config: dict, schema_path: str) -> None:
         raise ConfigError("invalid configuration (see schemas/config.schema.yaml):\n  "
                           + "\n  ".join(errors))
     validate(config, schema_path)  # fills in the documented defaults
+    errors = cross_key_errors(config)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def cross_key_errors(config: dict) -> list[str]:
+    """Violations of rules that tie several keys together (after defaults are filled), one line each."""
+    errors = []
+    regen = config.get("regenerate", {})
+    if regen.get("enabled") and regen.get("temperature", 0) > 0:
+        if not config.get("extract", {}).get("store_target_tokens", True) or config.get("train", {}).get(
+                "labels", "target") != "target":
+            errors.append("regenerate.temperature > 0 samples the training answers, so the labels must be the "
+                          "target's own greedy next tokens: set extract.store_target_tokens: true and "
+                          "train.labels: target")
+    return errors

@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftsmith.target import target_fingerprint
-from draftsmith.io import atomic_path, sha256_file
+from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.tokenize import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
                                  tokenizer_fingerprint)
 
@@ -67,6 +67,7 @@ PART_KEY = b"draftsmith.regenerate.part"
 
 # counted outcomes
 DROP_NO_TURN_LEFT = "no_assistant_turn_left"
+DROP_UNSAMPLED_COPY = "answer_copy_without_sampled_turn"
 CUT_MAX_NEW_TOKENS = "hit_max_new_tokens"
 CUT_EMPTY = "empty_generation"
 CUT_PROMPT_TOO_LONG = "prompt_over_max_prompt_tokens"
@@ -85,6 +86,7 @@ class _Conv:
     regenerated: int = 0
     prompt: list[int] | None = None     # pending serving prompt (token ids) of the turn to generate
     cut: str | None = None
+    copy: int = 0                       # answer number k (num_answers > 1); rows of k >= 1 get id "<id>@<k>"
 
 
 @dataclass
@@ -98,30 +100,180 @@ class GenerationSettings:
             (``None`` = no limit); the workflow passes ``tokenize.max_length``.
         max_turns: regenerate at most this many assistant turns per conversation (``None`` = all).
         chat_template_kwargs: the template kwargs of the tokenize stage (``enable_thinking`` ...).
+        engine: ``generate`` (HF ``generate``, left-padded batches), ``continuous`` (transformers' continuous
+            batching: paged attention, finished sequences replaced at once, CUDA graphs on GPU), ``vllm`` (if
+            installed) or ``auto`` (:func:`resolve_engine`).
+        temperature: 0 = greedy; > 0 samples (top-p ``top_p``), for more varied on-policy contexts; the labels
+            stay the target's own greedy next tokens when extraction stores target tokens.
+        num_answers: answers per conversation (each becomes its own row, id ``<id>@<k>`` for k >= 1);
+            more than 1 needs ``temperature > 0``.
+        seed: sampling seed (each part of the run seeds from it and the part number).
     """
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"regenerate engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.num_answers > 1 and self.temperature <= 0:
+            raise ValueError(f"num_answers={self.num_answers} with greedy decoding (temperature 0) would repeat "
+                             "the same answer: set a temperature > 0")
 
     max_new_tokens: int = 256
     batch_size: int = 16
     max_prompt_tokens: int | None = None
     max_turns: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
+    engine: str = "auto"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    num_answers: int = 1
+    seed: int = 0
+
+
+ENGINES = ("auto", "generate", "continuous", "vllm")
+
+
+def resolve_engine(name: str, model) -> str:
+    """The engine ``auto`` means for ``model``: transformers' continuous batching on a CUDA device for
+    attention-only targets; HF ``generate`` otherwise (CPU, where its scheduling overhead does not pay, and
+    hybrid recurrent targets, whose Gated DeltaNet state its paged cache does not hold)."""
+    if name != "auto":
+        return name
+    from draftsmith.target import is_hybrid
+
+    device = next(model.parameters()).device
+    return "continuous" if device.type == "cuda" and not is_hybrid(model.config) else "generate"
+
+
+def _split_stop(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """``(answer before the first stop token, whether a stop token ended it)``."""
+    answer = []
+    for t in ids:
+        if t in stop_ids:
+            return answer, True
+        answer.append(int(t))
+    return answer, False
+
+
+class GenerateEngine:
+    """HF ``generate``: prompts sorted by length, left-padded batches of ``batch_size``; a batch runs until its
+    longest answer ends (the baseline the other engines are measured against, bench/bench_regenerate.py)."""
+
+    name = "generate"
+
+    def __init__(self, model, generation_config, pad_id: int, batch_size: int):
+        self.model, self.gen, self.pad_id, self.batch_size = model, generation_config, pad_id, batch_size
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+        out: list[list[int] | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+                mask[r, width - len(prompts[i]):] = 1
+            seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                       generation_config=self.gen)
+            for r, i in enumerate(idx):
+                out[i] = seqs[r, width:].tolist()
+            if on_done is not None:
+                on_done(len(idx))
+        return out  # type: ignore[return-value]
+
+
+class ContinuousBatchingEngine:
+    """transformers' continuous batching (``model.generate_batch``): a paged KV cache, each finished sequence's
+    slot refilled by the next prompt at once, CUDA graphs for the decode steps on GPU. Greedy answers equal
+    ``generate``'s (tested on CPU; bench/bench_regenerate.py compares them on a GPU)."""
+
+    name = "continuous"
+
+    def __init__(self, model, generation_config):
+        self.model, self.gen = model, generation_config
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+        if not prompts:
+            return []
+        results = self.model.generate_batch(inputs=prompts, generation_config=self.gen, progress_bar=False)
+        # request ids are "req_<i>" in submission order (transformers 5.17 - 5.24); check, do not trust
+        by_index = {}
+        for rid, res in results.items():
+            num = rid.rsplit("_", 1)[-1]
+            if not num.isdigit():
+                raise RuntimeError(f"continuous batching returned an unexpected request id {rid!r}")
+            by_index[int(num)] = res
+        if sorted(by_index) != list(range(len(prompts))):
+            raise RuntimeError(f"continuous batching returned {len(by_index)} results for {len(prompts)} prompts")
+        out = []
+        for i, prompt in enumerate(prompts):
+            res = by_index[i]
+            if getattr(res, "error", None):
+                raise RuntimeError(f"continuous batching failed on prompt {i}: {res.error}")
+            if list(res.prompt_ids) != list(prompt):
+                raise RuntimeError(f"continuous batching result {i} belongs to another prompt")
+            out.append(list(res.generated_tokens))
+        if on_done is not None:
+            on_done(len(prompts))
+        return out
+
+
+class VLLMEngine:
+    """vLLM (``vllm.LLM.generate`` on token ids), when the ``vllm`` package is installed; the target is loaded
+    by vLLM itself from ``target_dir``. Not part of draftsmith's dependencies or CI."""
+
+    name = "vllm"
+
+    def __init__(self, target_dir: str, *, dtype: str, max_new_tokens: int, stop_ids: list[int], temperature: float,
+                 top_p: float, seed: int, max_model_len: int | None, trust_remote_code: bool):
+        try:
+            import vllm
+        except ImportError:
+            raise ValueError("regenerate.engine = vllm but the vllm package is not installed; install it or use "
+                             "engine: continuous") from None
+        self.vllm = vllm
+        self.llm = vllm.LLM(model=str(target_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                            trust_remote_code=trust_remote_code)
+        self.params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                          stop_token_ids=list(stop_ids), skip_special_tokens=False,
+                                          include_stop_str_in_output=True)
+
+    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, self.params, use_tqdm=False)
+        out = []
+        for o in outputs:
+            ids = list(o.outputs[0].token_ids)
+            if o.outputs[0].finish_reason == "stop" and not set(ids) & set(self.params.stop_token_ids or []):
+                ids.append(self.params.stop_token_ids[0])  # stopped at eos without returning it
+            out.append(ids)
+        if on_done is not None:
+            on_done(len(prompts))
+        return out
 
 
 class Regenerator:
-    """Greedy, batched regeneration of assistant turns with a Hugging Face causal LM.
+    """Batched regeneration of assistant turns by the target (greedy unless a temperature is set).
 
     Args:
-        model: the target (``AutoModelForCausalLM``, eval mode, on its device).
+        model: the target (``AutoModelForCausalLM``, eval mode, on its device); None with a ready ``engine``.
         tokenizer: the target's tokenizer with its chat template.
         settings: :class:`GenerationSettings`.
         stop_ids: end-of-turn / eos ids generation stops at (default :func:`stop_token_ids`).
+        engine: a ready generation engine (``generate(prompts, on_done) -> token lists``); default: the one
+            ``settings.engine`` names, built on ``model``.
 
     Raises:
         TemplateError: the template has no generation prompt (:func:`check_generation_prompt`).
-        ValueError: no stop token, or no pad / eos id to left-pad with.
+        ValueError: no stop token, or no pad / eos id to left-pad with, or an engine that needs what is missing.
     """
 
-    def __init__(self, model, tokenizer, settings: GenerationSettings, stop_ids: Sequence[int] | None = None):
+    def __init__(self, model, tokenizer, settings: GenerationSettings, stop_ids: Sequence[int] | None = None, *,
+                 engine=None):
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -132,44 +284,46 @@ class Regenerator:
             raise ValueError("the target has no eos / end-of-turn token id: generation could never stop")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
-        self.device = next(model.parameters()).device
+        self.engine = engine if engine is not None else self._build_engine()
+        self.progress = None  # a progress bar counting generated answers, set by regenerate_file
+
+    def _build_engine(self):
+        from transformers import GenerationConfig
+
+        if self.model is None:
+            raise ValueError("Regenerator needs a model or a ready engine")
+        s = self.settings
+        sample = s.temperature > 0
+        gen = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=sample, eos_token_id=self.stop_ids,
+                               pad_token_id=self.pad_id, temperature=s.temperature if sample else None,
+                               top_p=s.top_p if sample else None, top_k=0 if sample else None)
+        name = resolve_engine(s.engine, self.model)
+        if name == "generate":
+            return GenerateEngine(self.model, gen, self.pad_id, s.batch_size)
+        if name == "continuous":
+            return ContinuousBatchingEngine(self.model, gen)
+        raise ValueError(f"engine {name!r} loads the target itself: build it with make_engine and pass engine=")
 
     # -- generation -------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """Greedy continuation of each prompt (token ids), batched with left padding.
+        """Continuation of each prompt (token ids) by the engine.
 
         Returns:
             Per prompt ``(answer_ids, stopped)``: the generated ids before the first stop token, and
             whether a stop token ended it (False: ``max_new_tokens`` was reached).
         """
-        from transformers import GenerationConfig
+        stops = set(self.stop_ids)
+        done = [0]
 
-        gen = GenerationConfig(max_new_tokens=self.settings.max_new_tokens, do_sample=False,
-                               eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
-        out: list[tuple[list[int], bool] | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for b in range(0, len(order), self.settings.batch_size):
-            idx = order[b:b + self.settings.batch_size]
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
-                mask[r, width - len(prompts[i]):] = 1
-            seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                       generation_config=gen)
-            new = seqs[:, width:].tolist()
-            for r, i in enumerate(idx):
-                answer, stopped = [], False
-                for t in new[r]:
-                    if t in self.stop_ids:
-                        stopped = True
-                        break
-                    answer.append(t)
-                out[i] = (answer, stopped)
-        return out  # type: ignore[return-value]
+        def on_done(n: int) -> None:  # a line on the console within long parts too (at the bar's interval)
+            done[0] += n
+            if self.progress is not None:
+                self.progress.set_postfix_str(f"{done[0]}/{len(prompts)} answers of this round", refresh=False)
+                self.progress.update(0)
+
+        out = self.engine.generate(prompts, on_done)
+        return [_split_stop(ids[:self.settings.max_new_tokens], stops) for ids in out]
 
     def decode(self, ids: list[int]) -> str:
         """Answer text of generated ids (special tokens kept, no clean-up: re-rendering gives them back)."""
@@ -209,12 +363,18 @@ class Regenerator:
         """Regenerate a list of curated records (dicts of the curated schema); returns (records, counts).
 
         Output records keep ``id``, ``source`` and ``tools``; dropped conversations are left out and
-        counted (``dropped.<reason>``). Counts: ``conversations_in`` = ``regenerated`` + ``kept_original`` +
+        counted (``dropped.<reason>``). With ``num_answers`` = n each record is answered n times (copies k >= 1
+        get id ``<id>@<k>``), so ``conversations_in`` = n x ``records_in``. Counts: ``conversations_in`` =
+        ``regenerated`` + ``kept_original`` +
         dropped; ``turns_in`` = ``turns_regenerated`` + ``turns_kept_tool_call`` + ``turns_kept_without_prompt``
         + ``turns_removed_by_cut``; ``cut.<reason>`` per conversation.
         """
         stats: collections.Counter = collections.Counter()
-        convs = [_Conv(rec, list(rec.get("messages") or [])) for rec in records]
+        n = self.settings.num_answers
+        convs = [_Conv(rec if k == 0 else {**rec, "id": f"{rec.get('id')}@{k}"}, list(rec.get("messages") or []),
+                       copy=k)
+                 for rec in records for k in range(n)]
+        stats["records_in"] += len(records)
         stats["conversations_in"] += len(convs)
         stats["turns_in"] += sum(1 for c in convs for m in c.messages if m.get("role") == "assistant")
         for c in convs:
@@ -253,6 +413,9 @@ class Regenerator:
                        for m in c.out[:last + 1]):
                 stats[f"dropped.{c.cut if c.cut else DROP_NO_TURN_LEFT}"] += 1
                 continue
+            if c.copy and not c.regenerated:  # another answer copy with nothing sampled: equal to copy 0
+                stats[f"dropped.{DROP_UNSAMPLED_COPY}"] += 1
+                continue
             stats["regenerated" if c.regenerated else "kept_original"] += 1
             out.append({**c.record, "messages": c.out[:last + 1]})
         return out, stats
@@ -273,8 +436,12 @@ def _check_counts(stats: collections.Counter) -> None:
         raise AssertionError(f"regenerate counts do not reconcile: {dict(stats)}")
 
 
+def _seed_of(*parts) -> int:
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
 def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLike, regenerator: Regenerator, *,
-                    target_key: str, chunk_size: int = 512) -> dict:
+                    target_key: str, chunk_size: int = 512, progress_interval: float = 30.0) -> dict:
     """Regenerate a curated parquet into ``output_path`` (same schema), resumable by parts; returns the report.
 
     Raises:
@@ -292,8 +459,9 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         "format": FORMAT, "input": sha256_file(input_path), "target": target_key,
         "tokenizer": tokenizer_fingerprint(regenerator.tokenizer), "kwargs": regenerator.kwargs,
         "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "max_turns": s.max_turns,
-        "stop_ids": regenerator.stop_ids, "chunk_size": chunk_size,
-        "dtype": str(next(regenerator.model.parameters()).dtype),
+        "stop_ids": regenerator.stop_ids, "chunk_size": chunk_size, "engine": regenerator.engine.name,
+        "dtype": str(next(regenerator.model.parameters()).dtype) if regenerator.model is not None else None,
+        "sampling": [s.temperature, s.top_p, s.num_answers, s.seed] if s.temperature > 0 else None,
     }, sort_keys=True).encode()).hexdigest()
     parts_dir = output_path.with_name(output_path.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
@@ -301,39 +469,56 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     total: collections.Counter = collections.Counter()
     part_paths = []
     n_rows = pf.metadata.num_rows
-    for k, batch in enumerate(pf.iter_batches(batch_size=chunk_size)):
-        part = parts_dir / f"part-{k:06d}.parquet"
-        part_paths.append(part)
-        if part.exists():
-            meta = pq.read_schema(part).metadata or {}
-            info = json.loads(meta.get(PART_KEY, b"{}"))
-            if info.get("key") == key:
-                total.update(info["stats"])
-                log.info("part %d: reused (finished earlier)", k)
-                continue
-            log.info("part %d: stale (other input or settings): redone", k)
-        records = batch.to_pylist()
-        t1 = time.perf_counter()
-        out, stats = regenerator.regenerate(records)
-        _check_counts(stats)
-        table = pa.Table.from_pylist(out, schema=clean_schema)
-        table = table.replace_schema_metadata({PART_KEY: json.dumps({"key": key, "stats": dict(stats)}).encode()})
-        with atomic_path(part, suffix=".parquet") as tmp:
-            pq.write_table(table, tmp)
-        total.update(stats)
-        done = min((k + 1) * chunk_size, n_rows)
-        log.info("part %d: %d conversations -> %d rows, %d turns regenerated, %d tokens in %.1f s (%d/%d done)",
-                 k, len(records), len(out), stats["turns_regenerated"], stats["tokens_generated"],
-                 time.perf_counter() - t1, done, n_rows)
+    log.info("regenerating %d conversations x %d answer(s) with engine %s, in parts of %d", n_rows, s.num_answers,
+             regenerator.engine.name, chunk_size)
+    bar = progress(n_rows, "regenerate", unit="conv", logger=log, interval=progress_interval)
+    regenerator.progress = bar
+    new_tokens, t_new = 0, 0.0
+    try:
+        for k, batch in enumerate(pf.iter_batches(batch_size=chunk_size)):
+            part = parts_dir / f"part-{k:06d}.parquet"
+            part_paths.append(part)
+            if part.exists():
+                meta = pq.read_schema(part).metadata or {}
+                info = json.loads(meta.get(PART_KEY, b"{}"))
+                if info.get("key") == key:
+                    total.update(info["stats"])
+                    log.info("part %d: reused (finished earlier)", k)
+                    bar.update(batch.num_rows)
+                    continue
+                log.info("part %d: stale (other input or settings): redone", k)
+            records = batch.to_pylist()
+            if s.temperature > 0:
+                torch.manual_seed(_seed_of(s.seed, k))
+            t1 = time.perf_counter()
+            out, stats = regenerator.regenerate(records)
+            _check_counts(stats)
+            table = pa.Table.from_pylist(out, schema=clean_schema)
+            table = table.replace_schema_metadata({PART_KEY: json.dumps({"key": key, "stats": dict(stats)}).encode()})
+            with atomic_path(part, suffix=".parquet") as tmp:
+                pq.write_table(table, tmp)
+            total.update(stats)
+            new_tokens += stats["tokens_generated"]
+            t_new += time.perf_counter() - t1
+            bar.set_postfix_str(f"{new_tokens / max(t_new, 1e-9):,.0f} new tok/s", refresh=False)
+            bar.update(len(records))
+            log.debug("part %d: %d conversations -> %d rows, %d turns regenerated, %d tokens in %.1f s",
+                      k, len(records), len(out), stats["turns_regenerated"], stats["tokens_generated"],
+                      time.perf_counter() - t1)
+    finally:
+        bar.close()
+        regenerator.progress = None
     _check_counts(total)
     report = {
         "format": FORMAT,
         "input": str(input_path),
         "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "max_turns": s.max_turns,
         "chat_template_kwargs": regenerator.kwargs, "stop_token_ids": regenerator.stop_ids,
-        "target_fingerprint": target_key,
+        "target_fingerprint": target_key, "engine": regenerator.engine.name,
+        "temperature": s.temperature, "top_p": s.top_p, "num_answers": s.num_answers, "seed": s.seed,
         "counts": dict(sorted(total.items())),
         "seconds": round(time.perf_counter() - t0, 3),
+        "new_tokens_per_s": round(new_tokens / t_new, 1) if t_new else None,
     }
     with atomic_path(output_path, suffix=".parquet") as tmp:
         with pq.ParquetWriter(tmp, clean_schema.with_metadata({META_KEY: json.dumps(report).encode()})) as w:
@@ -359,17 +544,29 @@ def run(*, conversations: str, target_dir: str, output: str, settings: Generatio
     from draftsmith.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
-    model = load_target(target_dir, dtype=dtype, device=device, attn_implementation=attn_implementation,
-                        trust_remote_code=trust_remote_code)
-    regen = Regenerator(model, tokenizer, settings, stop_token_ids(tokenizer, target_dir))
-    log.info("target %s on %s (%s), stop ids %s, pad id %d, settings %s", target_dir, regen.device,
-             next(model.parameters()).dtype, regen.stop_ids, regen.pad_id, settings)
+    stops = stop_token_ids(tokenizer, target_dir)
+    if settings.engine == "vllm":
+        model = None
+        engine = VLLMEngine(target_dir, dtype=dtype, max_new_tokens=settings.max_new_tokens, stop_ids=stops,
+                            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
+                            max_model_len=(settings.max_prompt_tokens + settings.max_new_tokens
+                                           if settings.max_prompt_tokens else None),
+                            trust_remote_code=trust_remote_code)
+    else:
+        model = load_target(target_dir, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                            trust_remote_code=trust_remote_code)
+        engine = None
+    regen = Regenerator(model, tokenizer, settings, stops, engine=engine)
+    log.info("target %s (%s), engine %s, stop ids %s, pad id %d, settings %s", target_dir,
+             next(model.parameters()).dtype if model is not None else dtype, regen.engine.name, regen.stop_ids,
+             regen.pad_id, settings)
     report = regenerate_file(conversations, output, regen, target_key=target_fingerprint(target_dir),
                              chunk_size=chunk_size)
     c = report["counts"]
-    log.info("%d conversations in -> %d regenerated, %d kept original, dropped %s; "
+    log.info("%s new tokens/s; %d conversations in -> %d regenerated, %d kept original, dropped %s; "
              "%d turns regenerated (%d tokens, %.1f%% re-tokenize exactly), %d tool-call turns kept, cuts %s; %.1f s",
-             c.get("conversations_in", 0), c.get("regenerated", 0), c.get("kept_original", 0),
+             report["new_tokens_per_s"], c.get("conversations_in", 0), c.get("regenerated", 0),
+             c.get("kept_original", 0),
              {k: v for k, v in c.items() if k.startswith("dropped.")},
              c.get("turns_regenerated", 0), c.get("tokens_generated", 0),
              100 * c.get("turns_retokenize_exact", 0) / max(c.get("turns_regenerated", 0), 1),

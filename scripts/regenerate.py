@@ -25,7 +25,9 @@ run(
     output=snakemake.output[0],  # noqa: F821
     settings=GenerationSettings(max_new_tokens=cfg["max_new_tokens"], batch_size=cfg["batch_size"],
                                 max_prompt_tokens=params.max_prompt_tokens, max_turns=cfg["max_turns"],
-                                chat_template_kwargs=params.chat_template_kwargs),
+                                chat_template_kwargs=params.chat_template_kwargs, engine=cfg["engine"],
+                                temperature=cfg["temperature"], top_p=cfg["top_p"], num_answers=cfg["num_answers"],
+                                seed=cfg["seed"]),
     dtype=params.target["dtype"],
     attn_implementation=params.target["attn_implementation"],
     trust_remote_code=params.target["trust_remote_code"],

@@ -83,9 +83,14 @@ def reference(model, tok, messages, tools, max_new_tokens, stop):
                       clean_up_tokenization_spaces=False), cut is not None
 
 
-def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop):
-    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3)
-    out, stats = rg.Regenerator(model, tok, settings, stop).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+@pytest.mark.parametrize("engine", ["generate", "continuous"])
+def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine):
+    """Both engines (HF generate on left-padded batches, transformers' continuous batching) give the greedy
+    answer of an unbatched, unpadded generate, token for token, turn by turn."""
+    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3, engine=engine)
+    regen = rg.Regenerator(model, tok, settings, stop)
+    assert regen.engine.name == engine
+    out, stats = regen.regenerate(json.loads(json.dumps(CONVERSATIONS)))
     by_id = {r["id"]: r for r in out}
     assert set(by_id) == {"a", "b", "c"}
     n_checked = 0
@@ -192,3 +197,33 @@ def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypat
     rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet",
            settings=rg.GenerationSettings(max_new_tokens=12, batch_size=2), chunk_size=1, device="cpu")
     assert calls == ["a", "b", "c"]
+
+
+def test_sampled_answers_are_separate_rows_and_counts_reconcile(model, tok, stop):
+    """num_answers = 2 at temperature 1: each conversation is answered twice (ids a, a@1, ...), the copies come
+    from sampling (not all equal), a copy with nothing to sample (none here) would be dropped, counts reconcile."""
+    torch.manual_seed(0)
+    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3, temperature=1.0, num_answers=2, max_turns=1)
+    out, stats = rg.Regenerator(model, tok, settings, stop).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+    ids = sorted(r["id"] for r in out)
+    assert ids == ["a", "a@1", "b", "b@1", "c", "c@1"]
+    assert stats["records_in"] == 3 and stats["conversations_in"] == 6
+    assert stats["conversations_in"] == stats["regenerated"] + stats["kept_original"] + sum(
+        v for k, v in stats.items() if k.startswith("dropped."))
+    rg._check_counts(stats)
+    by_id = {r["id"]: r for r in out}
+    answers = [(by_id[i]["messages"][-1]["content"], by_id[f"{i}@1"]["messages"][-1]["content"]) for i in "ab"]
+    assert any(x != y for x, y in answers)
+
+
+def test_greedy_copies_and_unknown_engines_are_refused():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        rg.GenerationSettings(num_answers=2)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        rg.GenerationSettings(engine="tgi")
+
+
+def test_auto_engine_is_generate_on_cpu_and_for_hybrid_targets(model):
+    assert rg.resolve_engine("auto", model) == "generate"
+    assert rg.resolve_engine("auto", tiny_target("qwen3_5")) == "generate"
+    assert rg.resolve_engine("continuous", model) == "continuous"
