@@ -17,6 +17,7 @@ rule evaluate:
         target=target_dir(),
         eval="results/curated/eval.parquet",
         tokenized="results/tokenized/eval.parquet",
+        trainer_state="results/drafter/trained/trainer_state.json",
         followups=lambda w: sorted(evaluate_followups().values()),
     output:
         json="results/eval/report.json",

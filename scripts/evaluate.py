@@ -24,6 +24,7 @@ report = run_evaluate(
     target_cfg=snakemake.params.target,  # noqa: F821
     sources=snakemake.params.sources,  # noqa: F821
     followup_files=dict(snakemake.params.followups),  # noqa: F821
+    trainer_state=snakemake.input.trainer_state,  # noqa: F821
 )
 o = report["overall"]
 log.info("evaluate done: %d prompts, DFlash τ %s speedup %s; prompt lookup τ %s speedup %s",

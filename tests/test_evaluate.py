@@ -183,6 +183,37 @@ def test_greedy_speculative_equals_target_only(kind):
                 assert any(1 < c < BLOCK for c in out.committed) and 1 in out.committed
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_cache_decoding_equals_the_dynamic_cache(kind):
+    """The static-cache path (one fixed verify width, padded blocks, rollback = the cache length counter; on a
+    GPU its forwards are CUDA graphs) gives the same tokens, acceptance lengths and DFlash drafts (so the same
+    features) as the dynamic cache, for target-only decoding, DFlash (random and partially accepted drafts)
+    and prompt lookup, with one StaticTarget reused across prompts; hybrid and sliding targets are refused."""
+    from draftsmith.evaluate.static import StaticTarget, static_supported
+
+    tgt = target(kind) if kind == "llama" else tiny_target("qwen3", initializer_range=0.1)
+    static = StaticTarget(tgt, 12 + 40 + BLOCK + 1, layer_ids=[1, 2], cuda_graphs=False)
+    for seed in (1, 2):
+        ids = prompt(seed)
+        ref = target_generate(tgt, ids, max_new_tokens=40)
+        fast = target_generate(tgt, ids, max_new_tokens=40, static=static)
+        assert fast.tokens == ref.tokens
+        reference = torch.cat([ids[0], torch.tensor(ref.tokens)])
+        for name, make in {
+            "random drafter": lambda: DFlashProposer(make_drafter(tgt, seed=3), tgt),
+            "partial": lambda: DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference,
+                                                           lambda c, s: (c + s) % 4 == 3), tgt),
+            "prompt lookup": lambda: PromptLookupProposer(3, BLOCK - 1),
+        }.items():
+            dyn = speculative_generate(tgt, make(), ids, max_new_tokens=40)
+            sta = speculative_generate(tgt, make(), ids, max_new_tokens=40, static=static)
+            assert sta.tokens == dyn.tokens == ref.tokens, f"{kind} {name}"
+            assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed), name
+    assert not static_supported(target("qwen3_5"))[0] and not static_supported(target("qwen3_sliding"))[0]
+    with pytest.raises(ValueError, match="static-cache decoding does not support"):
+        StaticTarget(target("qwen3_5"), 64)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_naive_crop_breaks_hybrid_targets(monkeypatch, kind):
     """Control: rolling a hybrid target back with ``crop()`` alone (what HF and the official HF backend
@@ -606,8 +637,12 @@ def _stage_kwargs(inputs, out, **cfg):
                     "prompt_lookup_ngram": 3, **cfg}
     outputs = {k: str(out / f) for k, f in [("json", "report.json"), ("md", "report.md"), ("tau", "tau.png"),
                                             ("positions", "per_position.png"), ("histogram", "hist.png")]}
+    state = out / "trainer_state.json"
+    state.write_text(json.dumps({"steps": 7, "labels": "target", "block_size": BLOCK, "last_train": {},
+                                 "heldout": {"tau_blocks": 1.75, "tau_expected": 1.5, "loss": 3.0,
+                                             "accuracy_per_position": [0.4, 0.2, 0.1]}}))
     return dict(target_dir=inputs["target"], drafter_dir=inputs["drafter"], curated_eval=inputs["curated"],
-                tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg,
+                tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg, trainer_state=str(state),
                 target_cfg={"dtype": "float32"}, device="cpu",
                 sources=[{"name": "chat", "split": "both"}, {"name": "mtbench", "split": "eval"}],
                 followup_files={"mtbench": inputs["mtbench"]})
@@ -664,6 +699,9 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     assert report["run"]["block_size"] == BLOCK and report["run"]["stop_token_ids"] == [0, 2]
     md = (tmp_path / "report.md").read_text()
     assert "| heldout |" in md and "| mtbench |" in md and "prompt_too_long × 1" in md
+    # training's teacher-forced held-out block τ beside the decoded held-out τ
+    assert report["training"]["heldout_tau_blocks"] == 1.75
+    assert f"| 7 | target | 1.75 | 1.50 | {held['dflash']['tau']:.2f} | 0.40 / 0.20 / 0.10 |" in md
     for png in ("tau.png", "per_position.png", "hist.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -241,6 +241,95 @@ class PromptLookupProposer(Proposer):
 
 
 # ------------------------------------------------------------------------------------------------
+# The target's forwards: a dynamic cache with exact rollback, or a static cache with CUDA graphs
+# ------------------------------------------------------------------------------------------------
+
+class DynamicTarget:
+    """The target on a growing ``DynamicCache`` with exact rollback (:class:`TargetCache`, GDN state included)
+    and forward hooks on the tapped layers: any target, any device. Use as a context manager, per prompt.
+
+    Args:
+        target: Hugging Face causal LM.
+        layer_ids: tapped layers whose features forwards return (``[]``: none).
+        rollback: see :class:`TargetCache`.
+    """
+
+    def __init__(self, target: nn.Module, layer_ids: list[int], rollback: str = "auto"):
+        self.target, self.layer_ids, self.rollback_mode = target, list(layer_ids), rollback
+        self.tcache = None
+        self.cap = None
+        self._cap_ctx = None
+
+    def __enter__(self) -> "DynamicTarget":
+        self.tcache = TargetCache(self.target, rollback=self.rollback_mode).__enter__()
+        if self.layer_ids:
+            self._cap_ctx = capture_layers(self.target, self.layer_ids)
+            self.cap = self._cap_ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cap_ctx is not None:
+            self._cap_ctx.__exit__(*exc)
+        self.tcache.__exit__(*exc)
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed the prompt ``[1, P]``; returns the last position's logits ``[V]`` and features ``[1, P, n*H]``."""
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        out = self.target(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                          **cache_kwargs(self.target, self.tcache.cache))
+        self.tcache.advance(ids.shape[1])
+        return out.logits[0, -1], (self.cap.features() if self.cap is not None else None)
+
+    def forward_block(self, tokens: torch.Tensor, start: int, width: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``tokens [1, k]`` at positions ``start..``; returns logits ``[k, V]`` and features ``[1, k, n*H]``.
+        Follow with :meth:`commit`. ``width`` is ignored (no padding needed)."""
+        k = tokens.shape[1]
+        if k > 1:
+            self.tcache.checkpoint()
+        if self.cap is not None:
+            self.cap.clear()
+        positions = torch.arange(start, start + k, device=tokens.device)[None]
+        out = self.target(input_ids=tokens, position_ids=positions, use_cache=True,
+                          **cache_kwargs(self.target, self.tcache.cache))
+        self._last = (tokens, positions)
+        return out.logits[0], (self.cap.features() if self.cap is not None else None)
+
+    def commit(self, consumed: int, keep: int) -> None:
+        """Keep the first ``keep`` of the ``consumed`` tokens of the last :meth:`forward_block`."""
+        tokens, positions = self._last
+        self.tcache.rollback(consumed, keep, tokens, positions)
+
+
+class _StaticRun:
+    """Per-prompt view of a :class:`draftsmith.evaluate.static.StaticTarget` with the runner interface."""
+
+    def __init__(self, static):
+        self.static = static
+
+    def __enter__(self) -> "_StaticRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def prefill(self, ids):
+        return self.static.prefill(ids)
+
+    def forward_block(self, tokens, start, width=None):
+        return self.static.forward_block(tokens, start, width or tokens.shape[1])
+
+    def commit(self, consumed: int, keep: int) -> None:
+        """Nothing to undo: the next forward sets the cache length to the committed positions."""
+
+
+def target_runner(target: nn.Module, layer_ids: list[int], rollback: str = "auto", static=None):
+    """The runner for one prompt: ``static`` (a :class:`~draftsmith.evaluate.static.StaticTarget`) when given,
+    else a :class:`DynamicTarget`."""
+    return _StaticRun(static) if static is not None else DynamicTarget(target, layer_ids, rollback)
+
+
+# ------------------------------------------------------------------------------------------------
 # Decoding loops
 # ------------------------------------------------------------------------------------------------
 
@@ -257,7 +346,7 @@ def _prompt_tensor(input_ids, device) -> torch.Tensor:
 def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
                     stop_token_ids: list[int] | None = None,
                     sampling: SamplingConfig = SamplingConfig(),
-                    generator: torch.Generator | None = None) -> GenerationResult:
+                    generator: torch.Generator | None = None, static=None) -> GenerationResult:
     """Target-only decoding (the baseline and the lossless reference): one token per forward.
 
     Args:
@@ -267,6 +356,8 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
         stop_token_ids: ids that end the generation (eos, end of turn).
         sampling: greedy (temperature 0) or sampling.
         generator: RNG for sampling.
+        static: a :class:`~draftsmith.evaluate.static.StaticTarget` (static cache, CUDA graphs) or None
+            (dynamic cache).
 
     Returns:
         :class:`GenerationResult` (``committed`` empty: every step commits one token).
@@ -275,21 +366,22 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
     ids = _prompt_tensor(input_ids, device)
     stops = set(stop_token_ids or [])
     t0 = _now(device)
-    cache = DynamicCache(config=target.config)
-    out = target(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
-    token = int(select_tokens(out.logits[0, -1], sampling, generator).item())
-    t_first = _now(device)
-    tokens = [token]
-    position = ids.shape[1]
-    stopped = token in stops
-    while len(tokens) < max_new_tokens and not stopped:
-        step_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-        out = target(input_ids=step_ids, position_ids=torch.tensor([[position]], device=device),
-                     use_cache=True, **cache_kwargs(target, cache))
-        position += 1
-        token = int(select_tokens(out.logits[0, -1], sampling, generator).item())
-        tokens.append(token)
+    with target_runner(target, [], static=static) as runner:
+        logits, _ = runner.prefill(ids)
+        token = int(select_tokens(logits, sampling, generator).item())
+        t_first = _now(device)
+        tokens = [token]
+        position = ids.shape[1]
         stopped = token in stops
+        step_ids = torch.empty((1, 1), dtype=torch.long, device=device)
+        while len(tokens) < max_new_tokens and not stopped:
+            step_ids.fill_(token)
+            logits, _ = runner.forward_block(step_ids, position, 1)
+            runner.commit(1, 1)
+            position += 1
+            token = int(select_tokens(logits[-1], sampling, generator).item())
+            tokens.append(token)
+            stopped = token in stops
     t1 = _now(device)
     return GenerationResult(tokens=tokens, num_prompt_tokens=ids.shape[1], seconds=t1 - t0,
                             prefill_seconds=t_first - t0, stopped=stopped)
@@ -300,7 +392,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                          stop_token_ids: list[int] | None = None,
                          sampling: SamplingConfig = SamplingConfig(),
                          generator: torch.Generator | None = None,
-                         rollback: str = "auto") -> GenerationResult:
+                         rollback: str = "auto", static=None) -> GenerationResult:
     """Speculative decoding of one prompt: draft with ``proposer``, verify with one target forward.
 
     Lossless: with greedy sampling the tokens equal :func:`target_generate`'s; with temperature > 0
@@ -316,6 +408,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
         sampling: greedy or sampling.
         generator: RNG for sampling and rejection draws.
         rollback: how recurrent state is restored, see :class:`TargetCache`.
+        static: a :class:`~draftsmith.evaluate.static.StaticTarget` (static cache, CUDA graphs; attention-only
+            targets) or None (dynamic cache with exact rollback).
 
     Returns:
         :class:`GenerationResult` with per-step ``committed`` / ``accepted`` / ``proposed``.
@@ -327,17 +421,15 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
     stops = torch.tensor(sorted(set(stop_token_ids or [])), dtype=torch.long, device=device)
     output = torch.zeros(max_length + 1, dtype=torch.long, device=device)
     output[:num_prompt] = ids[0]
-    positions = torch.arange(max_length + 1, device=device)[None]
     committed, accepted_log, proposed_log = [], [], []
 
     t0 = _now(device)
     layer_ids = proposer.layer_ids if proposer.needs_features else []
-    with TargetCache(target, rollback=rollback) as tcache, _maybe_capture(target, layer_ids) as cap:
-        out = target(input_ids=ids, position_ids=positions[:, :num_prompt], use_cache=True, logits_to_keep=1,
-                     **cache_kwargs(target, tcache.cache))
-        tcache.advance(num_prompt)
-        output[num_prompt] = select_tokens(out.logits[0, -1], sampling, generator)
-        proposer.reset(ids, cap.features() if cap is not None else None)
+    width = proposer.max_drafts + 1  # static forwards are padded to one width (one CUDA graph)
+    with target_runner(target, layer_ids, rollback, static) as runner:
+        logits, features = runner.prefill(ids)
+        output[num_prompt] = select_tokens(logits, sampling, generator)
+        proposer.reset(ids, features if proposer.needs_features else None)
         t_first = _now(device)
         start = num_prompt
         stopped = bool(torch.isin(output[start], stops).item()) if stops.numel() else False
@@ -347,14 +439,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                                                    sampling, generator)
             k = int(drafts.shape[0])
             block = torch.cat([output[start:start + 1], drafts.to(device)])[None]
-            block_pos = positions[:, start:start + k + 1]
-            if k:
-                tcache.checkpoint()
-            if cap is not None:
-                cap.clear()
-            out = target(input_ids=block, position_ids=block_pos, use_cache=True,
-                         **cache_kwargs(target, tcache.cache))
-            logits = out.logits[0]  # [k + 1, V]
+            logits, features = runner.forward_block(block, start, width)  # [k + 1, V]
             if sampling.greedy:
                 accepted, next_token = greedy_accept(drafts, logits)
             else:
@@ -368,9 +453,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                 if hits.numel():
                     produced = int(hits[0, 0].item()) + 1
                     stopped = True
-            features = cap.features()[:, :produced] if cap is not None else None
-            tcache.rollback(k + 1, produced, block, block_pos)
-            proposer.commit(features)
+            runner.commit(k + 1, produced)
+            proposer.commit(features[:, :produced].clone() if proposer.needs_features else None)
             start += produced
             committed.append(produced)
             accepted_log.append(accepted)
@@ -380,15 +464,3 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
     return GenerationResult(tokens=output[num_prompt:end].tolist(), num_prompt_tokens=num_prompt,
                             seconds=t1 - t0, prefill_seconds=t_first - t0, committed=committed,
                             accepted=accepted_log, proposed=proposed_log, stopped=stopped)
-
-
-class _NoCapture:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _maybe_capture(target, layer_ids):
-    return capture_layers(target, layer_ids) if layer_ids else _NoCapture()

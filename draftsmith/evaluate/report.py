@@ -139,7 +139,8 @@ def render_markdown(report: dict) -> str:
     lines.append(f"- device: {run['device']}, dtype {run['dtype']}, sampling: {run['sampling_text']}  ")
     lines.append(f"- chat template kwargs: `{run['chat_template_kwargs']}`; stop tokens {run['stop_token_ids']}  ")
     lines.append(f"- reference drafter: prompt lookup (n-gram ≤ {run['prompt_lookup_ngram']}, "
-                 f"≤ {run['prompt_lookup_num_tokens']} drafts per step); recurrent-state rollback: {run['rollback']}")
+                 f"≤ {run['prompt_lookup_num_tokens']} drafts per step); recurrent-state rollback: {run['rollback']}"
+                 + (f"; target forwards: {run['decoding']}" if run.get("decoding") else ""))
     lines.append("")
     lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
                  "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
@@ -149,17 +150,33 @@ def render_markdown(report: dict) -> str:
     for name, s in report["sets"].items():
         t, d, p = s["target_only"], s["dflash"], s["prompt_lookup"]
         rows.append([name, s["conversations"], s["prompts"], t["tokens"], t["tokens_per_s"], d["tau"],
-                     d["tokens_per_s"], d.get("speedup"), p["tau"], p.get("speedup"),
+                     d["tokens_per_s"], d.get("speedup"), p["tau"], p["tokens_per_s"], p.get("speedup"),
                      _lossless_text(s)])
     o = report.get("overall")
     if o:
         rows.append(["**all**", o["conversations"], o["prompts"], o["target_only"]["tokens"],
                      o["target_only"]["tokens_per_s"], o["dflash"]["tau"], o["dflash"]["tokens_per_s"],
-                     o["dflash"].get("speedup"), o["prompt_lookup"]["tau"], o["prompt_lookup"].get("speedup"),
-                     _lossless_text(o)])
+                     o["dflash"].get("speedup"), o["prompt_lookup"]["tau"], o["prompt_lookup"]["tokens_per_s"],
+                     o["prompt_lookup"].get("speedup"), _lossless_text(o)])
     lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", "DFlash τ",
-                         "DFlash tok/s", "DFlash speedup", "lookup τ", "lookup speedup", "lossless"], rows))
+                         "DFlash tok/s", "DFlash speedup", "lookup τ", "lookup tok/s", "lookup speedup", "lossless"],
+                        rows))
     lines.append("")
+    tr = report.get("training")
+    if tr:
+        decoded = (report["sets"].get("heldout") or {}).get("dflash", {}).get("tau")
+        lines.append("## Training against decoding")
+        lines.append("")
+        lines.append(_table(
+            ["training steps", "labels", "held-out block τ (teacher-forced)", "held-out expected τ",
+             "decoded held-out τ", "held-out accuracy, slots 1-3"],
+            [[tr["steps"], tr["labels"], tr["heldout_tau_blocks"], tr["heldout_tau_expected"], decoded,
+              " / ".join(_fmt(a) for a in (tr["heldout_accuracy_per_position"] or [])[:3])]]))
+        lines.append("")
+        lines.append("Block τ: training's held-out rows with the data's own context (mean accepted prefix + 1 over "
+                     "fully supervised blocks); decoded τ: real speculative decoding of held-out prompts, where "
+                     "the context is what the target generated.")
+        lines.append("")
     lines.append("## Per-position acceptance (DFlash): P(drafts 1..k all accepted)")
     lines.append("")
     width = max((len(s["dflash"]["per_position"]) for s in report["sets"].values()), default=0)

@@ -136,7 +136,8 @@ def _load_partial(path: Path, key: str) -> dict | None:
 def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokenized_eval: str,
                  outputs: dict[str, str], evaluate_cfg: dict, target_cfg: dict, sources: list[dict],
                  followup_files: dict[str, str] | None = None, device: torch.device | str | None = None,
-                 partial_dir: str | None = None, drafter_implementation: str = "draftsmith") -> dict:
+                 partial_dir: str | None = None, drafter_implementation: str = "draftsmith",
+                 trainer_state: str | None = None) -> dict:
     """Run the evaluate stage and write report.json, report.md and the three plots.
 
     Args:
@@ -152,6 +153,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         followup_files: per source name, the MT-Bench question file folder (turn 2 questions).
         device: default: ``cuda`` if available else ``cpu``.
         partial_dir: where per-set results are kept until the report is written (resume).
+        trainer_state: the training run's ``trainer_state.json``: its held-out (teacher-forced) block τ is
+            reported beside the decoded τ.
 
     Returns:
         The report dict (also written to ``outputs["json"]``).
@@ -190,6 +193,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     max_positions = int(getattr(getattr(target.config, "text_config", None) or target.config,
                                 "max_position_embeddings", 1 << 30))
     max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
+    static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
 
     followups = _read_followups(followup_files or {})
     heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
@@ -221,12 +225,12 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             gen = torch.Generator(device=device).manual_seed(gen_seed) if not sampling.greedy else None
             if method == "target_only":
                 out[method] = target_generate(target, ids, max_new_tokens=max_new, stop_token_ids=stops,
-                                              sampling=sampling, generator=gen)
+                                              sampling=sampling, generator=gen, static=static)
             else:
                 proposer = dflash if method == "dflash" else lookup
                 out[method] = speculative_generate(target, proposer, ids, max_new_tokens=max_new,
                                                    stop_token_ids=stops, sampling=sampling, generator=gen,
-                                                   rollback=rollback)
+                                                   rollback=rollback, static=static)
         return out
 
     warmed = False
@@ -292,11 +296,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             "chat_template_kwargs": template_kwargs, "tokenizer_fingerprint": fp, "stop_token_ids": stops,
             "prompt_lookup_ngram": lookup.max_ngram, "prompt_lookup_num_tokens": lookup.max_drafts,
             "rollback": _rollback_text(target, rollback),
+            "decoding": ("static KV cache" + (", CUDA graphs" if static.cuda_graphs else "") if static is not None
+                         else "dynamic KV cache"),
             "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                          "python": platform.python_version()},
         },
         "sets": set_reports,
         "overall": _overall(set_reports, all_results, all_labels, sampling, dflash.block_size),
+        "training": _training_summary(trainer_state),
     }
     write_json(outputs["json"], report)
     write_text(outputs["md"], render_markdown(report))
@@ -311,6 +318,48 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                     "(see report.json lossless.mismatches; bf16 kernels whose results depend on the number of "
                     "tokens per forward can flip near-tied argmaxes)", ", ".join(bad))
     return report
+
+
+def _training_summary(path: str | None) -> dict | None:
+    """Training's held-out figures (teacher-forced on held-out rows) from ``trainer_state.json``, or None."""
+    if not path:
+        return None
+    state = read_json(path)
+    held = state.get("heldout") or {}
+    return {"steps": state.get("steps"), "labels": state.get("labels"), "block_size": state.get("block_size"),
+            "heldout_tau_blocks": held.get("tau_blocks"), "heldout_tau_expected": held.get("tau_expected"),
+            "heldout_accuracy_per_position": held.get("accuracy_per_position"), "heldout_loss": held.get("loss"),
+            "train_tokens_per_s": (state.get("last_train") or {}).get("tokens_per_s")}
+
+
+def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens: int, max_positions: int,
+                   device: torch.device):
+    """The :class:`~draftsmith.evaluate.static.StaticTarget` all three decoders share, or None (dynamic cache).
+
+    ``evaluate.static_cache``: ``auto`` = on CUDA when the target qualifies; ``true`` = required; ``false`` = never.
+    Sized for the longest prompt plus the largest ``max_new_tokens`` of the sets plus one verify block.
+
+    Raises:
+        ValueError: ``static_cache: true`` for a target it cannot serve.
+    """
+    from draftsmith.evaluate.static import StaticTarget, static_supported
+
+    mode = str(evaluate_cfg.get("static_cache", "auto")).lower()
+    if mode == "false" or (mode == "auto" and device.type != "cuda"):
+        return None
+    ok, why = static_supported(target)
+    if not ok:
+        if mode == "true":
+            raise ValueError(f"evaluate.static_cache: true, but {why}")
+        log.info("static cache / CUDA graphs not used: %s", why)
+        return None
+    width = max(dflash.max_drafts, lookup.max_drafts) + 1
+    max_new = max((int(s.get("max_new_tokens", 0)) for s in (evaluate_cfg.get("sets") or {}).values()), default=0)
+    length = min(max_positions, max_prompt_tokens + max_new + width + 1)
+    static = StaticTarget(target, length, layer_ids=dflash.layer_ids, cuda_graphs=device.type == "cuda")
+    log.info("target decodes on a static cache of %d positions%s", length,
+             " with CUDA graphs" if static.cuda_graphs else "")
+    return static
 
 
 def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -> dict:
