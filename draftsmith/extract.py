@@ -69,7 +69,7 @@ from torch import nn
 
 from draftsmith import fused
 from draftsmith import target as tgt
-from draftsmith.io import atomic_path, read_json, sha256_file, write_json
+from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
 
 log = logging.getLogger("draftsmith.extract")
 
@@ -621,21 +621,6 @@ class FeatureExtractor:
 # the shard job
 
 
-class _LogStream:
-    """A file-like object that sends tqdm's lines to a logger (tqdm -> the rule's log file)."""
-
-    def __init__(self, logger: logging.Logger):
-        self.logger = logger
-
-    def write(self, s: str) -> None:
-        s = s.strip("\r\n ")
-        if s:
-            self.logger.info(s)
-
-    def flush(self) -> None:
-        pass
-
-
 @dataclass
 class _ChunkWork:
     index: int
@@ -936,8 +921,6 @@ class _ShardRunner:
             f"produced broken hidden states; refusing to store them")
 
     def run(self, todo: list[_ChunkWork], num_chunks: int) -> None:
-        from tqdm import tqdm
-
         width = self.n_layers * int(tgt.text_config(self.model.config).hidden_size)
         cap = max(c.num_tokens for c in todo)
         t0 = time.perf_counter()
@@ -946,8 +929,7 @@ class _ShardRunner:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-writer")
         pending: list[tuple[_ChunkWork, concurrent.futures.Future]] = []
         total = sum(c.num_tokens for c in todo)
-        bar = tqdm(total=total, unit="tok", unit_scale=True, mininterval=10, ascii=True,
-                   file=_LogStream(log), desc=f"shard {self.shard}")
+        bar = progress(total, f"extract shard {self.shard}", unit="tok", unit_scale=True, logger=log, interval=10)
         t0 = time.perf_counter()
         try:
             with FeatureExtractor(self.model, self.layer_ids, target_tokens=self.want_tt,

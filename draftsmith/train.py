@@ -29,7 +29,6 @@ import math
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.io import read_json, sha256_file, write_json
+from draftsmith.io import progress, read_json, sha256_file, write_json
 from draftsmith.modeling import (
     DFlashDraftModel,
     PackedBatch,
@@ -66,6 +65,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "loss_gamma": None, "labels": "target", "save_every": 500, "eval_every": 200, "eval_fraction": 0.02,
     "keep_checkpoints": 2, "prefetch": 4, "attention": "auto", "compile": False, "log_every": 10,
     "max_anchors_per_row": None, "activation_checkpointing": False, "logits_chunk_mib": 1024,
+    "progress_interval": 30,
 }
 DRAFTER_DEFAULTS: dict[str, Any] = {
     "num_layers": 1, "block_size": 16, "target_layer_ids": None, "num_target_features": None,
@@ -894,14 +894,12 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         _barrier()
 
     # -- loop -------------------------------------------------------------------------------------------------
-    from tqdm.auto import tqdm
-
     end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
     prefetch = Prefetcher(list(bplan.items(start_step, end_step, dd.rank)), make_train, depth=tc["prefetch"],
                           pin=on_gpu)
     batches = iter(prefetch)
-    bar = tqdm(total=total_steps, initial=start_step, disable=not dd.main, desc="train", unit="step",
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, dynamic_ncols=True)
+    bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not dd.main,
+                   interval=float(tc["progress_interval"]))
     tokens_seen = 0
     t_loop = time.time()
     last = {}
@@ -938,7 +936,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
                     writer.add_scalar("train/grad_norm", float(grad_norm), done)
                     writer.add_scalar("train/tokens_per_s", last["tokens_per_s"], done)
                     writer.add_scalar("train/accuracy_pos01", s["accuracy_per_position"][0], done)
-                bar.set_postfix(loss=f"{s['loss']:.4f}", lr=f"{lr:.2e}")
+                bar.set_postfix_str(f"loss {s['loss']:.4f}, lr {lr:.2e}, {last['tokens_per_s']:,.0f} ctx tok/s",
+                                    refresh=False)
             bar.update(1)
             if done % tc["eval_every"] == 0 and done != total_steps:
                 ev = run_eval(done)

@@ -1,5 +1,7 @@
 # train: the DFlash drafter, torchrun DDP with one process per leased GPU ({resources.gpu}).
 # Checkpoints live in results/drafter/checkpoints/ (not a declared output) so a rerun resumes.
+# Output goes to the console (progress: step, rate, ETA) and to the log (tee; the shell's pipefail keeps the
+# exit status of training).
 
 
 rule train:
@@ -26,4 +28,4 @@ rule train:
         "{GPU_LEASE} {resources.gpu} -- {PYTHON} -m torch.distributed.run --standalone"
         " --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} : 1 ))"
         " {input.script} --index {input.index} --target {input.target}"
-        " --out results/drafter --threads {threads} --args {params.args:q} > {log} 2>&1"
+        " --out results/drafter --threads {threads} --args {params.args:q} 2>&1 | tee {log}"

@@ -39,7 +39,7 @@ from draftsmith.evaluate.report import (
 )
 from draftsmith.evaluate.sampling import SamplingConfig
 from draftsmith.target import target_fingerprint
-from draftsmith.io import read_json, sha256_file, write_json, write_text
+from draftsmith.io import progress, read_json, sha256_file, write_json, write_text
 
 log = logging.getLogger("draftsmith.evaluate")
 
@@ -234,6 +234,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         return out
 
     warmed = False
+    bar = progress(sum(len(c.user_turns) for b in sets for c in b.conversations), "evaluate", unit="prompt",
+                   logger=log, interval=float(evaluate_cfg.get("progress_interval", 30)))
     set_reports: dict[str, dict] = {}
     all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
     all_labels: list[str] = []
@@ -247,6 +249,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             log.info("set %s: reusing results of an interrupted run (%s)", bset.name, ppath)
             results = {m: [_result_from_dict(d) for d in cached["results"][m]] for m in METHODS}
             labels, skipped, planned = cached["labels"], cached["skipped_prompts"], cached["planned"]
+            bar.update(planned)
         else:
             results = {m: [] for m in METHODS}
             labels: list[str] = []
@@ -264,6 +267,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                         log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
                                     "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
                                     max_prompt_tokens, bset.max_new_tokens, max_positions, left - 1)
+                        bar.update(left)
                         break
                     if not warmed:
                         run_all(ids, min(16, bset.max_new_tokens), seed)  # first-call costs out of the timings
@@ -275,9 +279,12 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                     labels.append(f"{conv.id}#{t}")
                     answer = tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
                     history = history + [{"role": "assistant", "content": answer}]
-                    log.info("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
-                             bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
-                             res["dflash"].tau, res["prompt_lookup"].tau)
+                    log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
+                              bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
+                              res["dflash"].tau, res["prompt_lookup"].tau)
+                    bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(results['dflash'])['tau']:.2f}"
+                                        f", lookup {summarize(results['prompt_lookup'])['tau']:.2f}", refresh=False)
+                    bar.update(1)
             _save_partial(ppath, key, {"results": {m: [dataclasses.asdict(r) for r in results[m]] for m in METHODS},
                                        "labels": labels, "skipped_prompts": skipped, "planned": planned})
         set_reports[bset.name] = _set_report(bset, results, labels, skipped, planned, sampling, dflash.block_size)
@@ -285,6 +292,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             all_results[m].extend(results[m])
         all_labels.extend(f"{bset.name}:{lab}" for lab in labels)
 
+    bar.close()
     report = {
         "format": REPORT_FORMAT,
         "run": {
