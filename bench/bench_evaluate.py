@@ -14,8 +14,15 @@ and whether the output equals the baseline token for token. For hybrid targets e
 ``rollback=mixer`` (re-run the accepted tokens through the GDN mixers only) and ``rollback=forward``
 (through the whole target); ``τ = B`` never rolls back, so it shows the loop without that cost.
 
+Paths (``--paths``), each measured in the same run against the same dynamic-cache target-only baseline:
+``dynamic`` (``DynamicCache``, exact rollback, eager forwards: any target) and ``static`` (a
+``StaticTarget``: static KV cache, each forward width captured once as a CUDA graph and replayed; attention-only
+targets), so the ratio of the two target-only rows is the speed of the fast path itself.
+
     python bench/bench_evaluate.py                          # tiny hybrid target on CPU (seconds)
     python bench/bench_evaluate.py --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU
+    python bench/bench_evaluate.py --target resources/targets/smollm2-135m-instruct --paths dynamic,static \
+        --prompt-tokens 192 --new-tokens 256                 # the gpu-proof target, on a GPU
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ PRESETS = {
                         num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                         linear_num_key_heads=16, linear_num_value_heads=48),
+    # SmolLM2-135M shape (attention only; --target loads the real weights)
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3),
     # Llama-3.1-8B shape (attention only)
     "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8),
@@ -109,6 +119,8 @@ def main() -> None:
                     help="auto = bfloat16 on CUDA, float32 on CPU; float32 on CUDA runs with TF32 off, so that "
                          "differently shaped forwards agree and the forced τ holds on a random-weight target")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--target", default=None, help="a local HF target folder instead of a random preset")
+    ap.add_argument("--paths", default="dynamic", help="dynamic and/or static (static cache + CUDA graphs)")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,7 +132,13 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = False
     if device.type == "cpu":
         torch.set_num_threads(1)
-    target = build_target(args.preset, args.layers, device, dtype)
+    if args.target:
+        from draftsmith.target import load_target
+
+        target = load_target(args.target, dtype=str(dtype).replace("torch.", ""), device=device)
+        args.preset = args.target
+    else:
+        target = build_target(args.preset, args.layers, device, dtype)
     L = target.config.num_hidden_layers
     hybrid = "linear_attention" in (getattr(target.config, "layer_types", None) or [])
     B = args.block_size
@@ -138,29 +156,50 @@ def main() -> None:
     target_generate(target, prompt, max_new_tokens=args.new_tokens)  # warm-up
     base_s, base = timed(lambda: target_generate(target, prompt, max_new_tokens=args.new_tokens), args.repeats)
     base_tps = len(base.tokens) / base_s
-    print(f"baseline target-only: {base_tps:.1f} tok/s ({base_s * 1e3 / len(base.tokens):.2f} ms/token)")
+    print(f"baseline target-only (dynamic cache): {base_tps:.1f} tok/s ({base_s * 1e3 / len(base.tokens):.2f} "
+          "ms/token)")
     drafter.reference = torch.cat([prompt[0], torch.tensor(base.tokens, device=device)])
 
     rows = []
-    modes = ["mixer", "forward"] if hybrid else ["auto"]
-    for tau in [int(t) for t in args.taus.split(",") if int(t) <= B]:
-        drafter.wrong = tau if tau < B else None
-        for mode in modes:
-            proposer = DFlashProposer(drafter, target)
-            speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens, rollback=mode)  # warm-up
-            s, out = timed(lambda: speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens,
-                                                        rollback=mode), args.repeats)
-            row = {"tau_forced": tau, "tau_measured": out.tau, "rollback": mode if tau < B else "none needed",
-                   "tokens_per_s": len(out.tokens) / s, "speedup": base_s / s,
-                   "lossless": out.tokens == base.tokens,
-                   "first_difference": next((i for i, (a, b) in enumerate(zip(out.tokens, base.tokens)) if a != b),
-                                            None)}
+    hybrid_modes = ["mixer", "forward"] if hybrid else ["auto"]
+    for path in args.paths.split(","):
+        static = None
+        if path == "static":
+            from draftsmith.evaluate.static import StaticTarget
+
+            static = StaticTarget(target, args.prompt_tokens + args.new_tokens + B + 1,
+                                  layer_ids=drafter.target_layer_ids, cuda_graphs=device.type == "cuda")
+            target_generate(target, prompt, max_new_tokens=args.new_tokens, static=static)  # warm-up + capture
+            s, out = timed(lambda: target_generate(target, prompt, max_new_tokens=args.new_tokens, static=static),
+                           args.repeats)
+            row = {"path": path, "tau_forced": 1, "method": "target-only", "tokens_per_s": len(out.tokens) / s,
+                   "speedup": base_s / s, "lossless": out.tokens == base.tokens}
             rows.append(row)
-            print(f"τ {tau:>2} (measured {out.tau:5.2f}) rollback {row['rollback']:<11} "
-                  f"{row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:5.2f}x  lossless {row['lossless']}"
-                  + ("" if row["lossless"] else f" (first difference at token {row['first_difference']})"))
-            if tau == B:
-                break
+            print(f"[{path}] target-only {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:5.2f}x  "
+                  f"lossless {row['lossless']}")
+        for tau in [int(t) for t in args.taus.split(",") if int(t) <= B]:
+            drafter.wrong = tau if tau < B else None
+            for mode in (hybrid_modes if static is None else ["static"]):
+                proposer = DFlashProposer(drafter, target)
+                speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens, rollback=mode
+                                     if static is None else "auto", static=static)  # warm-up
+                s, out = timed(lambda: speculative_generate(
+                    target, proposer, prompt, max_new_tokens=args.new_tokens,
+                    rollback=mode if static is None else "auto", static=static), args.repeats)
+                row = {"path": path, "tau_forced": tau, "tau_measured": out.tau,
+                       "rollback": mode if tau < B else "none needed", "tokens_per_s": len(out.tokens) / s,
+                       "speedup": base_s / s, "lossless": out.tokens == base.tokens,
+                       "first_difference": next((i for i, (a, b) in enumerate(zip(out.tokens, base.tokens))
+                                                 if a != b), None)}
+                rows.append(row)
+                print(f"[{path}] τ {tau:>2} (measured {out.tau:5.2f}) rollback {row['rollback']:<11} "
+                      f"{row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:5.2f}x  lossless {row['lossless']}"
+                      + ("" if row["lossless"] else f" (first difference at token {row['first_difference']})"),
+                      flush=True)
+                if tau == B:
+                    break
+        if static is not None and static.graph_failures:
+            print(f"[{path}] CUDA graph capture failed: {static.graph_failures}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "device": str(device), "baseline_tokens_per_s": base_tps,

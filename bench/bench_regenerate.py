@@ -1,21 +1,26 @@
-"""Benchmark of the regenerate stage: batched, left-padded greedy generation against unbatched generation
-(``batch_size: 1``, the baseline), measured in the same run on a tiny random target (or ``--target``).
+"""Benchmark of the regenerate stage: each engine on the same prompts in the same run, against HF ``generate``.
 
-Prints generated tokens/s, the ratio to the baseline, and the fraction of answers identical to the
-baseline's (left padding is exact to ~1e-6 in float32; in bfloat16 a few answers differ).
+The prompts are the first user turns of a curated parquet (``results/curated/train.parquet``), rendered with
+the target's chat template exactly as the stage does (``draftsmith.regenerate.Regenerator``, max_turns 1). Each
+engine regenerates the same conversations; printed per engine: generated tokens/s, the ratio to the
+``generate`` baseline (HF generate, left-padded batches of ``--batch-size``), and how many answers equal the
+baseline's token for token (greedy). Run it in float32 for the equality figure (bf16 kernels that depend on the
+batch composition can flip near-tied argmaxes) and in bfloat16 for the speed the stage runs at.
 
-    python bench/regenerate.py --device cuda --dtype bfloat16 --batch-sizes 4,16,64
-    python bench/regenerate.py --target resources/targets/smollm2-135m-instruct --n 32
+    python bench/bench_regenerate.py --target resources/targets/smollm2-135m-instruct \
+        --curated results/curated/train.parquet --n 1024 --max-new-tokens 256 --dtypes bfloat16,float32
+    python bench/bench_regenerate.py --tiny          # CPU smoke test: tiny random llama + tiny tokenizer
+
+Measured on one H200 (see docs/gpu-proof/README.md for the figures and the exact command).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
-
-
-import argparse  # noqa: E402
-import time  # noqa: E402
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,58 +30,97 @@ sys.path.append(str(REPO / "tests"))
 import torch  # noqa: E402
 
 from draftsmith import regenerate as rg  # noqa: E402
-from draftsmith.tokenize import load_tokenizer, stop_token_ids  # noqa: E402
 
 PROMPTS = ["Hello! How are you today?", "Write a function that adds two numbers.",
            "Please explain speculative decoding.", "What is the answer?"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, help="HF target folder (default: tiny random llama + tiny tokenizer)")
-    ap.add_argument("--kind", default="llama", help="tiny target kind (llama, qwen3, qwen3_5, qwen3_next)")
-    ap.add_argument("--n", type=int, default=48, help="conversations")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", default="4,16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    if args.target:
-        from draftsmith.target import load_target
+def conversations(args) -> list[dict]:
+    """First user turn (with a system message when present) of ``--n`` curated conversations."""
+    if args.curated:
+        import pyarrow.parquet as pq
 
-        tok = load_tokenizer(args.target)
-        model = load_target(args.target, dtype=args.dtype, device=args.device)
-        stops = stop_token_ids(tok, args.target)
-    else:
-        from tiny import tiny_target, tiny_tokenizer
-
-        tok, model, stops = tiny_tokenizer(), tiny_target(args.kind).to(args.device, dtype), [2]
-    convs = [{"id": str(i), "source": "bench", "tools": None, "messages": [
+        rows = pq.read_table(args.curated, columns=["id", "source", "messages", "tools"]).to_pylist()
+        out = []
+        for r in rows:
+            msgs = r["messages"] or []
+            first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), None)
+            if first is None or first == 0 or msgs[first].get("tool_calls"):
+                continue
+            out.append({**r, "messages": msgs[:first + 1]})
+            if len(out) == args.n:
+                break
+        return out
+    return [{"id": str(i), "source": "bench", "tools": None, "messages": [
         {"role": "user", "content": " ".join([PROMPTS[i % len(PROMPTS)]] * (1 + i % 7))},
         {"role": "assistant", "content": "original"}]} for i in range(args.n)]
-    print(f"{args.n} prompts, max_new_tokens {args.max_new_tokens}, {args.device} {args.dtype}, "
-          f"target {args.target or 'tiny ' + args.kind}")
-    rows, base = [], None
-    for bs in [1] + [int(b) for b in args.batch_sizes.split(",")]:
-        regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=bs),
-                               stops)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, help="HF target folder")
+    ap.add_argument("--tiny", action="store_true", help="tiny random llama + tiny tokenizer (CPU smoke test)")
+    ap.add_argument("--curated", help="curated parquet whose first turns are the prompts")
+    ap.add_argument("--n", type=int, default=1024, help="conversations")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=128, help="batch of the generate baseline")
+    ap.add_argument("--engines", default="generate,continuous")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_regenerate.json")
+    args = ap.parse_args()
+    convs = conversations(args)
+    results = {"n": len(convs), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "runs": {}}
+    print(f"{len(convs)} prompts, max_new_tokens {args.max_new_tokens}, {results['device']}, "
+          f"target {args.target or 'tiny llama'}", flush=True)
+    for dtype in args.dtypes.split(","):
+        if args.tiny or not args.target:
+            from tiny import tiny_target, tiny_tokenizer
+
+            tok, model, stops = tiny_tokenizer(), tiny_target("llama").to(args.device, getattr(torch, dtype)), [2]
+        else:
+            from draftsmith.target import load_target
+            from draftsmith.tokenize import load_tokenizer, stop_token_ids
+
+            tok = load_tokenizer(args.target)
+            model = load_target(args.target, dtype=dtype, device=args.device)
+            stops = stop_token_ids(tok, args.target)
+        base = None
+        for engine in args.engines.split(","):
+            settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                             max_turns=1, engine=engine)
+            regen = rg.Regenerator(model, tok, settings, stops)
+            sync(args.device)
+            t0 = time.perf_counter()
+            out, stats = regen.regenerate([dict(c) for c in convs])
+            sync(args.device)
+            sec = time.perf_counter() - t0
+            answers = {r["id"]: r["messages"][-1]["content"] for r in out}
+            tps = stats["tokens_generated"] / sec
+            row = {"seconds": sec, "tokens": stats["tokens_generated"], "tokens_per_s": tps,
+                   "answers": len(answers), "cut": {k: v for k, v in stats.items() if k.startswith("cut.")}}
+            if base is None:
+                base = (tps, answers)
+            else:
+                same = sum(answers.get(k) == v for k, v in base[1].items())
+                row.update(vs_baseline=tps / base[0], same_answers=same, compared=len(base[1]))
+            results["runs"][f"{dtype}/{engine}"] = row
+            print(f"{dtype:9s} {engine:11s} {sec:8.1f} s {stats['tokens_generated']:9d} tokens {tps:10.0f} tok/s"
+                  + (f"  {row['vs_baseline']:6.2f}x generate, {row['same_answers']}/{row['compared']} answers "
+                     "identical" if "vs_baseline" in row else "  (baseline)"), flush=True)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench_regenerate.json").write_text(json.dumps(results, indent=1))
+        del model
         if args.device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out, stats = regen.regenerate([dict(c) for c in convs])
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        sec = time.perf_counter() - t0
-        answers = [r["messages"][1]["content"] for r in out]
-        if base is None:
-            base = (stats["tokens_generated"] / sec, answers)
-        same = sum(a == b for a, b in zip(answers, base[1])) / len(answers)
-        rows.append((bs, sec, stats["tokens_generated"] / sec, same))
-    print(f"{'batch':>6s} {'seconds':>8s} {'tokens/s':>9s} {'vs batch 1':>10s} {'same answer':>11s}")
-    for bs, sec, tps, same in rows:
-        print(f"{bs:6d} {sec:8.2f} {tps:9.1f} {tps / base[0]:9.2f}x {100 * same:10.0f}%")
+            torch.cuda.empty_cache()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,60 +1,69 @@
-"""Benchmark: DFlash drafter training throughput and MFU for a Qwen3.5-27B-shaped target.
+"""Benchmark: DFlash drafter training at the batch sizes the shipped configs use: step time, peak memory, MFU.
 
-Shape (the published z-lab 27B-class drafter configs): target hidden 5120, 64 target layers, vocab 248,320
-(random bf16 embedding and untied LM head, frozen); drafter 5 layers [sliding x 4 (window 2048), full],
-heads 32 / kv 8 / head_dim 128, intermediate 17,408, taps [1, 16, 31, 46, 61]; block 16; one packed row of
-3,072 tokens, 512 anchors. One training step = drafter forward (flex_attention BlockMask), loss (LM head on
-every supervised slot), backward, grad clip, fused AdamW, bf16 autocast: exactly
-``DFlashDraftModel.training_forward`` as ``draftsmith.train`` runs it.
+Real multi-document batches: documents with the committed ShareGPT length distribution
+(bench/data/sharegpt-lengths.json, SmolLM2-tokenized), each a prompt (the first 30% of its tokens) and a
+supervised answer, packed into rows of ``train.tokens_per_batch`` tokens by the trainer's own
+``draftsmith.train.pack_documents`` (``num_anchors`` per document, ``max_anchors_per_row``, power-of-two anchor
+buckets, rows padded to 128), random bf16 features. A step is exactly what ``draftsmith.train`` runs:
+``DFlashDraftModel.training_forward`` (flex_attention with the BlockMask built from the block structure, the
+chunked LM-head loss), backward, grad clip, fused AdamW, bf16 autocast.
 
-Printed against baselines measured in the same run:
-* MFU = model FLOPs per step (``draftsmith.modeling.training_flops``: trainable matmuls x 6, the frozen LM head
-  x 4, visible attention pairs only) / step time / the bf16 peak of an 8192^3 ``torch.matmul``;
-* the same step with the dense SDPA boolean mask (the CPU path) instead of flex_attention, and optionally with
-  ``torch.compile`` of the decoder layers;
-* flex vs dense: loss and gradient agreement on the real shape (the CPU tests can only check the forward).
+Shapes (``--shape``): ``qwen3.5-27b`` (target hidden 5120, 64 layers, vocab 248,320; drafter 5 layers
+[sliding x 4 (window 2048), full], heads 32 / kv 8 / head_dim 128, intermediate 17,408, taps [1, 16, 31, 46,
+61]) and ``smollm2-135m`` (hidden 576, 30 layers, vocab 49,152; drafter heads 9 / kv 3 / head_dim 64,
+intermediate 1536, taps [1, 14, 27]); sizes from ``--config`` (train.tokens_per_batch, num_anchors,
+max_anchors_per_row, activation_checkpointing, compile; drafter.block_size, num_layers for smollm2).
 
+Variants, each printed with step ms, context tokens/s, block tokens per step, TFLOP/s, MFU (model FLOPs /
+step time / the bf16 peak of an 8192^3 matmul measured in the same run) and peak GPU memory:
+* ``before``: the previous implementation's memory pattern (``create_block_mask`` over the dense grid, all
+  supervised slots' logits at once) as the baseline: at gpu-node sizes it runs out of memory;
+* ``eager`` / ``compiled``: the trainer's path as configured (compiled = ``train.compile``);
+* ``no-cap+ckpt``: every sampled anchor (no ``max_anchors_per_row``) with activation checkpointing.
+
+    python bench/bench_train.py --shape qwen3.5-27b --config config/gpu-node.yaml --out $OUT
+    python bench/bench_train.py --shape smollm2-135m --config config/gpu-proof.yaml
     python bench/bench_train.py --tiny                 # CPU debug, tiny shapes
-    python bench/bench_train.py --out $OUT             # H200: the real shape; writes bench.json
     python bench/bench_train.py --e2e-only [--compile-loop]   # draftsmith.train.train on synthetic features
     python bench/bench_train.py --ddp 2                # scripts/train.py under torchrun, 2 processes vs 1
 
-Measured on one H200 (2026-11-29, torch 2.11, transformers 5.17): bf16 matmul peak 785.5 TFLOP/s; 123.3
-TFLOP per step (layers 79.6, LM head 39.0, fc 1.6, attention 3.1); eager + dense SDPA mask 366 ms/step
-(8,390 ctx tok/s, MFU 42.9%), eager + flex_attention 318 ms (9,663 tok/s, 49.4%), compiled layers + flex
-277 ms (11,075 tok/s, 56.6%); flex vs dense: loss rel. diff 8e-6, worst gradient rel. diff 1.2% (bf16).
+Figures measured on an H200: docs/gpu-proof/README.md (with the exact commands).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
+import time
+import traceback
+from pathlib import Path
 
+import torch
+import yaml
+from transformers import Qwen3Config
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from transformers import Qwen3Config  # noqa: E402
-
-from draftsmith.modeling import (  # noqa: E402
+from draftsmith.modeling import (
     DFlashDraftModel,
-    PackedBatch,
+    block_targets,
     build_drafter_config,
     default_loss_gamma,
-    dense_mask,
     dflash_mask_mod,
-    sample_anchors,
+    dflash_visible_intervals,
     training_flops,
 )
+from draftsmith.train import pack_documents
 
-REAL = dict(hidden=5120, target_layers=64, vocab=248320, layers=5, heads=32, kv_heads=8, head_dim=128,
-            intermediate=17408, block=16, anchors=512, seq=3072, window=2048, layer_ids=[1, 16, 31, 46, 61],
-            prompt=256)
-TINY = dict(hidden=128, target_layers=8, vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=32,
-            intermediate=256, block=8, anchors=32, seq=256, window=64, layer_ids=[1, 5], prompt=16)
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "qwen3.5-27b": dict(hidden=5120, target_layers=64, vocab=248320, layers=5, heads=32, kv_heads=8, head_dim=128,
+                        intermediate=17408, window=2048, layer_ids=[1, 16, 31, 46, 61], sliding=True),
+    "smollm2-135m": dict(hidden=576, target_layers=30, vocab=49152, layers=3, heads=9, kv_heads=3, head_dim=64,
+                         intermediate=1536, window=None, layer_ids=[1, 14, 27], sliding=False),
+    "tiny": dict(hidden=128, target_layers=8, vocab=2048, layers=2, heads=4, kv_heads=2, head_dim=32,
+                 intermediate=256, window=64, layer_ids=[1, 5], sliding=True),
+}
 
 
 def sync(device):
@@ -80,99 +89,156 @@ def matmul_peak(device, n: int, iters: int) -> float:
     return 2 * n ** 3 / times[len(times) // 2]
 
 
-def build(shape: dict, device: torch.device, seed: int = 0):
-    """Drafter (fp32 master weights), frozen embedding / head, and one packed batch of the benchmark shape."""
+def load_sizes(config: str | None, tiny: bool) -> dict:
+    """train / drafter sizes of a config file merged over config.yaml (as ``--configfile`` does)."""
+    base = yaml.safe_load((REPO / "config.yaml").read_text())
+    over = yaml.safe_load(Path(config).read_text()) if config else {}
+    train = {**base.get("train", {}), **over.get("train", {})}
+    drafter = {**base.get("drafter", {}), **over.get("drafter", {})}
+    sizes = {"tokens_per_batch": train.get("tokens_per_batch", 8192), "num_anchors": train.get("num_anchors", 512),
+             "max_anchors_per_row": train.get("max_anchors_per_row"),
+             "activation_checkpointing": bool(train.get("activation_checkpointing", False)),
+             "compile": bool(train.get("compile", False)), "block": drafter.get("block_size", 16),
+             "layers": drafter.get("num_layers")}
+    if tiny:
+        sizes.update(tokens_per_batch=512, num_anchors=32, max_anchors_per_row=48, block=8)
+    return sizes
+
+
+def build_model(shape: dict, sizes: dict, device: torch.device, seed: int = 0):
+    """Drafter (fp32 master weights) and frozen bf16 embedding / LM head of the shape."""
     torch.manual_seed(seed)
     target_cfg = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
                              intermediate_size=shape["intermediate"], num_hidden_layers=shape["target_layers"],
                              num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                              head_dim=shape["head_dim"], max_position_embeddings=262144)
-    n = shape["layers"]
-    cfg = build_drafter_config(target_cfg, num_layers=n, block_size=shape["block"],
+    n = shape["layers"] if shape["sliding"] else (sizes["layers"] or shape["layers"])
+    cfg = build_drafter_config(target_cfg, num_layers=n, block_size=sizes["block"],
                                target_layer_ids=shape["layer_ids"], mask_token_id=shape["vocab"] - 1,
-                               layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
-                               sliding_window=shape["window"])
+                               layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"]) if shape["sliding"]
+                               else None, sliding_window=shape["window"] if shape["sliding"] else None)
     model = DFlashDraftModel(cfg).to(device).train()
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    embed = (torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02)
-    head = (torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02)
-    S, H = shape["seq"], shape["hidden"]
-    feats = torch.randn(1, S, len(shape["layer_ids"]) * H, device=device, dtype=dt)
-    ids = torch.randint(0, shape["vocab"] - 1, (1, S), device=device)
-    loss_mask = torch.ones(1, S, dtype=torch.bool, device=device)
-    loss_mask[:, :shape["prompt"]] = False
-    docs = torch.zeros(1, S, dtype=torch.long, device=device)
-    pos = torch.arange(S, device=device)[None]
+    embed = torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02
+    head = torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02
+    return model, embed, head
+
+
+def document_lengths() -> list[int]:
+    return json.loads((REPO / "bench/data/sharegpt-lengths.json").read_text())["num_tokens"]
+
+
+def build_batches(shape: dict, sizes: dict, device: torch.device, count: int, *, cap: bool = True, seed: int = 0):
+    """``count`` packed rows of ShareGPT-length documents (prompt 30%, supervised answer 70%), packed by the
+    trainer's ``pack_documents`` with the config's anchor settings."""
     g = torch.Generator().manual_seed(seed)
-    anchors = sample_anchors(loss_mask[0].cpu(), docs[0].cpu(), shape["anchors"], g).to(device)[None]
-    batch = PackedBatch(feats, ids, loss_mask, docs, pos, anchors, torch.ones_like(anchors, dtype=torch.bool),
-                        torch.randint(0, shape["vocab"] - 1, (1, S), device=device))
-    return model, embed, head, batch
+    lengths = document_lengths()
+    width = len(shape["layer_ids"]) * shape["hidden"]
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    capacity = sizes["tokens_per_batch"]
+    batches, i = [], int(torch.randint(0, len(lengths), (1,), generator=g))
+    for b in range(count):
+        parts, used = [], 0
+        while used < capacity:
+            n = min(max(lengths[i % len(lengths)], 16), capacity - used)
+            i += 1
+            if n < 16:
+                break
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[int(0.3 * n):] = True
+            ids = torch.randint(0, shape["vocab"] - 1, (n,), generator=g)
+            parts.append({"features": torch.randn(n, width, generator=g).to(dt), "input_ids": ids,
+                          "loss_mask": mask, "target_token": torch.roll(ids, -1)})
+            used += n
+        batch = pack_documents(parts, width=width, num_anchors=sizes["num_anchors"], seed=seed * 1000 + b,
+                               feature_dtype=dt, pad_tokens_to=128 if device.type == "cuda" else 1,
+                               pad_anchors_to=max(1, 128 // sizes["block"]), bucket_anchors=device.type == "cuda",
+                               max_anchors_per_row=sizes["max_anchors_per_row"] if cap else None)
+        batches.append(batch.to(device))
+    return batches
 
 
-def visible_pairs(model: DFlashDraftModel, batch: PackedBatch) -> float:
-    """Visible (query, key) pairs summed over all layers (the attention work a dense kernel would skip)."""
-    anchor_doc = torch.gather(batch.doc_ids, 1, batch.anchors)
-    R, S = batch.input_ids.shape
-    Q = batch.anchors.shape[1] * model.block_size
+def visible_pairs(model: DFlashDraftModel, batch) -> float:
+    """Visible (query, key) pairs summed over the layers (from the interval form of the mask: no grid)."""
+    anchor_doc = torch.where(batch.anchor_valid, torch.gather(batch.doc_ids, 1, batch.anchors),
+                             torch.full_like(batch.anchors, -2))
     total = 0.0
     for layer in model.layers:
         c, w = layer.self_attn.mask_key
-        mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, model.block_size, is_causal=c,
-                              sliding_window=w)
-        total += float(dense_mask(mod, R, Q, S + Q, batch.input_ids.device).sum())
+        lo, hi, blo, bhi = dflash_visible_intervals(batch.doc_ids, batch.anchors, anchor_doc, model.block_size,
+                                                    is_causal=c, sliding_window=w)
+        total += float((hi - lo).clamp_min(0).sum() + (bhi - blo).clamp_min(0).sum())
     return total
 
 
-def step_fn(model, embed, head, batch, opt, backend: str, gamma: float, device):
-    params = [p for p in model.parameters() if p.requires_grad]
+def step_flops(model: DFlashDraftModel, batch) -> float:
+    _, valid = block_targets(batch, model.block_size, True)
+    return training_flops(model.config, ctx_tokens=int((batch.doc_ids >= 0).sum()),
+                          block_tokens=batch.anchors.shape[1] * model.block_size, head_tokens=int(valid.sum()),
+                          attended_pairs=visible_pairs(model, batch))["total"]
 
-    def step():
+
+def before_masks(model: DFlashDraftModel, batch) -> dict:
+    """The previous implementation's masks: ``create_block_mask`` evaluating mask_mod over the dense grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, S = batch.input_ids.shape
+    A = batch.anchors.shape[1]
+    anchor_doc = torch.where(batch.anchor_valid, torch.gather(batch.doc_ids, 1, batch.anchors),
+                             torch.full_like(batch.anchors, -2))
+    masks = {}
+    for layer in model.layers:
+        key = layer.self_attn.mask_key
+        if key not in masks:
+            mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, model.block_size, is_causal=key[0],
+                                  sliding_window=key[1])
+            masks[key] = create_block_mask(mod, R, None, A * model.block_size, S + A * model.block_size,
+                                           device=batch.input_ids.device, _compile=False)
+    return masks
+
+
+def run_variant(name, model, embed, head, batches, opt, device, *, warmup, iters, peak, before=False,
+                checkpointing=False) -> dict:
+    """Time ``iters`` steps over ``batches`` (cycled) after ``warmup`` steps; peak memory over all of them."""
+    gamma = default_loss_gamma(model.block_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.activation_checkpointing = checkpointing
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def step(batch):
+        masks = before_masks(model, batch) if before else None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=True, backend=backend)
+            out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=True, masks=masks,
+                                         logits_chunk_bytes=(1 << 50) if before else 1 << 30)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out
-    return step
 
-
-def time_steps(step, device, warmup: int, iters: int) -> tuple[float, list[float], float]:
-    """(median step seconds, all timings, warm-up seconds incl. compilation)."""
     t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
+    for k in range(warmup):
+        step(batches[k % len(batches)])
     sync(device)
     warm = time.perf_counter() - t0
-    times = []
-    for _ in range(iters):
+    times, flops, ctx, blocks = [], 0.0, 0, 0
+    for k in range(iters):
+        batch = batches[k % len(batches)]
         sync(device)
         t = time.perf_counter()
-        step()
+        step(batch)
         sync(device)
         times.append(time.perf_counter() - t)
-    s = sorted(times)
-    return s[len(s) // 2], times, warm
-
-
-def flex_vs_dense(model, embed, head, batch, gamma, device) -> dict:
-    """Loss and gradients of one forward/backward with flex_attention vs the dense SDPA mask (same weights)."""
-    res = {}
-    for backend in ("flex", "sdpa"):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=True, backend=backend)
-        out.loss.backward()
-        res[backend] = (out.loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()})
-    model.zero_grad(set_to_none=True)
-    worst = 0.0
-    for n, g in res["flex"][1].items():
-        ref = res["sdpa"][1][n]
-        worst = max(worst, ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item())
-    return {"loss_flex": res["flex"][0], "loss_sdpa": res["sdpa"][0],
-            "loss_rel_diff": abs(res["flex"][0] - res["sdpa"][0]) / abs(res["sdpa"][0]),
-            "grad_max_rel_diff": worst}
+        flops += step_flops(model, batch)
+        ctx += int((batch.doc_ids >= 0).sum())
+        blocks += int(batch.anchor_valid.sum()) * model.block_size
+    sec = sum(times)
+    return {"step_ms": 1e3 * sec / iters, "ctx_tokens_per_s": ctx / sec, "block_tokens_per_step": blocks / iters,
+            "ctx_tokens_per_step": ctx / iters, "tflops": flops / sec / 1e12, "mfu": flops / sec / peak,
+            "warmup_s": warm, "times_ms": [1e3 * t for t in times],
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 
 SYNTH = dict(hidden=256, vocab=4096, target_layers=8, layer_ids=[1, 5])
@@ -277,14 +343,16 @@ def run_ddp(workdir: Path, nproc: int, steps: int = 40, compile_layers: bool = F
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU debugging)")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--budget-s", type=float, default=300.0, help="start no optional stage past this many seconds")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
-    ap.add_argument("--e2e", action="store_true", help="also run draftsmith.train.train on small synthetic features")
+    ap.add_argument("--shape", default="qwen3.5-27b", choices=[k for k in SHAPES if k != "tiny"])
+    ap.add_argument("--config", default=str(REPO / "config/gpu-node.yaml"),
+                    help="config whose train / drafter sizes are benchmarked (merged over config.yaml)")
+    ap.add_argument("--variants", default="before,eager,compiled,no-cap+ckpt")
+    ap.add_argument("--batches", type=int, default=4, help="distinct packed rows, cycled")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--compile-loop", action="store_true",
-                    help="--e2e / --ddp: train with train.compile (torch.compile of the drafter layers)")
-    ap.add_argument("--e2e-only", action="store_true", help="skip the step benchmark; implies --e2e")
+                    help="--e2e-only / --ddp: train with train.compile (torch.compile of the drafter layers)")
+    ap.add_argument("--e2e-only", action="store_true", help="only run draftsmith.train.train on synthetic features")
     ap.add_argument("--ddp", type=int, default=0, metavar="N",
                     help="only run scripts/train.py under torchrun with N processes (and 1) on synthetic features")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.json and progress.log")
@@ -319,100 +387,73 @@ def main() -> int:
         (out / "e2e.json").write_text(json.dumps(res, indent=1))
         say("e2e train loop: " + json.dumps(res)[:1500])
         return 0
-    shape = TINY if args.tiny else REAL
+    shape = SHAPES["tiny" if args.tiny else args.shape]
+    sizes = load_sizes(args.config, args.tiny)
     torch.backends.cuda.matmul.allow_tf32 = True
     import transformers
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "shape": shape}
+            "torch": torch.__version__, "transformers": transformers.__version__, "shape": args.shape,
+            "config": args.config, "sizes": sizes}
     say(json.dumps(info))
     results = {"info": info, "variants": {}}
 
     def save() -> None:
-        (out / "bench.json").write_text(json.dumps(results, indent=1))
+        (out / f"bench_train-{args.shape}.json").write_text(json.dumps(results, indent=1))
 
     peak = matmul_peak(device, 8192 if device.type == "cuda" else 1024, 10)
     results["matmul_peak_flops"] = peak
     say(f"matmul peak: {peak / 1e12:.1f} TFLOP/s")
-    model, embed, head, batch = build(shape, device)
-    gamma = default_loss_gamma(shape["block"])
-    say("model and batch built")
-    pairs = visible_pairs(model, batch)
-    A, B, S = batch.anchors.shape[1], shape["block"], shape["seq"]
-    from draftsmith.modeling import block_targets
-    _, valid = block_targets(batch, B, True)
-    flops = training_flops(model.config, ctx_tokens=S, block_tokens=A * B, head_tokens=int(valid.sum()),
-                           attended_pairs=pairs)
+    model, embed, head = build_model(shape, sizes, device)
+    batches = build_batches(shape, sizes, device, args.batches)
     params = sum(p.numel() for p in model.parameters())
-    results.update(flops_per_step=flops, params=params)
-    say(f"drafter params {params / 1e9:.3f} B; FLOPs/step {flops['total'] / 1e12:.1f} T "
-        f"(layers {flops['layers'] / 1e12:.1f}, lm_head {flops['lm_head'] / 1e12:.1f}, fc {flops['fc'] / 1e12:.1f}, "
-        f"attention {flops['attention'] / 1e12:.1f}); {A} anchors x {B} = {A * B} block tokens, {S} ctx tokens")
+    say(f"drafter {model.config.num_hidden_layers} layers, {params / 1e9:.3f} B params; rows of "
+        f"{sizes['tokens_per_batch']} tokens: " + ", ".join(
+            f"{int((b.doc_ids >= 0).sum())} ctx / {int(b.anchor_valid.sum())} anchors (A={b.anchors.shape[1]})"
+            for b in batches))
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=device.type == "cuda" or None)
-    save()
 
-    def record(name, backend, warmup=args.warmup, iters=args.iters):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        say(f"{name}: warm-up {warmup} step(s) (compilation included), then {iters} timed")
-        med, times, warm = time_steps(step_fn(model, embed, head, batch, opt, backend, gamma, device), device,
-                                      warmup, iters)
-        r = {"step_s": med, "times": times, "warmup_s": warm, "tokens_per_s": S / med,
-             "block_tokens_per_s": A * B / med, "tflops": flops["total"] / med / 1e12,
-             "mfu": flops["total"] / med / peak,
-             "max_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
-        results["variants"][name] = r
-        say(f"{name:14s} step {med * 1e3:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s  {r['tflops']:6.1f} TFLOP/s  "
-            f"MFU {100 * r['mfu']:5.1f}%  (warm-up {warm:.0f} s, mem {r['max_mem_gib'] or 0:.1f} GiB)")
-        save()
-
-    import traceback
-
-    def guarded(name, fn):
+    def record(name, **kw):
+        say(f"{name}: {args.warmup} warm-up step(s), {args.iters} timed")
         try:
-            fn()
+            r = run_variant(name, model, embed, head, kw.pop("batches", batches), opt, device, warmup=args.warmup,
+                            iters=args.iters, peak=peak, **kw)
+        except torch.OutOfMemoryError as exc:
+            r = {"error": "out of memory", "detail": str(exc).splitlines()[0][:300],
+                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
         except Exception:  # noqa: BLE001 - keep the figures measured so far
-            results.setdefault("errors", {})[name] = traceback.format_exc()[-2000:]
-            say(f"{name} failed:\n{results['errors'][name]}")
-            save()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    # 1. dense SDPA mask: no compilation, so a figure exists even if a compiled stage stalls
-    guarded("eager+sdpa", lambda: record("eager+sdpa", "sdpa", warmup=min(args.warmup, 2)))
-    if device.type == "cuda":
-        # 2. flex_attention BlockMask (the training default on CUDA); the warm-up includes its compilation
-        guarded("eager+flex", lambda: record("eager+flex", "flex"))
-
-        def check():
-            results["flex_vs_dense"] = flex_vs_dense(model, embed, head, batch, gamma, device)
-            say("flex vs dense: " + json.dumps(results["flex_vs_dense"]))
-            save()
-        guarded("flex_vs_dense", check)
-        if not args.no_compile and elapsed() < args.budget_s * 0.55:
-            def compiled():
-                for layer in model.layers:
-                    layer.compile()
-                record("compiled+flex", "flex")
-            guarded("compiled+flex", compiled)
-    if args.e2e and elapsed() < args.budget_s * 0.75:
-        import tempfile
-        del model, embed, head, batch, opt
+            r = {"error": traceback.format_exc()[-2000:]}
+        results["variants"][name] = r
+        if "error" in r:
+            say(f"{name:12s} FAILED: {r['error'][:200]} (peak {r.get('peak_mem_gib') or 0:.1f} GiB)")
+        else:
+            say(f"{name:12s} step {r['step_ms']:8.1f} ms  {r['ctx_tokens_per_s']:9.0f} ctx tok/s  "
+                f"{r['block_tokens_per_step']:7.0f} block tok  {r['tflops']:6.1f} TFLOP/s  MFU {100 * r['mfu']:5.1f}%  "
+                f"peak {r['peak_mem_gib'] or 0:6.1f} GiB  (warm-up {r['warmup_s']:.0f} s)")
+        save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        say("e2e: draftsmith.train.train on synthetic features")
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                results["e2e"] = run_e2e(Path(tmp), compile_layers=args.compile_loop)
-        except Exception:  # noqa: BLE001 - report and keep the measured figures
-            results["e2e"] = {"error": traceback.format_exc()[-3000:]}
-        say("e2e train loop: " + json.dumps(results["e2e"])[:1500])
-        save()
-    base = results["variants"].get("eager+sdpa", {}).get("step_s")
-    say("summary")
-    print("\nvariant          step ms   tok/s/GPU   MFU    speed vs eager+sdpa")
+
+    if "before" in args.variants and device.type == "cuda":
+        record("before", before=True)
+    if "eager" in args.variants:
+        record("eager", checkpointing=sizes["activation_checkpointing"])
+    if "compiled" in args.variants and device.type == "cuda":
+        for layer in model.layers:
+            layer.compile()
+        record("compiled", checkpointing=sizes["activation_checkpointing"])
+    if "no-cap+ckpt" in args.variants:
+        record("no-cap+ckpt", checkpointing=True, batches=build_batches(shape, sizes, device, args.batches, cap=False))
+    say(f"summary ({args.shape}, {sizes['tokens_per_batch']} tokens per row, {sizes['num_anchors']} anchors per "
+        f"document, max {sizes['max_anchors_per_row']} per row, block {sizes['block']})")
+    print("variant        step ms   ctx tok/s   MFU    peak GiB   vs eager")
+    base = results["variants"].get("eager", {}).get("step_ms")
     for name, r in results["variants"].items():
-        ratio = f"{base / r['step_s']:6.2f}x" if base else "   n/a"
-        print(f"{name:14s} {r['step_s'] * 1e3:9.1f} {r['tokens_per_s']:10.0f} {100 * r['mfu']:6.1f}%  {ratio}")
+        if "error" in r:
+            print(f"{name:12s}  {r['error'][:60]} (peak {r.get('peak_mem_gib') or 0:.1f} GiB)")
+            continue
+        ratio = f"{base / r['step_ms']:6.2f}x" if base else "   n/a"
+        print(f"{name:12s} {r['step_ms']:9.1f} {r['ctx_tokens_per_s']:10.0f} {100 * r['mfu']:6.1f}% "
+              f"{r['peak_mem_gib'] or 0:9.1f}   {ratio}")
     print(f"matmul peak {peak / 1e12:.1f} TFLOP/s (8192^3 bf16, same run); total {elapsed():.0f} s", flush=True)
     save()
     return 0

@@ -313,7 +313,21 @@ def _seed_of(*parts: Any) -> int:
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
                bucket_anchors: bool = False, max_anchors_per_row: int | None = None) -> PackedBatch:
-    """Read and pack one row of samples into a :class:`PackedBatch` with ``R = 1``.
+    """Read one row of samples (``(sample, tokens)`` pairs) and pack it with :func:`pack_documents`."""
+    parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
+    return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
+                          pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
+                          max_anchors_per_row=max_anchors_per_row)
+
+
+def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int, feature_dtype: torch.dtype,
+                   pad_tokens_to: int = 1, pad_anchors_to: int = 1, bucket_anchors: bool = False,
+                   max_anchors_per_row: int | None = None) -> PackedBatch:
+    """Pack documents into one :class:`PackedBatch` row (``R = 1``).
+
+    Args:
+        parts: per document ``{"features": [n, width], "input_ids": [n], "loss_mask": [n], "target_token": [n]
+            or absent}``.
 
     Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
     to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
@@ -322,15 +336,15 @@ def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: 
     Anchors: :func:`draftsmith.modeling.sample_anchors` with a generator seeded by ``seed``, at most
     ``max_anchors_per_row`` of them (a uniform subset; see :func:`cap_anchors`).
     """
-    parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
     total = sum(p["input_ids"].numel() for p in parts)
     S = max(pad_tokens_to, -(-total // pad_tokens_to) * pad_tokens_to)
-    feats = torch.zeros(S, index.width, dtype=feature_dtype)
+    feats = torch.zeros(S, width, dtype=feature_dtype)
     ids = torch.zeros(S, dtype=torch.long)
     mask = torch.zeros(S, dtype=torch.bool)
     docs = torch.full((S,), -1, dtype=torch.long)
     pos = torch.zeros(S, dtype=torch.long)
-    tgt = torch.zeros(S, dtype=torch.long) if index.has_target_token else None
+    with_tt = bool(parts) and parts[0].get("target_token") is not None
+    tgt = torch.zeros(S, dtype=torch.long) if with_tt else None
     o = 0
     for d, p in enumerate(parts):
         n = p["input_ids"].numel()
