@@ -56,6 +56,26 @@ def conversations(args) -> list[dict]:
         {"role": "assistant", "content": "original"}]} for i in range(args.n)]
 
 
+@torch.no_grad()
+def divergences(model, tok, convs, base: dict, other: dict, device: str, limit: int = 20) -> list[dict]:
+    """For answers that differ from the baseline's: the index of the first differing token and the target's
+    logit gap between its two best tokens there (prompt + common prefix, one unpadded forward). A gap near 0 is
+    a near-tie that any change of kernel or batch shape may flip: not an engine error."""
+    from draftsmith.tokenize import render_prompt
+
+    out = []
+    for conv in convs:
+        a, b = base.get(conv["id"]), other.get(conv["id"])
+        if a is None or b is None or a == b or len(out) >= limit:
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prompt = render_prompt(tok, conv["messages"][:-1], conv.get("tools"))
+        ids = torch.tensor([prompt + a[:k]], device=device)
+        top = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2)
+        out.append({"id": conv["id"], "first_difference": k, "top2_logit_gap": float(top.values[0] - top.values[1])})
+    return out
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -69,7 +89,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=1024, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=128, help="batch of the generate baseline")
-    ap.add_argument("--engines", default="generate,continuous")
+    ap.add_argument("--engines", default="generate,static,continuous")
+    ap.add_argument("--batch-size-engine", type=int, default=256, help="batch of the static engine")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_regenerate.json")
@@ -93,15 +114,15 @@ def main() -> int:
             stops = stop_token_ids(tok, args.target)
         base = None
         for engine in args.engines.split(","):
-            settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                             max_turns=1, engine=engine)
+            settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, max_turns=1, engine=engine,
+                                             batch_size=args.batch_size_engine if engine == "static" else args.batch_size)
             regen = rg.Regenerator(model, tok, settings, stops)
             sync(args.device)
             t0 = time.perf_counter()
             out, stats = regen.regenerate([dict(c) for c in convs])
             sync(args.device)
             sec = time.perf_counter() - t0
-            answers = {r["id"]: r["messages"][-1]["content"] for r in out}
+            answers = {r["id"]: tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"] for r in out}
             tps = stats["tokens_generated"] / sec
             row = {"seconds": sec, "tokens": stats["tokens_generated"], "tokens_per_s": tps,
                    "answers": len(answers), "cut": {k: v for k, v in stats.items() if k.startswith("cut.")}}
@@ -109,11 +130,16 @@ def main() -> int:
                 base = (tps, answers)
             else:
                 same = sum(answers.get(k) == v for k, v in base[1].items())
-                row.update(vs_baseline=tps / base[0], same_answers=same, compared=len(base[1]))
+                row.update(vs_baseline=tps / base[0], same_answers=same, compared=len(base[1]),
+                           divergences=divergences(model, tok, convs, base[1], answers, args.device))
             results["runs"][f"{dtype}/{engine}"] = row
             print(f"{dtype:9s} {engine:11s} {sec:8.1f} s {stats['tokens_generated']:9d} tokens {tps:10.0f} tok/s"
                   + (f"  {row['vs_baseline']:6.2f}x generate, {row['same_answers']}/{row['compared']} answers "
                      "identical" if "vs_baseline" in row else "  (baseline)"), flush=True)
+            if row.get("divergences"):
+                gaps = sorted(d["top2_logit_gap"] for d in row["divergences"])
+                print(f"    first differences of {len(gaps)} answers: top-2 logit gap there "
+                      f"median {gaps[len(gaps) // 2]:.4f}, max {gaps[-1]:.4f}", flush=True)
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_regenerate.json").write_text(json.dumps(results, indent=1))
         del model

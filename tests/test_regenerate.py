@@ -83,10 +83,11 @@ def reference(model, tok, messages, tools, max_new_tokens, stop):
                       clean_up_tokenization_spaces=False), cut is not None
 
 
-@pytest.mark.parametrize("engine", ["generate", "continuous"])
+@pytest.mark.parametrize("engine", ["generate", "continuous", "static"])
 def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine):
-    """Both engines (HF generate on left-padded batches, transformers' continuous batching) give the greedy
-    answer of an unbatched, unpadded generate, token for token, turn by turn."""
+    """Every in-process engine (HF generate on left-padded batches, transformers' continuous batching, the
+    static-cache engine) gives the greedy answer of an unbatched, unpadded generate, token for token, turn by
+    turn."""
     settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3, engine=engine)
     regen = rg.Regenerator(model, tok, settings, stop)
     assert regen.engine.name == engine
@@ -227,3 +228,25 @@ def test_auto_engine_is_generate_on_cpu_and_for_hybrid_targets(model):
     assert rg.resolve_engine("auto", model) == "generate"
     assert rg.resolve_engine("auto", tiny_target("qwen3_5")) == "generate"
     assert rg.resolve_engine("continuous", model) == "continuous"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_engine_equals_unbatched_generate(kind):
+    """The static-cache engine (left padding, a shared cache index, rows masked before their padding, decode
+    steps that would be CUDA graphs on a GPU) gives each prompt's unbatched greedy answer exactly, for prompts of
+    very different lengths in batches of 3, stopping rows (stop token kept at the end) and the token budget."""
+    tgt = tiny_target(kind, initializer_range=0.1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 40, 7, 19, 64, 5, 11)]
+    refs = [tgt.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    stop = refs[1][4]  # a token prompt 1 generates at step 4: its row (and maybe others) stops early
+    engine = rg.StaticBatchEngine(tgt, pad_id=0, stop_ids=[stop], batch_size=3, max_new_tokens=20, check_every=2)
+    out = engine.generate(prompts)
+    for p, ref, got in zip(prompts, refs, out):
+        cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
+        assert got[:cut] == ref[:cut], (len(p), got, ref)
+    first = refs[1].index(stop)
+    assert rg._split_stop(out[1], {stop}) == (refs[1][:first], True)
+    with pytest.raises(ValueError, match="cannot run"):
+        rg.StaticBatchEngine(tiny_target("qwen3_5"), pad_id=0, stop_ids=[2], batch_size=2, max_new_tokens=4)

@@ -27,7 +27,6 @@ GDN state the same way).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 
@@ -36,7 +35,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from draftsmith.target import decoder_layers
+from draftsmith.target import cache_kwargs, decoder_layers  # noqa: F401 - cache_kwargs re-exported
 
 log = logging.getLogger("draftsmith.evaluate")
 
@@ -72,21 +71,6 @@ def _attention_crop(layer, tokens_to_remove: int) -> None:
 
 def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
     return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-
-
-def cache_kwargs(model: nn.Module, cache) -> dict:
-    """``{name: cache}`` for ``model(...)``: transformers 5.24 renamed the forward's ``past_key_values`` to
-    ``cache`` (the old name warns and is to go in 5.40); earlier versions only take ``past_key_values``."""
-    return {_cache_arg_name(type(model)): cache}
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_arg_name(cls: type) -> str:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):  # no introspectable signature: the long-standing name
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class TargetCache:

@@ -24,22 +24,9 @@ import logging
 import torch
 from torch import nn
 
-from draftsmith.evaluate.cache import cache_kwargs
-from draftsmith.target import LayerCapture, is_hybrid, text_config
+from draftsmith.target import LayerCapture, cache_kwargs, static_supported  # noqa: F401 - re-exported
 
 log = logging.getLogger("draftsmith.evaluate")
-
-
-def static_supported(target: nn.Module) -> tuple[bool, str]:
-    """``(ok, why not)``: whether :class:`StaticTarget` can run ``target`` (attention-only, no sliding window)."""
-    cfg = text_config(target.config)
-    if is_hybrid(target.config):
-        return False, "hybrid recurrent (Gated DeltaNet) layers need the snapshot / replay rollback"
-    types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in types) or getattr(cfg, "sliding_window", None) and getattr(
-            cfg, "use_sliding_window", True):
-        return False, "sliding-window layers keep ring buffers that a length counter cannot roll back"
-    return True, ""
 
 
 class StaticTarget:
