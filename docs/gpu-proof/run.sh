@@ -8,7 +8,8 @@
 #           DRAFTSMITH_WHEELHOUSE and verified against their sha256 pins like a download
 # Usage (from the repository root):
 #   docs/gpu-proof/run.sh setup WHEELS STASH     install WHEELS into /tmp/site
-#   docs/gpu-proof/run.sh start STASH             start the whole DAG from an empty folder, in its own session
+#   docs/gpu-proof/run.sh start STASH [CONFIG..]  start the whole DAG from an empty folder, in its own session
+#                                                 (CONFIG: more config files merged over gpu-proof.yaml)
 #   docs/gpu-proof/run.sh wait SECONDS OUT        wait for it (at most SECONDS), then pack logs, benchmarks and
 #                                                 results into OUT/gpu-proof.tgz
 set -euo pipefail
@@ -23,10 +24,12 @@ torch.__version__, 'transformers', transformers.__version__, 'snakemake', v('sna
   ;;
 start)
   export DRAFTSMITH_WHEELHOUSE=$2
-  rm -rf results logs benchmarks resources .snakemake
+  shift 2
+  rm -rf results logs benchmarks .snakemake "$HOME/dag.rc"
+  [ "${KEEP_RESOURCES:-0}" = 1 ] || rm -rf resources   # the proof run fetches and materialises too
   date +%s > "$HOME/dag.start"
-  setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile config/gpu-proof.yaml \
-      --scheduler greedy > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' < /dev/null > /dev/null 2>&1 &
+  setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile config/gpu-proof.yaml "$@" \
+      --scheduler greedy > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' bash "$@" < /dev/null > /dev/null 2>&1 &
   echo "started at $(date)"
   ;;
 wait)
