@@ -121,6 +121,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--target", default=None, help="a local HF target folder instead of a random preset")
     ap.add_argument("--paths", default="dynamic", help="dynamic and/or static (static cache + CUDA graphs)")
+    ap.add_argument("--drafter-layers", type=int, default=1)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one DFlash generation per path (top operators by CPU and CUDA time)")
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +145,7 @@ def main() -> None:
     L = target.config.num_hidden_layers
     hybrid = "linear_attention" in (getattr(target.config, "layer_types", None) or [])
     B = args.block_size
-    cfg = build_drafter_config(target.config, num_layers=1, block_size=B,
+    cfg = build_drafter_config(target.config, num_layers=args.drafter_layers, block_size=B,
                                target_layer_ids=sorted({1, L // 2, L - 2}) if L >= 4 else [0], mask_token_id=0)
     torch.manual_seed(1)
     with torch.device(device):
@@ -198,6 +201,23 @@ def main() -> None:
                       flush=True)
                 if tau == B:
                     break
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            drafter.wrong = 2
+            proposer = DFlashProposer(drafter, target)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                out = speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens, static=static)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            print(f"[{path}] profiled DFlash generation: {len(out.committed)} steps, {wall * 1e3 / len(out.committed):.2f}"
+                  f" ms per step (profiler on)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+            if device.type == "cuda":
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
         if static is not None and static.graph_failures:
             print(f"[{path}] CUDA graph capture failed: {static.graph_failures}")
     if args.json:

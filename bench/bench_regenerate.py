@@ -85,6 +85,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, help="HF target folder")
     ap.add_argument("--tiny", action="store_true", help="tiny random llama + tiny tokenizer (CPU smoke test)")
+    ap.add_argument("--smollm2-shape", action="store_true",
+                    help="with --tiny: a random target of SmolLM2-135M's shape (speed only: random weights never stop)")
     ap.add_argument("--curated", help="curated parquet whose first turns are the prompts")
     ap.add_argument("--n", type=int, default=1024, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -104,7 +106,10 @@ def main() -> int:
         if args.tiny or not args.target:
             from tiny import tiny_target, tiny_tokenizer
 
-            tok, model, stops = tiny_tokenizer(), tiny_target("llama").to(args.device, getattr(torch, dtype)), [2]
+            shape = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152) if args.smollm2_shape else {}
+            tok, stops = tiny_tokenizer(), [2]
+            model = tiny_target("llama", **shape).to(args.device, getattr(torch, dtype))
         else:
             from draftsmith.target import load_target
             from draftsmith.tokenize import load_tokenizer, stop_token_ids

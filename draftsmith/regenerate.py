@@ -192,7 +192,9 @@ class StaticBatchEngine:
     prompt ends at the same cache index; the cache holds ``longest prompt + max_new_tokens`` positions (rounded
     up to 128). Each row's keys before its padding are masked out and its positions count from its first real
     token, as HF ``generate`` does with left padding, so the answers are HF generate's (equal in float32, tested;
-    bf16 kernels of other shapes can flip near-tied argmaxes). The prefill runs eagerly; the one-token decode
+    bf16 kernels of other shapes can flip near-tied argmaxes). The prefill runs eagerly, in slices of the
+    sequence of about ``prefill_tokens`` tokens over all rows (256 rows x 1,536 prompt tokens at once ran an
+    H200 out of memory in float32); the one-token decode
     step of a (rows, cache length) shape is captured once as a CUDA graph and replayed: a small target's decode
     step is hundreds of short kernels, launch-bound from Python (HF ``generate`` kept an H200 16% busy). Rows
     that have stopped keep decoding until every row of the batch has (checked every ``check_every`` steps).
@@ -202,13 +204,15 @@ class StaticBatchEngine:
     name = "static"
 
     def __init__(self, model, *, pad_id: int, stop_ids: Sequence[int], batch_size: int, max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, cuda_graphs: bool = True, check_every: int = 16):
+                 temperature: float = 0.0, top_p: float = 1.0, cuda_graphs: bool = True, check_every: int = 16,
+                 prefill_tokens: int = 32768):
         ok, why = static_supported(model)
         if not ok:
             raise ValueError(f"regenerate engine static cannot run {type(model).__name__}: {why}")
         self.model, self.pad_id, self.batch_size, self.max_new = model, pad_id, batch_size, max_new_tokens
         self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         self.temperature, self.top_p, self.check_every = temperature, top_p, check_every
+        self.prefill_tokens = prefill_tokens
         self.device = next(model.parameters()).device
         self.dtype = model.get_input_embeddings().weight.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -311,8 +315,12 @@ class StaticBatchEngine:
             for layer in cache.layers:
                 if getattr(layer, "is_initialized", False):
                     layer.cumulative_length.zero_()
-            q_pos = torch.arange(width, device=self.device)[None].expand(len(idx), width)
-            token = self._next(self._forward(cache, ids, pad, q_pos, length, logits_to_keep=1))
+            step_len = max(1, self.prefill_tokens // len(idx))  # the prefill in slices of the sequence
+            for c in range(0, width, step_len):
+                c1 = min(width, c + step_len)
+                q_pos = torch.arange(c, c1, device=self.device)[None].expand(len(idx), c1 - c)
+                logits = self._forward(cache, ids[:, c:c1], pad, q_pos, length, logits_to_keep=1)
+            token = self._next(logits)
             generated = torch.empty((len(idx), self.max_new), dtype=torch.long, device=self.device)
             done = torch.zeros(len(idx), dtype=torch.bool, device=self.device)
             for t in range(self.max_new):

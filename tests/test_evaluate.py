@@ -638,6 +638,7 @@ def _stage_kwargs(inputs, out, **cfg):
     outputs = {k: str(out / f) for k, f in [("json", "report.json"), ("md", "report.md"), ("tau", "tau.png"),
                                             ("positions", "per_position.png"), ("histogram", "hist.png")]}
     state = out / "trainer_state.json"
+    out.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"steps": 7, "labels": "target", "block_size": BLOCK, "last_train": {},
                                  "heldout": {"tau_blocks": 1.75, "tau_expected": 1.5, "loss": 3.0,
                                              "accuracy_per_position": [0.4, 0.2, 0.1]}}))
@@ -713,6 +714,21 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([], schema=schema.with_metadata(meta)), bad["tokenized_eval"])
     with pytest.raises(ValueError, match="another tokenizer"):
         run_evaluate(**bad)
+
+
+def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
+    """evaluate.static_cache: true (on a GPU: CUDA graphs too): the same τ and tokens as the dynamic path, and a
+    lossless reference decoded with forwards of the verify width; a hybrid target is refused by name."""
+    dyn = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "dynamic", static_cache="false"))
+    sta = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "static", static_cache="true"))
+    assert dyn["run"]["decoding"] == "dynamic KV cache" and sta["run"]["decoding"] == "static KV cache"
+    assert "verify width (8 tokens" in sta["run"]["lossless_reference"]
+    for name in ("heldout", "mtbench"):
+        d, s = dyn["sets"][name], sta["sets"][name]
+        assert s["dflash"]["tau"] == d["dflash"]["tau"] and s["prompt_lookup"]["tau"] == d["prompt_lookup"]["tau"]
+        assert s["lossless"]["dflash"]["lossless"] and s["lossless"]["prompt_lookup"]["lossless"]
+        assert s["target_only_vs_reference"]["lossless"]  # float32: 1-token and 8-token forwards agree here
+        assert "target_only_vs_reference" not in d
 
 
 def test_drafter_target_mismatch_is_refused(stage_inputs, tmp_path):

@@ -234,18 +234,21 @@ def test_auto_engine_is_generate_on_cpu_and_for_hybrid_targets(model):
 def test_static_engine_equals_unbatched_generate(kind):
     """The static-cache engine (left padding, a shared cache index, rows masked before their padding, decode
     steps that would be CUDA graphs on a GPU) gives each prompt's unbatched greedy answer exactly, for prompts of
-    very different lengths in batches of 3, stopping rows (stop token kept at the end) and the token budget."""
+    very different lengths in batches of 3, stopping rows (stop token kept at the end), the token budget, and a
+    prefill run in slices of the sequence."""
     tgt = tiny_target(kind, initializer_range=0.1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 40, 7, 19, 64, 5, 11)]
     refs = [tgt.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     stop = refs[1][4]  # a token prompt 1 generates at step 4: its row (and maybe others) stops early
-    engine = rg.StaticBatchEngine(tgt, pad_id=0, stop_ids=[stop], batch_size=3, max_new_tokens=20, check_every=2)
-    out = engine.generate(prompts)
-    for p, ref, got in zip(prompts, refs, out):
-        cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
-        assert got[:cut] == ref[:cut], (len(p), got, ref)
+    for prefill_tokens in (32768, 20):  # whole prompts at once, and a prefill in slices of 6 positions
+        engine = rg.StaticBatchEngine(tgt, pad_id=0, stop_ids=[stop], batch_size=3, max_new_tokens=20,
+                                      check_every=2, prefill_tokens=prefill_tokens)
+        out = engine.generate(prompts)
+        for p, ref, got in zip(prompts, refs, out):
+            cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
+            assert got[:cut] == ref[:cut], (len(p), prefill_tokens, got, ref)
     first = refs[1].index(stop)
     assert rg._split_stop(out[1], {stop}) == (refs[1][:first], True)
     with pytest.raises(ValueError, match="cannot run"):

@@ -317,7 +317,7 @@ class _StaticRun:
         return self.static.prefill(ids)
 
     def forward_block(self, tokens, start, width=None):
-        return self.static.forward_block(tokens, start, width or tokens.shape[1])
+        return self.static.forward_block(tokens, start, width)
 
     def commit(self, consumed: int, keep: int) -> None:
         """Nothing to undo: the next forward sets the cache length to the committed positions."""
@@ -346,7 +346,7 @@ def _prompt_tensor(input_ids, device) -> torch.Tensor:
 def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
                     stop_token_ids: list[int] | None = None,
                     sampling: SamplingConfig = SamplingConfig(),
-                    generator: torch.Generator | None = None, static=None) -> GenerationResult:
+                    generator: torch.Generator | None = None, static=None, width: int | None = 1) -> GenerationResult:
     """Target-only decoding (the baseline and the lossless reference): one token per forward.
 
     Args:
@@ -358,6 +358,10 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
         generator: RNG for sampling.
         static: a :class:`~draftsmith.evaluate.static.StaticTarget` (static cache, CUDA graphs) or None
             (dynamic cache).
+        width: static path only: each one-token forward padded to this width (None: the static target's verify
+            width). With the verify width, target-only
+            decoding runs the very kernels verification runs, so its greedy output is the exact reference for the
+            lossless check in bf16 (a 1-token forward's kernels round differently and flip near-tied argmaxes).
 
     Returns:
         :class:`GenerationResult` (``committed`` empty: every step commits one token).
@@ -376,7 +380,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
         step_ids = torch.empty((1, 1), dtype=torch.long, device=device)
         while len(tokens) < max_new_tokens and not stopped:
             step_ids.fill_(token)
-            logits, _ = runner.forward_block(step_ids, position, 1)
+            logits, _ = runner.forward_block(step_ids, position, width)
             runner.commit(1, 1)
             position += 1
             token = int(select_tokens(logits[-1], sampling, generator).item())
@@ -425,7 +429,6 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
 
     t0 = _now(device)
     layer_ids = proposer.layer_ids if proposer.needs_features else []
-    width = proposer.max_drafts + 1  # static forwards are padded to one width (one CUDA graph)
     with target_runner(target, layer_ids, rollback, static) as runner:
         logits, features = runner.prefill(ids)
         output[num_prompt] = select_tokens(logits, sampling, generator)
@@ -439,7 +442,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                                                    sampling, generator)
             k = int(drafts.shape[0])
             block = torch.cat([output[start:start + 1], drafts.to(device)])[None]
-            logits, features = runner.forward_block(block, start, width)  # [k + 1, V]
+            logits, features = runner.forward_block(block, start)  # [k + 1, V]; static: padded to its verify width
             if sampling.greedy:
                 accepted, next_token = greedy_accept(drafts, logits)
             else:

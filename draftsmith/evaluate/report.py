@@ -141,10 +141,12 @@ def render_markdown(report: dict) -> str:
     lines.append(f"- reference drafter: prompt lookup (n-gram ≤ {run['prompt_lookup_ngram']}, "
                  f"≤ {run['prompt_lookup_num_tokens']} drafts per step); recurrent-state rollback: {run['rollback']}"
                  + (f"; target forwards: {run['decoding']}" if run.get("decoding") else ""))
+    if run.get("lossless_reference"):
+        lines.append(f"- lossless reference: {run['lossless_reference']}")
     lines.append("")
     lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
                  "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
-                 "Lossless = greedy speculative output equals target-only output token for token.")
+                 "Lossless = greedy speculative output equals the lossless reference token for token.")
     lines.append("")
     rows = []
     for name, s in report["sets"].items():

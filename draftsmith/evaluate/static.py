@@ -37,13 +37,15 @@ class StaticTarget:
         max_length: cache capacity in tokens (longest prompt + new tokens + verify width).
         layer_ids: tapped target layers whose features forwards return (DFlash); ``[]`` for none.
         cuda_graphs: capture and replay each forward width as a CUDA graph (CUDA only).
+        verify_width: the width every speculative verify forward is padded to (all proposers share it, so their
+            forwards run the same kernels; ``forward_block`` with ``width=None``).
 
     Raises:
         ValueError: a target that :func:`static_supported` refuses.
     """
 
     def __init__(self, target: nn.Module, max_length: int, *, layer_ids: list[int] | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, verify_width: int | None = None):
         from transformers import StaticCache
 
         ok, why = static_supported(target)
@@ -55,6 +57,7 @@ class StaticTarget:
         self.cache = StaticCache(config=target.config, max_cache_len=self.max_length)
         self.capture = LayerCapture(target, list(layer_ids)) if layer_ids else None
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.verify_width = verify_width
         self._graphs: dict[int, tuple] = {}
         self.graph_failures: dict[int, str] = {}
 
@@ -93,7 +96,8 @@ class StaticTarget:
         return logits[0, -1], feats
 
     @torch.inference_mode()
-    def forward_block(self, tokens: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_block(self, tokens: torch.Tensor, start: int, width: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``tokens [1, k]`` at positions ``start..start+k-1`` on a cache holding ``start`` positions.
 
         The block is padded to ``width`` (one captured graph per width). Returns logits ``[k, V]`` and features
@@ -101,6 +105,7 @@ class StaticTarget:
         ``width - k`` stale padded entries past them, overwritten by later forwards).
         """
         k = tokens.shape[1]
+        width = width or self.verify_width or k
         if k > width:
             raise ValueError(f"block of {k} tokens is wider than the forward width {width}")
         if start + width > self.max_length:
