@@ -54,7 +54,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from draftsmith.target import cache_kwargs, static_supported, target_fingerprint
+from draftsmith.target import (cache_kwargs, static_supported, target_fingerprint, use_grouped_sdpa,
+                               without_cudnn_attention)
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.tokenize import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
                                  tokenizer_fingerprint)
@@ -166,6 +167,10 @@ class GenerateEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+        with without_cudnn_attention():  # the KV length grows every step: no per-shape cuDNN plans
+            return self._generate(prompts, on_done)
+
+    def _generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for b in range(0, len(order), self.batch_size):
@@ -217,6 +222,7 @@ class StaticBatchEngine:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph = None  # (key, cache, graph, buffers)
+        use_grouped_sdpa(model)  # masked GQA without copying the cache per layer and step
 
     def _mask(self, pad: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
         """Additive ``[rows, 1, q, length]``: key j visible to the query at cache index i iff pad_r <= j <= i."""
@@ -299,6 +305,10 @@ class StaticBatchEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+        with without_cudnn_attention():  # a new prompt width per batch: no per-shape cuDNN plans
+            return self._generate(prompts, on_done)
+
+    def _generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: largest cache first
         stops = self.stops.to(self.device)

@@ -184,6 +184,33 @@ def test_greedy_speculative_equals_target_only(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_grouped_sdpa_equals_transformers_sdpa_with_a_padding_mask(kind):
+    """draftsmith's grouped-query attention (query heads folded onto their K/V head, no repeated K/V) gives the
+    very logits of transformers' sdpa on left-padded rows with a 4D mask on a static cache (float32: exact)."""
+    from transformers import StaticCache
+
+    from draftsmith.target import GROUPED_SDPA, use_grouped_sdpa
+
+    tgt = tiny_target(kind, initializer_range=0.1)
+    assert tgt.config.num_attention_heads == 2 * tgt.config.num_key_value_heads
+    pad, L = torch.tensor([0, 2, 5]), 32
+    ids = prompt(3, 20).expand(3, 20).clone()
+    q = torch.arange(20)
+    visible = (torch.arange(L)[None, None, None] <= q[None, None, :, None]) & (
+        torch.arange(L)[None, None, None] >= pad[:, None, None, None])
+    mask = torch.zeros(3, 1, 20, L).masked_fill(~visible, torch.finfo(torch.float32).min)
+    positions = (q[None] - pad[:, None]).clamp_min(0)
+
+    def logits():
+        return tgt(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                   past_key_values=StaticCache(config=tgt.config, max_cache_len=L)).logits
+
+    before = logits()
+    assert use_grouped_sdpa(tgt) and tgt.config._attn_implementation == GROUPED_SDPA
+    assert torch.equal(logits(), before)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_static_cache_decoding_equals_the_dynamic_cache(kind):
     """The static-cache path (one fixed verify width, padded blocks, rollback = the cache length counter; on a
     GPU its forwards are CUDA graphs) gives the same tokens, acceptance lengths and DFlash drafts (so the same

@@ -38,7 +38,7 @@ from draftsmith.evaluate.sampling import (
     sampling_probs,
     select_tokens,
 )
-from draftsmith.target import capture_layers
+from draftsmith.target import capture_layers, without_cudnn_attention
 
 
 @dataclass
@@ -370,7 +370,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
     ids = _prompt_tensor(input_ids, device)
     stops = set(stop_token_ids or [])
     t0 = _now(device)
-    with target_runner(target, [], static=static) as runner:
+    with without_cudnn_attention(), target_runner(target, [], static=static) as runner:
         logits, _ = runner.prefill(ids)
         token = int(select_tokens(logits, sampling, generator).item())
         t_first = _now(device)
@@ -429,7 +429,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
 
     t0 = _now(device)
     layer_ids = proposer.layer_ids if proposer.needs_features else []
-    with target_runner(target, layer_ids, rollback, static) as runner:
+    with without_cudnn_attention(), target_runner(target, layer_ids, rollback, static) as runner:
         logits, features = runner.prefill(ids)
         output[num_prompt] = select_tokens(logits, sampling, generator)
         proposer.reset(ids, features if proposer.needs_features else None)
