@@ -602,13 +602,12 @@ class DFlashAttention(nn.Module):
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # flex BlockMask
             out = _flex_attention(q, k, v, attention_mask, self.scaling)
         else:
-            if attention_mask is not None and self.num_heads != self.num_kv_heads:
-                # with a mask, SDPA's memory-efficient kernel needs equal heads (enable_gqa would fall back to
-                # the math kernel, which materialises every score): repeat K / V per group, as HF's repeat_kv
+            if self.num_heads != self.num_kv_heads:
+                # repeat K / V per group, as HF's repeat_kv: SDPA's enable_gqa leaves only some kernels (the math
+                # one with a mask), and the drafter's K / V are small (context + one block)
                 groups = self.num_heads // self.num_kv_heads
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 

@@ -193,8 +193,9 @@ class DFlashProposer(Proposer):
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
         ctx_len = self.context.shape[1]
         positions = torch.arange(start - ctx_len, start + verify, device=tokens.device)[None]
-        hidden = self.drafter(target_hidden=self.context.to(self.dtype), noise_embedding=noise.to(self.dtype),
-                              position_ids=positions, past_key_values=self.cache, use_cache=True)
+        with without_cudnn_attention():  # the drafter's key length grows every step: no per-shape cuDNN plans
+            hidden = self.drafter(target_hidden=self.context.to(self.dtype), noise_embedding=noise.to(self.dtype),
+                                  position_ids=positions, past_key_values=self.cache, use_cache=True)
         hidden = hidden[:, 1:, :]
         remove = self.cache.get_seq_length() - start  # keep only the context K/V (official _crop_to)
         self.cache.crop(-remove)
@@ -370,7 +371,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
     ids = _prompt_tensor(input_ids, device)
     stops = set(stop_token_ids or [])
     t0 = _now(device)
-    with without_cudnn_attention(), target_runner(target, [], static=static) as runner:
+    with target_runner(target, [], static=static) as runner:
         logits, _ = runner.prefill(ids)
         token = int(select_tokens(logits, sampling, generator).item())
         t_first = _now(device)
@@ -429,7 +430,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
 
     t0 = _now(device)
     layer_ids = proposer.layer_ids if proposer.needs_features else []
-    with without_cudnn_attention(), target_runner(target, layer_ids, rollback, static) as runner:
+    with target_runner(target, layer_ids, rollback, static) as runner:
         logits, features = runner.prefill(ids)
         output[num_prompt] = select_tokens(logits, sampling, generator)
         proposer.reset(ids, features if proposer.needs_features else None)

@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from draftsmith.target import LayerCapture, cache_kwargs, static_supported, use_grouped_sdpa  # noqa: F401
+from draftsmith.target import LayerCapture, cache_kwargs, static_supported  # noqa: F401 - re-exported
 
 log = logging.getLogger("draftsmith.evaluate")
 
@@ -58,7 +58,6 @@ class StaticTarget:
         self.capture = LayerCapture(target, list(layer_ids)) if layer_ids else None
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.verify_width = verify_width
-        use_grouped_sdpa(target)  # masked GQA without copying the cache per layer and step
         self._graphs: dict[int, tuple] = {}
         self.graph_failures: dict[int, str] = {}
 
