@@ -103,3 +103,16 @@ def test_slurm_profile_dry_run_without_a_cluster(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "extract_shard" in out and "train" in out and "evaluate" in out
+
+
+def test_sampled_regeneration_needs_the_targets_own_labels():
+    """Sampled answers (temperature > 0) are on-policy contexts, not labels: the check refuses a config whose
+    training would learn the sampled tokens instead of the target's greedy next tokens."""
+    from draftsmith.config import cross_key_errors
+
+    sampled = {"regenerate": {"enabled": True, "temperature": 0.7}}
+    assert cross_key_errors({**sampled, "extract": {"store_target_tokens": True}, "train": {"labels": "target"}}) == []
+    for bad in ({"extract": {"store_target_tokens": False}}, {"train": {"labels": "data"}}):
+        errors = cross_key_errors({**sampled, **bad})
+        assert len(errors) == 1 and "store_target_tokens: true and train.labels: target" in errors[0]
+    assert cross_key_errors({"regenerate": {"enabled": False, "temperature": 0.7}, "train": {"labels": "data"}}) == []
