@@ -167,10 +167,6 @@ class GenerateEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
-        with without_cudnn_attention():  # the KV length grows every step: no per-shape cuDNN plans
-            return self._generate(prompts, on_done)
-
-    def _generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for b in range(0, len(order), self.batch_size):
