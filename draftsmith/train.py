@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import concurrent.futures
 import queue
 import shutil
 import threading
@@ -65,7 +66,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "loss_gamma": None, "labels": "target", "save_every": 500, "eval_every": 200, "eval_fraction": 0.02,
     "keep_checkpoints": 2, "prefetch": 4, "attention": "auto", "compile": False, "log_every": 10,
     "max_anchors_per_row": None, "activation_checkpointing": False, "logits_chunk_mib": 1024,
-    "progress_interval": 30,
+    "progress_interval": 30, "loader_workers": 4,
 }
 DRAFTER_DEFAULTS: dict[str, Any] = {
     "num_layers": 1, "block_size": 16, "target_layer_ids": None, "num_target_features": None,
@@ -384,30 +385,34 @@ def cap_anchors(anchors: torch.Tensor, limit: int | None, generator: torch.Gener
 
 
 class Prefetcher:
-    """Runs ``make(item)`` for every item of ``items`` on a background thread, ``depth`` batches ahead.
+    """Runs ``make(item)`` for every item of ``items`` on ``workers`` background threads, ``depth`` items ahead.
 
-    Iterating yields the results in order. An exception in the thread is re-raised in the consumer.
-    With ``pin``, batches are page-locked (asynchronous copies to the GPU).
+    Iterating yields the results in the items' order. An exception in a worker is re-raised in the consumer.
+    With ``pin``, batches are page-locked (asynchronous copies to the GPU). Several workers matter on a GPU: one
+    thread reading, packing and pinning rows of a small target's features fell behind the training step.
     """
 
     _END = object()
 
-    def __init__(self, items: list, make, depth: int = 4, pin: bool = False):
+    def __init__(self, items: list, make, depth: int = 4, pin: bool = False, workers: int = 1):
         self.items, self.make, self.pin = items, make, pin
         self.q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers),
+                                                          thread_name_prefix="draftsmith-prefetch")
         self.thread = threading.Thread(target=self._run, name="draftsmith-prefetch", daemon=True)
         self.thread.start()
+
+    def _make(self, item):
+        out = self.make(item)
+        return out.pin_memory() if self.pin else out
 
     def _run(self) -> None:
         try:
             for item in self.items:
                 if self.stop.is_set():
                     return
-                out = self.make(item)
-                if self.pin:
-                    out = out.pin_memory()
-                self._put(out)
+                self._put(self.pool.submit(self._make, item))  # the bounded queue bounds the work in flight
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(exc)
             return
@@ -428,11 +433,12 @@ class Prefetcher:
                 return
             if isinstance(obj, BaseException):
                 raise obj
-            yield obj
+            yield obj.result()
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,7 +477,8 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
 
 def run_fingerprint(drafter_config: dict, train_cfg: dict, index_meta: dict, world: int) -> str:
     """sha256 of everything that decides the training trajectory (not the save / eval / log cadence)."""
-    cadence = {"save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "gpus"}
+    cadence = {"save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "gpus", "loader_workers",
+               "progress_interval", "logits_chunk_mib", "activation_checkpointing"}
     payload = {
         "drafter": drafter_config,
         "train": {k: v for k, v in sorted(train_cfg.items()) if k not in cadence},
@@ -868,7 +875,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
             index, heldout_rows[j], num_anchors=tc["num_anchors"], seed=_seed_of(tc["seed"], "heldout", dd.rank, j),
             feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
             max_anchors_per_row=tc["max_anchors_per_row"]),
-            depth=tc["prefetch"], pin=on_gpu)
+            depth=tc["prefetch"], pin=on_gpu, workers=tc["loader_workers"])
 
     writer = None
     if dd.main:
@@ -910,7 +917,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # -- loop -------------------------------------------------------------------------------------------------
     end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
     prefetch = Prefetcher(list(bplan.items(start_step, end_step, dd.rank)), make_train, depth=tc["prefetch"],
-                          pin=on_gpu)
+                          pin=on_gpu, workers=tc["loader_workers"])
     batches = iter(prefetch)
     bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not dd.main,
                    interval=float(tc["progress_interval"]))

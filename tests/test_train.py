@@ -23,6 +23,7 @@ from draftsmith.target import capture_layers
 from draftsmith.train import (
     BatchPlan,
     FeatureIndex,
+    Prefetcher,
     expected_acceptance_length,
     load_latest_checkpoint,
     lr_factor,
@@ -366,3 +367,27 @@ def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_s
           f"draftsmith decoder: {[round(t, 2) for t in taus_own]}")
     assert tau >= 0.8 * block, taus
     assert not taus_own or sum(taus_own) / len(taus_own) >= 0.8 * block, taus_own
+
+
+def test_prefetcher_keeps_the_order_with_several_workers_and_reraises():
+    """Several loader threads finish out of order (random delays); batches still come in the items' order, and
+    a failing item's exception reaches the training loop."""
+    import random
+    import time as _time
+
+    def make(i):
+        _time.sleep(random.random() * 0.01)
+        if i == 37:
+            raise ValueError("row 37 is broken")
+        return i
+
+    pf = Prefetcher(list(range(30)), make, depth=6, workers=4)
+    assert list(pf) == list(range(30))
+    pf.close()
+    pf = Prefetcher(list(range(50)), make, depth=6, workers=4)
+    got = []
+    with pytest.raises(ValueError, match="row 37"):
+        for x in pf:
+            got.append(x)
+    pf.close()
+    assert got == list(range(37))
