@@ -443,7 +443,8 @@ class Regenerator:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
         self.engine = engine if engine is not None else self._build_engine()
-        self.progress = None  # a progress bar counting generated answers, set by regenerate_file
+        self.progress = None  # a progress bar counting conversations, set by regenerate_file
+        self._last_line = time.monotonic()
 
     def _build_engine(self):
         from transformers import GenerationConfig
@@ -479,9 +480,12 @@ class Regenerator:
 
         def on_done(n: int) -> None:  # a line on the console within long parts too (at the bar's interval)
             done[0] += n
-            if self.progress is not None:
-                self.progress.set_postfix_str(f"{done[0]}/{len(prompts)} answers of this round", refresh=False)
-                self.progress.update(0)
+            bar = self.progress
+            if bar is not None:
+                bar.set_postfix_str(f"{done[0]}/{len(prompts)} answers of this round", refresh=False)
+                if time.monotonic() - self._last_line >= bar.mininterval:  # update(0) would not print
+                    bar.refresh()
+                    self._last_line = time.monotonic()
 
         out = self.engine.generate(prompts, on_done)
         return [_split_stop(ids[:self.settings.max_new_tokens], stops) for ids in out]
