@@ -11,6 +11,10 @@ import yaml
 from jsonschema import Draft202012Validator
 
 
+# the name of the held-out benchmark set's source (draftsmith.evaluate.prompts.HELDOUT)
+HELDOUT = "heldout"
+
+
 class ConfigError(ValueError):
     """The configuration violates the schema; the message lists every bad key."""
 
@@ -44,3 +48,12 @@ def check_config(config: dict, schema_path: str) -> None:
         raise ConfigError("invalid configuration (see schemas/config.schema.yaml):\n  "
                           + "\n  ".join(errors))
     validate(config, schema_path)  # fills in the documented defaults
+
+
+REMOVED_STOP_TOKENS = (
+    "evaluate.stop_tokens is no longer read: regenerate, tokenize and evaluate share one stop policy "
+    "(draftsmith.tokenize.stop_token_ids): the eos_token_id of the target's tokenizer, config.json and "
+    "generation_config.json, plus the end-of-turn token its chat template writes. To stop at another token, "
+    "add its id to eos_token_id in the target's generation_config.json (where transformers and vLLM read it "
+    "too) and remove evaluate.stop_tokens")
+

@@ -28,7 +28,8 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.evaluate.prompts import load_sets, render, stop_tokens
+from draftsmith.config import REMOVED_STOP_TOKENS
+from draftsmith.evaluate.prompts import load_sets, render
 from draftsmith.evaluate.report import (
     lossless_check,
     plot_histogram,
@@ -160,7 +161,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
     """
     from draftsmith.target import default_device, load_target, resolve_dtype
-    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, tokenizer_fingerprint
+    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, stop_token_ids, tokenizer_fingerprint
 
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
@@ -177,7 +178,12 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
                          f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
                          f"({fp[:12]}); evaluation must render prompts exactly as training did")
-    stops = stop_tokens(tokenizer, target_dir, evaluate_cfg.get("stop_tokens"))
+    if evaluate_cfg.get("stop_tokens"):
+        raise ValueError(REMOVED_STOP_TOKENS)
+    stops = stop_token_ids(tokenizer, target_dir, template_kwargs)  # the policy regenerate and tokenize use
+    if not stops:
+        raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
+                         "name no eos_token_id and the chat template writes no end-of-turn token")
 
     target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
                          attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
