@@ -45,7 +45,7 @@ from draftsmith.io import read_json, sha256_file, write_json, write_text
 log = logging.getLogger("draftsmith.evaluate")
 
 METHODS = ("target_only", "dflash", "prompt_lookup")
-REPORT_FORMAT = "draftsmith.eval/1"
+REPORT_FORMAT = "draftsmith.eval/2"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,6 +102,18 @@ def check_pair(drafter: nn.Module, target: nn.Module) -> None:
                          f"target's embedding (0..{rows - 1})")
 
 
+
+
+def prompt_key(ids: list[int]) -> str:
+    """Identity of a rendered prompt: sha256 hex (16 digits) of its token ids. Two sets holding the same
+    prompt (the same curated row, or the same text from two rows) give the same key."""
+    return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
+
+
+def _gen_seed(seed: int, label: str) -> int:
+    """Seed of a prompt's sampling draws, from the run seed and the prompt label ``<row id>#<turn>``."""
+    row_id, turn = label.rsplit("#", 1)
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}:{turn}".encode()).digest()[:6], "little")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,6 +251,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     set_reports: dict[str, dict] = {}
     all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
     all_labels: list[str] = []
+    all_keys: set[str] = set()
+    all_conversations: set[tuple[str, str]] = set()
+    # a prompt that sits in several sets (a held-out row that is also a BFCL / MMATH set row) is decoded once
+    # per token budget (and, when sampling, per draw seed: greedy output does not depend on it)
+    decoded: dict[tuple[str, int, int], tuple[dict[str, GenerationResult], str]] = {}
+
+    def draws(label: str) -> int:
+        return 0 if sampling.greedy else _gen_seed(seed, label)
     for bset in sets:
         key_src = json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts, bset.max_new_tokens],
                               "rows": [c.id for c in bset.conversations]}, sort_keys=True)
@@ -249,9 +269,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             log.info("set %s: reusing results of an interrupted run (%s)", bset.name, ppath)
             results = {m: [_result_from_dict(d) for d in cached["results"][m]] for m in METHODS}
             labels, skipped, planned = cached["labels"], cached["skipped_prompts"], cached["planned"]
+            keys = cached["prompt_keys"]
+            for k, (key_, lab) in enumerate(zip(keys, labels)):
+                decoded.setdefault((key_, bset.max_new_tokens, draws(lab)),
+                                   ({m: results[m][k] for m in METHODS}, f"{bset.name}:{lab}"))
         else:
             results = {m: [] for m in METHODS}
             labels: list[str] = []
+            keys: list[str] = []
             skipped: dict[str, int] = {}
             planned = 0
             for conv in bset.conversations:
@@ -270,22 +295,39 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                     if not warmed:
                         run_all(ids, min(16, bset.max_new_tokens), seed)  # first-call costs out of the timings
                         warmed = True
-                    gen_seed = int.from_bytes(hashlib.sha256(f"{seed}:{conv.id}:{t}".encode()).digest()[:6], "little")
-                    res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
+                    label = f"{conv.id}#{t}"
+                    gen_seed = _gen_seed(seed, label)
+                    pkey = prompt_key(ids)
+                    again = decoded.get((pkey, bset.max_new_tokens, draws(label)))
+                    if again is not None:
+                        res = again[0]
+                        log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
+                                 bset.name, label, again[1])
+                    else:
+                        res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
+                        decoded[(pkey, bset.max_new_tokens, draws(label))] = (res, f"{bset.name}:{label}")
                     for m in METHODS:
                         results[m].append(res[m])
-                    labels.append(f"{conv.id}#{t}")
+                    labels.append(label)
+                    keys.append(pkey)
                     answer = tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
                     history = history + [{"role": "assistant", "content": answer}]
                     log.info("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
                              bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
                              res["dflash"].tau, res["prompt_lookup"].tau)
             _save_partial(ppath, key, {"results": {m: [dataclasses.asdict(r) for r in results[m]] for m in METHODS},
-                                       "labels": labels, "skipped_prompts": skipped, "planned": planned})
-        set_reports[bset.name] = _set_report(bset, results, labels, skipped, planned, sampling, dflash.block_size)
-        for m in METHODS:
-            all_results[m].extend(results[m])
-        all_labels.extend(f"{bset.name}:{lab}" for lab in labels)
+                                       "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
+                                       "planned": planned})
+        set_reports[bset.name] = _set_report(bset, results, labels, keys, skipped, planned, sampling,
+                                             dflash.block_size)
+        for k, key_ in enumerate(keys):  # the "all" row counts a prompt in several sets once
+            if key_ in all_keys:
+                continue
+            all_keys.add(key_)
+            all_labels.append(f"{bset.name}:{labels[k]}")
+            for m in METHODS:
+                all_results[m].append(results[m][k])
+        all_conversations.update((c.source, c.id) for c in bset.conversations)
 
     report = {
         "format": REPORT_FORMAT,
@@ -302,7 +344,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                          "python": platform.python_version()},
         },
         "sets": set_reports,
-        "overall": _overall(set_reports, all_results, all_labels, sampling, dflash.block_size),
+        "overall": _overall(set_reports, all_results, all_labels, all_conversations, sampling, dflash.block_size),
     }
     write_json(outputs["json"], report)
     write_text(outputs["md"], render_markdown(report))
@@ -319,7 +361,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     return report
 
 
-def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -> dict:
+def _set_report(bset, results, labels, keys, skipped, planned, sampling, block_size) -> dict:
     base = results["target_only"]
     if planned != len(base) + sum(skipped.values()):
         raise RuntimeError(f"set {bset.name}: {planned} prompts planned != {len(base)} decoded + {skipped} skipped")
@@ -338,10 +380,10 @@ def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -
         "skipped_prompts": dict(skipped),
         **_decoder_metrics(results, labels, sampling, block_size),
         "per_prompt": [
-            {"prompt": lab, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
+            {"prompt": lab, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
              "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
              "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau}
-            for lab, b, d, p in zip(labels, base, results["dflash"], results["prompt_lookup"])],
+            for lab, key, b, d, p in zip(labels, keys, base, results["dflash"], results["prompt_lookup"])],
     }
     return out
 
@@ -359,11 +401,14 @@ def _decoder_metrics(results, labels, sampling, block_size) -> dict:
     }
 
 
-def _overall(set_reports, all_results, all_labels, sampling, block_size) -> dict:
+def _overall(set_reports, all_results, all_labels, all_conversations, sampling, block_size) -> dict:
+    """The "all" row: every distinct prompt once (a prompt in several sets, e.g. a held-out row that is also
+    a BFCL set row, counts once); ``prompts_in_several_sets`` = set prompts - distinct prompts."""
     base = all_results["target_only"]
     return {
-        "conversations": sum(s["conversations"] for s in set_reports.values()),
+        "conversations": len(all_conversations),
         "prompts": len(base),
+        "prompts_in_several_sets": sum(s["prompts"] for s in set_reports.values()) - len(base),
         **_decoder_metrics(all_results, all_labels, sampling, block_size),
     }
 
