@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.config import config_errors
+from draftsmith.config import ConfigError, check_eval_sets, config_errors
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
@@ -76,6 +76,42 @@ def test_bad_config_stops_snakemake_at_parse_time(tmp_path):
     assert proc.returncode != 0
     assert "extract.shards: -1 is less than the minimum of 1" in proc.stdout + proc.stderr
     assert "Building DAG" not in proc.stdout + proc.stderr
+
+
+SOURCES = [{"name": "sharegpt", "split": "both"}, {"name": "champ", "split": "train"},
+           {"name": "mtbench", "split": "eval"}]
+
+
+@pytest.mark.parametrize("sets, sources, message", [
+    ({"mt": {"source": "mtbnech"}}, SOURCES,
+     "evaluate.sets.mt.source: 'mtbnech' is no data source (did you mean 'mtbench'?); sets can use "
+     "['heldout', 'sharegpt', 'mtbench']"),
+    ({"math": {"source": "champ"}}, SOURCES,
+     "evaluate.sets.math.source: 'champ' has split: train, so the eval split holds none of its rows"),
+    ({"heldout": {"source": "heldout"}}, SOURCES[1:],
+     "evaluate.sets.heldout.source: 'heldout' is the held-out split of the split: both sources, but no data "
+     "source has split: both"),
+    ({}, SOURCES, "evaluate.sets is empty"),
+])
+def test_eval_set_whose_source_the_eval_split_cannot_hold_is_refused(sets, sources, message):
+    with pytest.raises(ConfigError) as err:
+        check_eval_sets({"sets": sets}, sources)
+    assert message in str(err.value)
+    check_eval_sets({"sets": {"h": {"source": "heldout"}, "mt": {"source": "mtbench"},
+                              "chat": {"source": "sharegpt"}}}, SOURCES)  # all fine
+
+
+def test_evaluate_stop_tokens_is_refused_for_the_shared_stop_policy():
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        check_eval_sets({"sets": {"h": {"source": "heldout"}}, "stop_tokens": ["<|eot_id|>"]}, SOURCES)
+
+
+def test_eval_set_typo_stops_snakemake_at_parse_time(tmp_path):
+    proc = _snakemake(tmp_path, "-n", config_text="evaluate:\n  sets:\n    mt: {source: mt-bench}\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "evaluate.sets.mt.source: 'mt-bench' is no data source (did you mean 'mtbench'?)" in out
+    assert "Building DAG" not in out
 
 
 def test_dry_run_plans_every_stage(tmp_path):
