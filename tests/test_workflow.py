@@ -334,6 +334,26 @@ def test_whole_dag_runs_and_every_contract_holds(finished_run):
     assert (results / "eval" / "report.md").read_text().strip()
 
 
+def test_failed_job_stops_the_dag_and_its_log_holds_the_traceback(workflow, tmp_path):
+    """A source in another format than its adapter (alpaca records under adapter openai) fails curate, the
+    first stage, instead of passing on 'kept 0'; the job's own log holds the error and its traceback."""
+    work = copy_workflow(tmp_path / "workflow")
+    config = yaml.safe_load((workflow / "config.yaml").read_text())
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"q{i}", "input": "", "output": f"a{i}"}) + "\n"
+                              for i in range(5)))
+    config["data"]["sources"].append({"name": "mine", "path": str(alpaca), "adapter": "openai", "split": "train"})
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = snakemake(work, "results/curated/train.parquet")
+    assert proc.returncode != 0
+    log = (work / "logs" / "curate" / "curate.log").read_text()
+    message = (f"CurateError: data.sources[mine]: {alpaca}: every one of its 5 rows was dropped (adapter openai); "
+               "main reason: bad_record × 5")
+    assert "Traceback (most recent call last)" in log and message in log
+    assert message in proc.stdout + proc.stderr
+    assert not (work / "results" / "curated" / "train.parquet").exists()
+
+
 def test_changing_a_training_parameter_reruns_only_train_export_evaluate(finished_run):
     work, last = finished_run
     ran = [rule for rule, _ in STAGES][:[rule for rule, _ in STAGES].index(last) + 1]
