@@ -37,7 +37,9 @@ dropped (a DFlash anchor ``a`` needs ``loss_mask[a]`` and ``loss_mask[a + 1]``, 
 a row whose answers render as the end-of-turn token alone is dropped as ``empty_answer`` (e.g. tool calls
 given to a template without tool support, counted in ``answers.empty_with_tool_calls``). Every drop is
 counted by reason in the report, and the counts reconcile:
-conversations in = dropped + single-row + per-turn; row candidates = rows kept + rows dropped.
+conversations in = dropped + single-row + per-turn + prompt-only (eval split only: benchmark prompts without an
+answer, e.g. MT-Bench, which evaluate asks; they give no row and are no drop); row candidates = rows kept +
+rows dropped.
 
 Output parquet (the contract of ``results/tokenized/{train,eval}.parquet``): ``id`` string, ``source``
 string, ``input_ids`` list<int32>, ``loss_mask`` list<int8>, ``num_tokens`` int32, with schema metadata
@@ -691,6 +693,7 @@ class SplitStats:
         self.conv_drops: collections.Counter = collections.Counter()
         self.modes: collections.Counter = collections.Counter()
         self.with_rows = 0
+        self.prompt_only = 0
         self.row_drops: collections.Counter = collections.Counter()
         self.row_drop_tokens: collections.Counter = collections.Counter()
         self.row_candidates = 0
@@ -740,6 +743,13 @@ class SplitStats:
             src["supervised_tokens"] += s
         src["rows_dropped"] += len(res.row_drops)
 
+    def add_prompt_only(self, source: str) -> None:
+        """Count a prompt-only conversation of the eval split (no row, not a drop)."""
+        self.conversations_in += 1
+        self.prompt_only += 1
+        self.per_source[source]["conversations_in"] += 1
+        self.per_source[source]["prompt_only"] += 1
+
     def drop_duplicate(self, source: str) -> None:
         self.conversations_in += 1
         self.conv_drops[DROP_DUPLICATE_ID] += 1
@@ -749,7 +759,7 @@ class SplitStats:
     def report(self) -> dict:
         """The split's section of ``report.json``; raises AssertionError if counts do not reconcile."""
         dropped = sum(self.conv_drops.values())
-        if self.conversations_in != dropped + self.modes["single"] + self.modes["per_turn"]:
+        if self.conversations_in != dropped + self.modes["single"] + self.modes["per_turn"] + self.prompt_only:
             raise AssertionError(f"conversation counts do not reconcile: {self.conversations_in} in, {dropped} "
                                  f"dropped, {dict(self.modes)} rendered")
         if self.row_candidates != self.rows_kept + sum(self.row_drops.values()):
@@ -763,6 +773,7 @@ class SplitStats:
                 "dropped": dropped,
                 "dropped_by_reason": dict(sorted(self.conv_drops.items())),
                 "single_row": self.modes["single"],
+                "prompt_only": self.prompt_only,  # eval split: benchmark prompts evaluate asks, no row
                 "per_turn_fallback": self.modes["per_turn"],
                 "with_rows": self.with_rows,
                 "unsupervised_leading_assistant": self.unsupervised_leading_assistant,
@@ -868,11 +879,16 @@ def read_tokenized_metadata(path: str | os.PathLike) -> dict:
 
 
 def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
-                  fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5) -> dict:
+                  fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5,
+                  prompt_only_ok: bool = False) -> dict:
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
     With ``threads`` > 1 the batches are spread over that many forked worker processes (chat templates
     render in Python, so threads would serialise on the GIL); output order is input order.
+
+    With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
+    (MT-Bench, tau2: evaluate asks them as prompts) gives no row and is counted as
+    ``conversations.prompt_only``, not as a drop; in the train split it stays a ``no_assistant_turn`` drop.
 
     Raises:
         ValueError: unreadable input (missing column), see :func:`read_curated`.
@@ -912,6 +928,9 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
 
             def consume(records: list[dict], results: list[ConversationResult]) -> None:
                 for rec, res in zip(records, results):
+                    if prompt_only_ok and res.drop == DROP_NO_ASSISTANT and _is_prompt_only(rec):
+                        stats.add_prompt_only(res.source)
+                        continue
                     stats.add(res)
                     if res.drop:
                         _log_drop(examples, log_examples, input_path, rec["_row"], res.drop,
@@ -945,6 +964,12 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["conversations_per_second"] = round(stats.conversations_in / max(report["seconds"], 1e-9), 1)
     return report
+
+
+def _is_prompt_only(record: dict) -> bool:
+    """A conversation with user turns and no assistant turn at all (a benchmark prompt, e.g. MT-Bench)."""
+    roles = [m.get("role") for m in (record.get("messages") or []) if isinstance(m, dict)]
+    return "user" in roles and "assistant" not in roles
 
 
 def _log_drop(examples: collections.Counter, limit: int, path, row: int, reason: str, detail: str) -> None:
@@ -987,9 +1012,12 @@ def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, chat_
         "splits": {},
     }
     for split, src, dst in (("train", train_in, train_out), ("eval", eval_in, eval_out)):
-        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads)
+        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads, prompt_only_ok=split == "eval")
         report["splits"][split] = rep
         c, r, t = rep["conversations"], rep["rows"], rep["tokens"]
+        if c["prompt_only"]:
+            log.info("%s: %d prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no "
+                     "row: evaluate asks them as prompts", split, c["prompt_only"])
         log.info("%s: %d conversations in -> %d single-row + %d per-turn fallback + %d dropped %s; rows %d kept "
                  "of %d (dropped %s, truncated %d); %d tokens, %.1f%% supervised; %.0f conversations/s",
                  split, c["in"], c["single_row"], c["per_turn_fallback"], c["dropped"], c["dropped_by_reason"],
