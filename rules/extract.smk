@@ -21,8 +21,18 @@ rule extract_plan:
         "../scripts/extract_plan.py"
 
 
+def _known_shard(wildcards):
+    """No file inputs; raises at DAG-build time for a shard outside extract.shards (shard-3 of a 2-shard
+    config would otherwise fail only after curate, tokenize and the plan had run)."""
+    if int(wildcards.shard) not in SHARDS:
+        raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
+                         f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
+    return []
+
+
 rule extract_shard:
     input:
+        _known_shard,
         plan="results/features/plan.json",
         train="results/tokenized/train.parquet",
         target=target_dir(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +141,35 @@ def test_slurm_profile_dry_run_without_a_cluster(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "extract_shard" in out and "train" in out and "evaluate" in out
+
+
+def readme_commands() -> list[str]:
+    """Every `snakemake ...` command the README gives (inline or in a code block), except piped or redirected
+    ones and those that need a finished run (--report)."""
+    text = (REPO / "README.md").read_text()
+    found = re.findall(r"`(snakemake[^`]*)`", text) + re.findall(r"^(snakemake [^\n#|]*?)\s*(?:#.*)?$", text, re.M)
+    return sorted({c.strip() for c in found if not {"|", ">", "&&"} & set(c.split()) and "--report" not in c})
+
+
+@pytest.mark.slow
+def test_readme_commands_work_as_written(tmp_path):
+    """Each README command, dry-run from a copy of the project with the shipped config, builds its DAG."""
+    from test_workflow import copy_workflow
+
+    commands = readme_commands()
+    assert "snakemake results/features/shard-1/manifest.json" in commands and "snakemake --until merge" in commands
+    work = copy_workflow(tmp_path / "project")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for command in commands:
+        args = command.split()[1:]
+        if "profiles/slurm" in args:
+            pytest.importorskip("snakemake_executor_plugin_slurm")
+        proc = subprocess.run([sys.executable, "-m", "snakemake", *args, "-n"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{command}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    # a shard the config does not have stops Snakemake while it builds the DAG, naming the key
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/features/shard-3/manifest.json", "-n"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("results/features/shard-3/manifest.json: extract.shards is 2, so the shards are 0..1"
+            in proc.stdout + proc.stderr)
