@@ -42,7 +42,7 @@ rule evaluate:
         target=config["target"],
         sources=config["data"]["sources"],
         followups=evaluate_followups(),
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],
     script:

@@ -47,7 +47,7 @@ rule extract_shard:
         target=config["target"],
     wildcard_constraints:
         shard=r"\d+",
-    threads: max(1, workflow.cores // max(1, len(SHARDS)))
+    threads: all_cores(share=len(SHARDS))
     resources:
         gpu=1,
     script:

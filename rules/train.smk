@@ -25,7 +25,7 @@ rule train:
         ),
         # torchrun processes: one per leased GPU, one on the CPU when no GPU is asked for
         nproc=lambda wildcards, resources: max(1, int(resources.gpu)),
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=config["train"]["gpus"],
     shell:
