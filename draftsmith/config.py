@@ -7,8 +7,14 @@ naming the key path (``extract.shards``), then lets Snakemake's validator fill i
 
 from __future__ import annotations
 
+import difflib
+
 import yaml
 from jsonschema import Draft202012Validator
+
+
+# the name of the held-out benchmark set's source (draftsmith.evaluate.prompts.HELDOUT)
+HELDOUT = "heldout"
 
 
 class ConfigError(ValueError):
@@ -60,3 +66,52 @@ def cross_key_errors(config: dict) -> list[str]:
                           "target's own greedy next tokens: set extract.store_target_tokens: true and "
                           "train.labels: target")
     return errors
+
+
+REMOVED_STOP_TOKENS = (
+    "evaluate.stop_tokens is no longer read: regenerate, tokenize and evaluate share one stop policy "
+    "(draftsmith.tokenize.stop_token_ids): the eos_token_id of the target's tokenizer, config.json and "
+    "generation_config.json, plus the end-of-turn token its chat template writes. To stop at another token, "
+    "add its id to eos_token_id in the target's generation_config.json (where transformers and vLLM read it "
+    "too) and remove evaluate.stop_tokens")
+
+
+def check_eval_sets(evaluate_cfg: dict, sources: list[dict]) -> None:
+    """Parse-time check of config ``evaluate`` against ``data.sources``, before anything runs.
+
+    A set's ``source`` must be ``heldout`` (which needs a ``split: both`` source) or the name of a configured
+    source whose rows reach the eval split (``split: eval`` or ``both``): a typo would otherwise surface only
+    when evaluate starts, after the whole DAG. (Whether a ``both`` source's eval share is non-empty is known
+    only after curate; ``draftsmith.evaluate.load_sets`` checks that.)
+
+    Args:
+        evaluate_cfg: config ``evaluate`` (``sets``, ``stop_tokens``).
+        sources: config ``data.sources``.
+
+    Raises:
+        ConfigError: one line per bad set, naming the set, its source and the sources it could use; or no
+            set at all; or ``evaluate.stop_tokens`` set (see :data:`REMOVED_STOP_TOKENS`).
+    """
+    if evaluate_cfg.get("stop_tokens"):
+        raise ConfigError(REMOVED_STOP_TOKENS)
+    sets = evaluate_cfg.get("sets") or {}
+    if not sets:
+        raise ConfigError("evaluate.sets is empty: nothing to evaluate (e.g. heldout: {source: heldout})")
+    split = {s["name"]: s.get("split", "both") for s in sources}
+    usable = [HELDOUT] * any(v == "both" for v in split.values()) + [n for n, v in split.items() if v != "train"]
+    errors = []
+    for name, cfg in sets.items():
+        source = (cfg or {}).get("source")
+        where = f"evaluate.sets.{name}.source: {source!r}"
+        if source == HELDOUT and HELDOUT not in usable:
+            errors.append(f"{where} is the held-out split of the split: both sources, but no data source has "
+                          "split: both")
+        elif source != HELDOUT and source not in split:
+            close = difflib.get_close_matches(str(source), usable, n=1)
+            errors.append(f"{where} is no data source" + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; sets can use {usable}")
+        elif source != HELDOUT and split[source] == "train":
+            errors.append(f"{where} has split: train, so the eval split holds none of its rows (set its split to "
+                          "eval or both)")
+    if errors:
+        raise ConfigError("evaluate.sets name sources the eval split cannot have:\n  " + "\n  ".join(errors))

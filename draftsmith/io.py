@@ -76,13 +76,18 @@ def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:
 
 
 def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> logging.Logger:
-    """Log to ``log_file`` (Snakemake's ``log:``) and stderr; returns the ``draftsmith`` logger."""
+    """Log to ``log_file`` (Snakemake's ``log:``) and stderr; returns the ``draftsmith`` logger.
+
+    An exception that ends the process is logged too, with its traceback (:func:`log_uncaught`), so a failed
+    job's own log says why it failed, not only the console Snakemake ran it from.
+    """
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
     logging.basicConfig(level=level, handlers=handlers, force=True,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.excepthook = log_uncaught
     return logging.getLogger("draftsmith")
 
 
@@ -114,3 +119,11 @@ def progress(total: int | None, desc: str, *, unit: str = "it", logger: logging.
                 file=_LogStream(logger or logging.getLogger("draftsmith")), mininterval=interval, maxinterval=interval * 4,
                 smoothing=0.1, bar_format="{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%) "
                                           "[{elapsed} elapsed, ETA {remaining}, {rate_fmt}{postfix}]")
+def log_uncaught(exc_type, exc, tb) -> None:
+    """``sys.excepthook`` of the stage scripts: the uncaught exception and its traceback go to every logging
+    handler (the job's log file and stderr), once. Ctrl-C keeps Python's default report."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logging.getLogger("draftsmith").critical("the job failed: %s: %s", exc_type.__name__, exc,
+                                             exc_info=(exc_type, exc, tb))

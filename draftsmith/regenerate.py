@@ -16,10 +16,12 @@ Choices (documented, tested):
 * **Tool-call turns are kept.** An assistant message with ``tool_calls`` is kept verbatim (with its tool
   results), because the tool results that follow it belong to those exact calls; assistant text turns after
   the tool results are regenerated.
-* **Stops.** Generation is greedy (``do_sample=False``) and stops at the target's end-of-turn / eos ids
-  (:func:`draftsmith.tokenize.stop_token_ids`); the answer is the generated tokens before the stop token,
-  decoded without skipping special tokens, stored as ``content`` (``reasoning_content`` null: a thinking
-  target's ``<think>...</think>`` stays inline in ``content``, which its template re-renders as generated).
+* **Stops.** Generation is greedy (``do_sample=False``) and stops at the first stop token of the one stop
+  policy tokenize and evaluate share (:func:`draftsmith.tokenize.stop_token_ids`: eos ids plus the chat
+  template's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, whose eos is ``<|end_of_text|>``); the
+  answer is the generated tokens before the stop token, decoded without skipping special tokens, stored as
+  ``content`` (``reasoning_content`` null: a thinking target's ``<think>...</think>`` stays inline in
+  ``content``, which its template re-renders as generated).
 * **Cuts, all counted.** An answer that hits ``max_new_tokens`` is kept truncated and the conversation ends
   after it; an empty answer, a prompt of ``max_prompt_tokens`` tokens or more (the training rows would
   hold no answer token) or a turn the template cannot render ends the conversation before that turn. A
@@ -421,7 +423,7 @@ class Regenerator:
         model: the target (``AutoModelForCausalLM``, eval mode, on its device); None with a ready ``engine``.
         tokenizer: the target's tokenizer with its chat template.
         settings: :class:`GenerationSettings`.
-        stop_ids: end-of-turn / eos ids generation stops at (default :func:`stop_token_ids`).
+        stop_ids: ids generation stops at (default :func:`stop_token_ids` of the tokenizer and template).
         engine: a ready generation engine (``generate(prompts, on_done) -> token lists``); default: the one
             ``settings.engine`` names, built on ``model``.
 
@@ -437,7 +439,8 @@ class Regenerator:
         self.settings = settings
         self.kwargs = check_template_kwargs(settings.chat_template_kwargs)
         check_generation_prompt(tokenizer, self.kwargs)
-        self.stop_ids = sorted(set(stop_ids if stop_ids is not None else stop_token_ids(tokenizer)))
+        self.stop_ids = sorted(set(stop_ids if stop_ids is not None
+                                   else stop_token_ids(tokenizer, chat_template_kwargs=self.kwargs)))
         if not self.stop_ids:
             raise ValueError("the target has no eos / end-of-turn token id: generation could never stop")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -709,7 +712,7 @@ def run(*, conversations: str, target_dir: str, output: str, settings: Generatio
     from draftsmith.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
-    stops = stop_token_ids(tokenizer, target_dir)
+    stops = stop_token_ids(tokenizer, target_dir, check_template_kwargs(settings.chat_template_kwargs))
     if settings.engine == "vllm":
         model = None
         engine = VLLMEngine(target_dir, dtype=dtype, max_new_tokens=settings.max_new_tokens, stop_ids=stops,

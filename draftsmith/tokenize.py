@@ -14,10 +14,13 @@ For each assistant message ``j`` of a conversation ``m``:
   e.g. ``"Hello!<|im_end|>\\n"`` for ChatML, or ``"<think>\\n...\\n</think>\\n\\nHi<|im_end|>\\n"`` for
   Qwen3 with thinking on.
 
-The **loss mask** is 1 exactly on the answer tokens up to and including the end-of-turn token (the last
-stop token of the answer: the tokenizer's / generation config's eos ids, else the last special token);
-tokens the template appends after it (ChatML's ``"\\n"``) are 0, as are system, user and tool turns and the
-template's own assistant header (it is part of ``p_j``).
+The **loss mask** is 1 exactly on the answer tokens up to and including the end-of-turn token: the answer's
+*first* stop token (:func:`stop_token_ids`, the one stop policy regenerate and evaluate use too: the eos ids
+of the tokenizer, ``config.json`` and ``generation_config.json`` plus the template's own end-of-turn token,
+e.g. Llama 3's ``<|eot_id|>``), since the target never generates past it; an answer without any stop token
+ends at its last special token. Tokens after it are 0 (the template's trailing ``"\\n"`` in ChatML, and the
+rest of an answer whose own text holds a stop token, counted as ``rows.answers_with_stop_in_text``), as are
+system, user and tool turns and the template's own assistant header (it is part of ``p_j``).
 
 A conversation becomes **one row** (``id`` = conversation id) when the render is *prefix-stable*: the render
 through the last assistant turn starts with every ``t_j`` (text), and its tokens start with
@@ -34,7 +37,9 @@ dropped (a DFlash anchor ``a`` needs ``loss_mask[a]`` and ``loss_mask[a + 1]``, 
 a row whose answers render as the end-of-turn token alone is dropped as ``empty_answer`` (e.g. tool calls
 given to a template without tool support, counted in ``answers.empty_with_tool_calls``). Every drop is
 counted by reason in the report, and the counts reconcile:
-conversations in = dropped + single-row + per-turn; row candidates = rows kept + rows dropped.
+conversations in = dropped + single-row + per-turn + prompt-only (eval split only: benchmark prompts without an
+answer, e.g. MT-Bench, which evaluate asks; they give no row and are no drop); row candidates = rows kept +
+rows dropped.
 
 Output parquet (the contract of ``results/tokenized/{train,eval}.parquet``): ``id`` string, ``source``
 string, ``input_ids`` list<int32>, ``loss_mask`` list<int8>, ``num_tokens`` int32, with schema metadata
@@ -288,23 +293,102 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def stop_token_ids(tokenizer, target_dir: str | os.PathLike | None = None) -> list[int]:
-    """End-of-turn token ids: the tokenizer's eos plus ``eos_token_id`` of the target's
-    ``generation_config.json`` and ``config.json`` (int or list), the ids ``generate`` stops at."""
+# Assistant content of the end-of-turn probe: plain words every tokenizer and template keep as they are.
+_END_OF_TURN_PROBE = "draftsmith probe answer"
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens: ``all_special_ids`` plus added tokens marked special
+    (Llama 3's ``<|eot_id|>`` is an added special token that is not in ``all_special_ids``)."""
+    ids = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
+    for idx, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(idx))
+    return ids
+
+
+def end_of_turn_token_ids(tokenizer, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The chat template's end-of-turn token: the first special token it writes after an assistant
+    message's content.
+
+    Found by rendering ``[user "Hello", assistant <probe>]`` with the target's own template (no
+    generation prompt, the given ``chat_template_kwargs``) and tokenizing what follows the probe text:
+    ``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3 (whose eos is ``<|end_of_text|>``),
+    ``<end_of_turn>`` for Gemma, ``<|return|>`` for gpt-oss.
+
+    Returns:
+        list[int]: one id, or ``[]`` when the tokenizer has no chat template, the template writes no
+        special token after the content, or it refuses the probe conversation (logged).
+    """
+    return _end_of_turn_probe(tokenizer, chat_template_kwargs)[0]
+
+
+def _end_of_turn_probe(tokenizer, chat_template_kwargs: dict | None) -> tuple[list[int], int | None]:
+    """``(end-of-turn ids, tokens the template writes after it)`` (see :func:`end_of_turn_token_ids`);
+    the count is ``None`` when there is no end-of-turn token (ChatML: 1, its ``"\\n"``; Llama 3: 0)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [], None
+    probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _END_OF_TURN_PROBE}]
+    try:
+        text = render_text(tokenizer, probe, None, check_template_kwargs(chat_template_kwargs),
+                           add_generation_prompt=False)
+    except Exception as exc:  # a template that raises on this conversation (e.g. requires a system turn)
+        log.warning("the chat template refuses the end-of-turn probe (%s: %s): stop tokens are the eos ids only",
+                    type(exc).__name__, exc)
+        return [], None
+    at = text.rfind(_END_OF_TURN_PROBE)
+    if at < 0:
+        return [], None
+    specials = special_token_ids(tokenizer)
+    tail = encode(tokenizer, [text[at + len(_END_OF_TURN_PROBE):]])[0]
+    for k, t in enumerate(tail):
+        if int(t) in specials:
+            return [int(t)], len(tail) - k - 1
+    return [], None
+
+
+def _config_eos_ids(path: Path) -> set[int]:
+    """``eos_token_id`` (int or list) of a JSON config file, and of its ``text_config`` (multimodal folders)."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return set()
+    ids = set()
+    for section in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        eos = section.get("eos_token_id") if isinstance(section, dict) else None
+        for value in eos if isinstance(eos, list) else [eos]:
+            if isinstance(value, int) and not isinstance(value, bool):
+                ids.add(value)
+    return ids
+
+
+def stop_token_ids(tokenizer, target_dir: str | os.PathLike | None = None,
+                   chat_template_kwargs: dict | None = None) -> list[int]:
+    """The stop policy of draftsmith, the one function regenerate, tokenize and evaluate all call.
+
+    A generation stops at (and includes) the first of these ids: the tokenizer's eos, ``eos_token_id``
+    of the target's ``generation_config.json`` and ``config.json`` (int or list, also under
+    ``text_config``: the ids ``generate`` and vLLM stop at), plus the chat template's end-of-turn token
+    (:func:`end_of_turn_token_ids`), which need not be an eos: Llama-3-Instruct ends turns with
+    ``<|eot_id|>`` while its tokenizer's eos is ``<|end_of_text|>``. So regenerate stops where a served
+    target stops, tokenize supervises each answer through its first stop token and nothing after, and
+    evaluate decodes to the same token.
+
+    Args:
+        tokenizer: the target's tokenizer (with its chat template).
+        target_dir: the target's Hugging Face folder (``None``: tokenizer and template only).
+        chat_template_kwargs: the template kwargs of the run (``enable_thinking`` ...), used by the probe.
+
+    Returns:
+        list[int]: sorted, possibly empty (callers that generate raise on an empty policy).
+    """
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    for name in ("generation_config.json", "config.json"):
-        path = Path(target_dir) / name if target_dir is not None else None
-        if path is None or not path.is_file():
-            continue
-        try:
-            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        for value in eos if isinstance(eos, list) else [eos]:
-            if isinstance(value, int):
-                ids.add(value)
+    if target_dir is not None:
+        for name in ("generation_config.json", "config.json"):
+            ids |= _config_eos_ids(Path(target_dir) / name)
+    ids.update(end_of_turn_token_ids(tokenizer, chat_template_kwargs))
     return sorted(ids)
 
 
@@ -359,6 +443,7 @@ class ConversationResult:
     row_drops: list[tuple[str, int]] = field(default_factory=list)  # (reason, tokens before truncation)
     truncated_tokens: list[int] = field(default_factory=list)  # tokens cut per truncated kept row
     answers_without_end_of_turn: int = 0
+    answers_with_stop_in_text: int = 0
     empty_answers: int = 0
     empty_tool_call_answers: int = 0
     unsupervised_leading_assistant: int = 0
@@ -395,7 +480,8 @@ class ConversationTokenizer:
         chat_template_kwargs: keyword arguments for the template (``enable_thinking`` ...).
         max_length: longest row in tokens (>= 2).
         overflow: ``truncate`` (keep the first ``max_length`` tokens) or ``drop``.
-        stop_ids: end-of-turn token ids (:func:`stop_token_ids`); the last one in an answer ends its mask.
+        stop_ids: stop token ids (default :func:`stop_token_ids`, the policy regenerate and evaluate share);
+            the first one in an answer ends its mask.
 
     Raises:
         ValueError: bad ``max_length`` / ``overflow`` / template kwargs.
@@ -411,25 +497,33 @@ class ConversationTokenizer:
         self.kwargs = check_template_kwargs(chat_template_kwargs)
         self.max_length = int(max_length)
         self.overflow = overflow
-        stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
+        stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, chat_template_kwargs=self.kwargs)
         self.stop_ids = np.array(sorted(set(stop)), dtype=np.int64)
-        self.special_ids = np.array(sorted(set(tokenizer.all_special_ids)), dtype=np.int64)
+        self.special_ids = np.array(sorted(special_token_ids(tokenizer)), dtype=np.int64)
+        # tokens the template writes after its end-of-turn token (ChatML: its "\n"); more than that after an
+        # answer's first stop token means the answer's own text held a stop token
+        self.template_tail = _end_of_turn_probe(tokenizer, self.kwargs)[1]
 
     # -- masks ------------------------------------------------------------------------------------
 
     def answer_mask(self, answer_ids: Sequence[int]) -> tuple[np.ndarray, bool]:
         """Loss mask [len(answer_ids)] int8 of one answer: 1 through its end-of-turn token, 0 after.
 
-        The end-of-turn token is the last stop token of the answer, else its last special token; an
-        answer with neither is supervised whole (second value ``False``, counted in the report).
+        The end-of-turn token is the answer's *first* stop token (the target stops there, so nothing after
+        it is ever generated: an answer whose text holds a stop token is supervised up to that one only),
+        else, for an answer without any stop token, its last special token; an answer with neither is
+        supervised whole (second value ``False``, counted in the report).
         """
         ids = np.asarray(answer_ids, dtype=np.int64)
         mask = np.ones(len(ids), dtype=np.int8)
-        for candidates in (self.stop_ids, self.special_ids):
-            hits = np.flatnonzero(np.isin(ids, candidates))
-            if hits.size:
-                mask[hits[-1] + 1:] = 0
-                return mask, True
+        hits = np.flatnonzero(np.isin(ids, self.stop_ids))
+        if hits.size:
+            mask[hits[0] + 1:] = 0
+            return mask, True
+        hits = np.flatnonzero(np.isin(ids, self.special_ids))
+        if hits.size:
+            mask[hits[-1] + 1:] = 0
+            return mask, True
         return mask, False
 
     # -- rendering --------------------------------------------------------------------------------
@@ -534,9 +628,11 @@ class ConversationTokenizer:
         self._add_row(res, res.id, full_ids, mask, empty)
         return True
 
-    @staticmethod
-    def _count_answer(res: ConversationResult, turn: _Turn, answer_mask: np.ndarray, found: bool) -> None:
+    def _count_answer(self, res: ConversationResult, turn: _Turn, answer_mask: np.ndarray, found: bool) -> None:
         res.answers_without_end_of_turn += int(not found)
+        masked = len(answer_mask) - int(answer_mask.sum())
+        if found and self.template_tail is not None and masked > self.template_tail:
+            res.answers_with_stop_in_text += 1  # supervised through its text's first stop token only
         if int(answer_mask.sum()) <= 1:  # the end-of-turn token alone
             res.empty_answers += 1
             res.empty_tool_call_answers += int(turn.tool_calls)
@@ -597,6 +693,7 @@ class SplitStats:
         self.conv_drops: collections.Counter = collections.Counter()
         self.modes: collections.Counter = collections.Counter()
         self.with_rows = 0
+        self.prompt_only = 0
         self.row_drops: collections.Counter = collections.Counter()
         self.row_drop_tokens: collections.Counter = collections.Counter()
         self.row_candidates = 0
@@ -606,6 +703,7 @@ class SplitStats:
         self.truncated_rows = 0
         self.truncated_tokens = 0
         self.answers_without_end_of_turn = 0
+        self.answers_with_stop_in_text = 0
         self.empty_answers = 0
         self.empty_tool_call_answers = 0
         self.unsupervised_leading_assistant = 0
@@ -629,6 +727,7 @@ class SplitStats:
         self.truncated_rows += len(res.truncated_tokens)
         self.truncated_tokens += sum(res.truncated_tokens)
         self.answers_without_end_of_turn += res.answers_without_end_of_turn
+        self.answers_with_stop_in_text += res.answers_with_stop_in_text
         self.empty_answers += res.empty_answers
         self.empty_tool_call_answers += res.empty_tool_call_answers
         self.unsupervised_leading_assistant += res.unsupervised_leading_assistant
@@ -644,6 +743,13 @@ class SplitStats:
             src["supervised_tokens"] += s
         src["rows_dropped"] += len(res.row_drops)
 
+    def add_prompt_only(self, source: str) -> None:
+        """Count a prompt-only conversation of the eval split (no row, not a drop)."""
+        self.conversations_in += 1
+        self.prompt_only += 1
+        self.per_source[source]["conversations_in"] += 1
+        self.per_source[source]["prompt_only"] += 1
+
     def drop_duplicate(self, source: str) -> None:
         self.conversations_in += 1
         self.conv_drops[DROP_DUPLICATE_ID] += 1
@@ -653,7 +759,7 @@ class SplitStats:
     def report(self) -> dict:
         """The split's section of ``report.json``; raises AssertionError if counts do not reconcile."""
         dropped = sum(self.conv_drops.values())
-        if self.conversations_in != dropped + self.modes["single"] + self.modes["per_turn"]:
+        if self.conversations_in != dropped + self.modes["single"] + self.modes["per_turn"] + self.prompt_only:
             raise AssertionError(f"conversation counts do not reconcile: {self.conversations_in} in, {dropped} "
                                  f"dropped, {dict(self.modes)} rendered")
         if self.row_candidates != self.rows_kept + sum(self.row_drops.values()):
@@ -667,6 +773,7 @@ class SplitStats:
                 "dropped": dropped,
                 "dropped_by_reason": dict(sorted(self.conv_drops.items())),
                 "single_row": self.modes["single"],
+                "prompt_only": self.prompt_only,  # eval split: benchmark prompts evaluate asks, no row
                 "per_turn_fallback": self.modes["per_turn"],
                 "with_rows": self.with_rows,
                 "unsupervised_leading_assistant": self.unsupervised_leading_assistant,
@@ -680,6 +787,8 @@ class SplitStats:
                 "truncated": self.truncated_rows,
                 "truncated_tokens": self.truncated_tokens,
                 "answers_without_end_of_turn": self.answers_without_end_of_turn,
+                # answers whose own text holds a stop token: supervised through that first stop only
+                "answers_with_stop_in_text": self.answers_with_stop_in_text,
             },
             "answers": {
                 # answers rendered as the end-of-turn token alone; with tool calls, the template ignores them
@@ -770,11 +879,16 @@ def read_tokenized_metadata(path: str | os.PathLike) -> dict:
 
 
 def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
-                  fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5) -> dict:
+                  fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5,
+                  prompt_only_ok: bool = False) -> dict:
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
     With ``threads`` > 1 the batches are spread over that many forked worker processes (chat templates
     render in Python, so threads would serialise on the GIL); output order is input order.
+
+    With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
+    (MT-Bench, tau2: evaluate asks them as prompts) gives no row and is counted as
+    ``conversations.prompt_only``, not as a drop; in the train split it stays a ``no_assistant_turn`` drop.
 
     Raises:
         ValueError: unreadable input (missing column), see :func:`read_curated`.
@@ -814,6 +928,9 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
 
             def consume(records: list[dict], results: list[ConversationResult]) -> None:
                 for rec, res in zip(records, results):
+                    if prompt_only_ok and res.drop == DROP_NO_ASSISTANT and _is_prompt_only(rec):
+                        stats.add_prompt_only(res.source)
+                        continue
                     stats.add(res)
                     if res.drop:
                         _log_drop(examples, log_examples, input_path, rec["_row"], res.drop,
@@ -849,6 +966,12 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     return report
 
 
+def _is_prompt_only(record: dict) -> bool:
+    """A conversation with user turns and no assistant turn at all (a benchmark prompt, e.g. MT-Bench)."""
+    roles = [m.get("role") for m in (record.get("messages") or []) if isinstance(m, dict)]
+    return "user" in roles and "assistant" not in roles
+
+
 def _log_drop(examples: collections.Counter, limit: int, path, row: int, reason: str, detail: str) -> None:
     examples[reason] += 1
     if examples[reason] <= limit:
@@ -870,10 +993,10 @@ def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, chat_
     kwargs = check_template_kwargs(chat_template_kwargs)
     generation_prompt = check_generation_prompt(tokenizer, kwargs)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    stop_ids = stop_token_ids(tokenizer, target_dir)
+    stop_ids = stop_token_ids(tokenizer, target_dir, kwargs)
     worker = ConversationTokenizer(tokenizer, chat_template_kwargs=kwargs, max_length=max_length,
                                    overflow=overflow, stop_ids=stop_ids)
-    log.info("tokenizer %s (fingerprint %s), generation prompt %r, end-of-turn ids %s, kwargs %s, "
+    log.info("tokenizer %s (fingerprint %s), generation prompt %r, stop token ids %s, kwargs %s, "
              "max_length %d (%s), %d worker(s)", target_dir, fingerprint[:16], generation_prompt, stop_ids,
              kwargs, max_length, overflow, threads)
     report = {
@@ -882,15 +1005,19 @@ def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, chat_
         "tokenizer_fingerprint": fingerprint,
         "chat_template_kwargs": kwargs,
         "generation_prompt": generation_prompt,
-        "end_of_turn_token_ids": stop_ids,
+        "stop_token_ids": stop_ids,  # the policy regenerate and evaluate use too (stop_token_ids)
+        "end_of_turn_token_ids": end_of_turn_token_ids(tokenizer, kwargs),
         "max_length": max_length,
         "overflow": overflow,
         "splits": {},
     }
     for split, src, dst in (("train", train_in, train_out), ("eval", eval_in, eval_out)):
-        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads)
+        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads, prompt_only_ok=split == "eval")
         report["splits"][split] = rep
         c, r, t = rep["conversations"], rep["rows"], rep["tokens"]
+        if c["prompt_only"]:
+            log.info("%s: %d prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no "
+                     "row: evaluate asks them as prompts", split, c["prompt_only"])
         log.info("%s: %d conversations in -> %d single-row + %d per-turn fallback + %d dropped %s; rows %d kept "
                  "of %d (dropped %s, truncated %d); %d tokens, %.1f%% supervised; %.0f conversations/s",
                  split, c["in"], c["single_row"], c["per_turn_fallback"], c["dropped"], c["dropped_by_reason"],

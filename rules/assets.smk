@@ -52,6 +52,6 @@ rule materialize_target:
         "benchmarks/materialize_target/{target}.tsv"
     params:
         assets=config["assets"],
-    threads: workflow.cores
+    threads: all_cores()
     script:
         "../scripts/materialize_target.py"

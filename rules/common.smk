@@ -3,11 +3,37 @@
 import json
 import os
 
+from snakemake.logging import logger
+
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"
 
 # Python that runs the stage entry points in `shell:` rules (the one running Snakemake).
 PYTHON = sys.executable
+
+
+def all_cores(share=1, most=None):
+    """Threads of a job that uses the cores Snakemake gives it: --cores / `share` jobs, at most `most`.
+
+    Local runs give --cores (profiles/default: all); Snakemake caps every job at it anyway. A cluster run
+    (profiles/slurm) is started without --cores: every job has its own allocation there, which the
+    profile's set-threads names per rule (the executor asks SLURM for that many CPUs, and the job runs
+    with as many threads), so this is only the fallback, 1, for a rule the profile does not name.
+    (`threads: workflow.cores` failed such a run at parse time: "Workflow requires a total number of
+    cores to be defined".)
+    """
+    cores = workflow.resource_settings.cores
+    if cores is None:
+        return 1
+    return max(1, min(cores // max(1, share), most or cores))
+
+
+onstart:
+    # (the executor is known once the DAG is built, not at parse time)
+    if workflow.non_local_exec and workflow.resource_settings.cores is not None:
+        logger.warning(f"--cores {workflow.resource_settings.cores} with a cluster executor caps the threads of "
+                       "every job at that number, the cores of this login node; profiles/slurm sizes each job "
+                       "itself (set-threads): run it without --cores")
 
 
 def target_dir(wildcards=None):

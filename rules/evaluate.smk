@@ -1,6 +1,12 @@
 # evaluate: real speculative decoding with the target: acceptance length, speedup, losslessness.
 # Library: draftsmith/evaluate/ (decode loops, exact GDN rollback, sets, report). One GPU (leased).
 
+from draftsmith.config import check_eval_sets
+
+# A set whose source the eval split cannot hold (a typo, a split: train source) stops Snakemake here,
+# not when evaluate starts after the whole DAG.
+check_eval_sets(config["evaluate"], config["data"]["sources"])
+
 
 def evaluate_followups(wildcards=None):
     """{source name: data folder} of the MT-Bench (adapter mtbench) sources used by evaluate.sets: their
@@ -37,7 +43,7 @@ rule evaluate:
         target=config["target"],
         sources=config["data"]["sources"],
         followups=evaluate_followups(),
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],
     script:

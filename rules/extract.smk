@@ -21,8 +21,18 @@ rule extract_plan:
         "../scripts/extract_plan.py"
 
 
+def _known_shard(wildcards):
+    """No file inputs; raises at DAG-build time for a shard outside extract.shards (shard-3 of a 2-shard
+    config would otherwise fail only after curate, tokenize and the plan had run)."""
+    if int(wildcards.shard) not in SHARDS:
+        raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
+                         f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
+    return []
+
+
 rule extract_shard:
     input:
+        _known_shard,
         plan="results/features/plan.json",
         train="results/tokenized/train.parquet",
         target=target_dir(),
@@ -37,7 +47,7 @@ rule extract_shard:
         target=config["target"],
     wildcard_constraints:
         shard=r"\d+",
-    threads: max(1, workflow.cores // max(1, len(SHARDS)))
+    threads: all_cores(share=len(SHARDS))
     resources:
         gpu=1,
     script:

@@ -17,6 +17,6 @@ rule merge:
         "benchmarks/merge/merge.tsv"
     params:
         merge=config["merge"],
-    threads: min(8, workflow.cores)
+    threads: all_cores(most=8)
     script:
         "../scripts/merge.py"

@@ -20,7 +20,7 @@ rule regenerate:
         chat_template_kwargs=config["tokenize"]["chat_template_kwargs"],
         # a prompt this long leaves no answer token inside a training row
         max_prompt_tokens=config["tokenize"]["max_length"],
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=config["regenerate"]["gpus"],
     script:

@@ -4,11 +4,15 @@
 # exit status of training).
 
 
+# Run by path from the shell (torchrun needs a file), not listed as an input: an input path outside the
+# working directory is absolute, and moving or copying the project folder would then rerun training.
+TRAIN_SCRIPT = os.path.join(workflow.basedir, "scripts", "train.py")
+
+
 rule train:
     input:
         index="results/features/index.json",
         target=target_dir(),
-        script=f"{workflow.basedir}/scripts/train.py",
     output:
         weights="results/drafter/trained/model.safetensors",
         config="results/drafter/trained/config.json",
@@ -21,11 +25,13 @@ rule train:
         args=lambda wildcards: json.dumps(
             {"train": config["train"], "drafter": config["drafter"], "target": config["target"]}
         ),
-    threads: workflow.cores
+        # torchrun processes: one per leased GPU, one on the CPU when no GPU is asked for
+        nproc=lambda wildcards, resources: max(1, int(resources.gpu)),
+    threads: all_cores()
     resources:
         gpu=config["train"]["gpus"],
     shell:
         "{GPU_LEASE} {resources.gpu} -- {PYTHON} -m torch.distributed.run --standalone"
-        " --nproc-per-node $(( {resources.gpu} > 0 ? {resources.gpu} : 1 ))"
-        " {input.script} --index {input.index} --target {input.target}"
+        " --nproc-per-node {params.nproc}"
+        " {TRAIN_SCRIPT} --index {input.index} --target {input.target}"
         " --out results/drafter --threads {threads} --args {params.args:q} 2>&1 | tee {log}"

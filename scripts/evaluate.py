@@ -26,7 +26,13 @@ report = run_evaluate(
     followup_files=dict(snakemake.params.followups),  # noqa: F821
     trainer_state=snakemake.input.trainer_state,  # noqa: F821
 )
+
+
+def _num(x, suffix=""):
+    return "n/a" if x is None else f"{x:.2f}{suffix}"
+
+
 o = report["overall"]
-log.info("evaluate done: %d prompts, DFlash τ %s speedup %s; prompt lookup τ %s speedup %s",
-         o["prompts"], o["dflash"]["tau"], o["dflash"].get("speedup"), o["prompt_lookup"]["tau"],
-         o["prompt_lookup"].get("speedup"))
+log.info("evaluate done: %d prompts, DFlash τ %s speedup %s; prompt lookup τ %s speedup %s (report.md)",
+         o["prompts"], _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
+         _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"))

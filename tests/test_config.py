@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.config import config_errors
+from draftsmith.config import ConfigError, check_eval_sets, config_errors
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
@@ -78,6 +80,42 @@ def test_bad_config_stops_snakemake_at_parse_time(tmp_path):
     assert "Building DAG" not in proc.stdout + proc.stderr
 
 
+SOURCES = [{"name": "sharegpt", "split": "both"}, {"name": "champ", "split": "train"},
+           {"name": "mtbench", "split": "eval"}]
+
+
+@pytest.mark.parametrize("sets, sources, message", [
+    ({"mt": {"source": "mtbnech"}}, SOURCES,
+     "evaluate.sets.mt.source: 'mtbnech' is no data source (did you mean 'mtbench'?); sets can use "
+     "['heldout', 'sharegpt', 'mtbench']"),
+    ({"math": {"source": "champ"}}, SOURCES,
+     "evaluate.sets.math.source: 'champ' has split: train, so the eval split holds none of its rows"),
+    ({"heldout": {"source": "heldout"}}, SOURCES[1:],
+     "evaluate.sets.heldout.source: 'heldout' is the held-out split of the split: both sources, but no data "
+     "source has split: both"),
+    ({}, SOURCES, "evaluate.sets is empty"),
+])
+def test_eval_set_whose_source_the_eval_split_cannot_hold_is_refused(sets, sources, message):
+    with pytest.raises(ConfigError) as err:
+        check_eval_sets({"sets": sets}, sources)
+    assert message in str(err.value)
+    check_eval_sets({"sets": {"h": {"source": "heldout"}, "mt": {"source": "mtbench"},
+                              "chat": {"source": "sharegpt"}}}, SOURCES)  # all fine
+
+
+def test_evaluate_stop_tokens_is_refused_for_the_shared_stop_policy():
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        check_eval_sets({"sets": {"h": {"source": "heldout"}}, "stop_tokens": ["<|eot_id|>"]}, SOURCES)
+
+
+def test_eval_set_typo_stops_snakemake_at_parse_time(tmp_path):
+    proc = _snakemake(tmp_path, "-n", config_text="evaluate:\n  sets:\n    mt: {source: mt-bench}\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "evaluate.sets.mt.source: 'mt-bench' is no data source (did you mean 'mtbench'?)" in out
+    assert "Building DAG" not in out
+
+
 def test_dry_run_plans_every_stage(tmp_path):
     proc = _snakemake(tmp_path, "-n", config_text="regenerate:\n  enabled: true\n")
     out = proc.stdout + proc.stderr
@@ -116,3 +154,35 @@ def test_sampled_regeneration_needs_the_targets_own_labels():
         errors = cross_key_errors({**sampled, **bad})
         assert len(errors) == 1 and "store_target_tokens: true and train.labels: target" in errors[0]
     assert cross_key_errors({"regenerate": {"enabled": False, "temperature": 0.7}, "train": {"labels": "data"}}) == []
+
+
+def readme_commands() -> list[str]:
+    """Every `snakemake ...` command the README gives (inline or in a code block), except piped or redirected
+    ones and those that need a finished run (--report)."""
+    text = (REPO / "README.md").read_text()
+    found = re.findall(r"`(snakemake[^`]*)`", text) + re.findall(r"^(snakemake [^\n#|]*?)\s*(?:#.*)?$", text, re.M)
+    return sorted({c.strip() for c in found if not {"|", ">", "&&"} & set(c.split()) and "--report" not in c})
+
+
+@pytest.mark.slow
+def test_readme_commands_work_as_written(tmp_path):
+    """Each README command, dry-run from a copy of the project with the shipped config, builds its DAG."""
+    from test_workflow import copy_workflow
+
+    commands = readme_commands()
+    assert "snakemake results/features/shard-1/manifest.json" in commands and "snakemake --until merge" in commands
+    work = copy_workflow(tmp_path / "project")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for command in commands:
+        args = command.split()[1:]
+        if "profiles/slurm" in args:
+            pytest.importorskip("snakemake_executor_plugin_slurm")
+        proc = subprocess.run([sys.executable, "-m", "snakemake", *args, "-n"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{command}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    # a shard the config does not have stops Snakemake while it builds the DAG, naming the key
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/features/shard-3/manifest.json", "-n"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("results/features/shard-3/manifest.json: extract.shards is 2, so the shards are 0..1"
+            in proc.stdout + proc.stderr)

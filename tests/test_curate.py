@@ -279,6 +279,32 @@ def test_entirely_unreadable_source_fails_with_its_path_and_writes_nothing(tmp_p
         run(tmp_path, [src("cut", cut)])
 
 
+def test_source_whose_every_row_is_dropped_fails_naming_adapter_and_main_reason(tmp_path, caplog):
+    """An alpaca file under adapter openai: every row is read and dropped. That stops curate (nothing written)
+    with the source, its adapter and the main drop reason; a file where only part of the rows fit is a
+    counted, reported skip with a warning; a source sampled to nothing on purpose is no error."""
+    alpaca = [{"instruction": f"question {i}", "input": "", "output": f"answer {i}"} for i in range(20)]
+    wrong = write_jsonl(tmp_path / "alpaca.jsonl", alpaca)
+    ok = write_jsonl(tmp_path / "ok.jsonl", [chat(i) for i in range(5)])
+    with pytest.raises(CurateError) as err:
+        run(tmp_path, [src("ok", ok), src("mine", wrong)])
+    assert str(err.value) == (
+        f"data.sources[mine]: {wrong}: every one of its 20 rows was dropped (adapter openai); main reason: "
+        f"bad_record × 20 (a required field is missing or has the wrong type), e.g. {wrong}:1: field 'messages' "
+        "missing. Is the file in the format adapter openai reads (schemas/config.schema.yaml, "
+        "data.sources.adapter)?")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # nothing written, no spool left
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", alpaca[:12] + [chat(i) for i in range(8)])
+    with caplog.at_level("WARNING", logger="draftsmith.curate"):
+        report, train, evals = run(tmp_path, [src("mixed", mixed)])
+    reconciles(report)
+    assert report["sources"]["mixed"]["kept"] == 8 and report["sources"]["mixed"]["dropped"] == {"bad_record": 12}
+    assert "mixed: 12 of 20 rows (60%) are invalid for adapter openai, mostly bad_record (12)" in caplog.text
+    other = write_jsonl(tmp_path / "other.jsonl", [chat(i) for i in range(100, 105)])
+    report, train, evals = run(tmp_path, [src("ok", ok), src("off", other, max_samples=0)])  # sampled away
+    assert report["sources"]["off"]["kept"] == 0 and report["sources"]["off"]["dropped"] == {"max_samples": 5}
+
+
 def test_source_configuration_errors_name_the_source(tmp_path):
     f = write_jsonl(tmp_path / "a.jsonl", [chat(1)])
     with pytest.raises(CurateError, match=r"data.sources\[mt\].*split: eval"):
@@ -470,9 +496,11 @@ def test_bfcl_adapter_ground_truth_calls_and_schema_types(tmp_path):
     assert params["properties"]["opts"]["type"] == "object"
     assert params["properties"]["opts"]["properties"]["round"]["type"] == "integer"
     assert params["properties"]["tags"] == {"type": "array", "items": {"type": "string"}}
-    r2, _, _ = run(tmp_path / "mt", [src("bfcl", root, adapter="bfcl", split="train",
-                                         options={"categories": ["multi_turn_base"]})])
-    assert r2["sources"]["bfcl"]["dropped"] == {"bad_record": 1}  # multi-turn: not single-turn calls
+    # multi-turn categories carry no single-turn calls: a source of only those keeps nothing, which stops curate
+    with pytest.raises(CurateError, match=r"data.sources\[bfcl\].*every one of its 1 rows was dropped \(adapter "
+                                          r"bfcl\); main reason: bad_record × 1 .*only single-turn categories"):
+        run(tmp_path / "mt", [src("bfcl", root, adapter="bfcl", split="train",
+                                  options={"categories": ["multi_turn_base"]})])
     with pytest.raises(CurateError, match="categories"):
         run(tmp_path / "x", [src("bfcl", root, adapter="bfcl", options={"categories": ["nope"]})])
 

@@ -37,7 +37,7 @@ from draftsmith.evaluate import (
     summarize,
     target_generate,
 )
-from draftsmith.evaluate.report import lossless_check
+from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel, build_drafter_config
 from draftsmith.target import capture_layers
 from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
@@ -308,6 +308,68 @@ def test_stop_tokens_and_budget():
         assert out.tokens == ref.tokens and out.stopped
         short = speculative_generate(tgt, proposer, ids, max_new_tokens=first)
         assert short.tokens == free.tokens[:first] and not short.stopped
+
+
+def test_per_position_counts_no_draft_after_a_stop_or_the_budget():
+    """The issue's step: the stop token is draft 2 of 7, all 7 accepted by the target; the step emits 2 tokens
+    (τ = 2). Only draft 1 counts as accepted (draft 2, the stop, is the step's last token, where the bonus
+    would be; drafts 3-7 were never emitted), so 1 + Σ per-position = 2 = τ, not 8."""
+    assert step_slots(7, 7, 2) == (1, 1)
+    assert step_slots(3, 3, 3) == (2, 2)  # the budget allowed 3 tokens: all 3 drafts accepted, the third is last
+    assert step_slots(7, 3, 4) == (7, 3)  # uncut: draft 4 rejected, slots 5-7 reached nothing but count as misses
+    assert step_slots(7, 7, 8) == (7, 7)
+    with pytest.raises(ValueError, match="inconsistent"):
+        step_slots(3, 2, 4)
+    stop_step = GenerationResult(tokens=[5, 6, 7], num_prompt_tokens=4, seconds=1.0, prefill_seconds=0.1,
+                                 committed=[2], accepted=[7], proposed=[7], stopped=True)
+    m = summarize([stop_step], max_block=8)
+    assert m["tau"] == 2.0 and m["acceptance_histogram"] == [0, 1, 0, 0, 0, 0, 0, 0]
+    assert m["per_position"] == [1.0, None, None, None, None, None, None]
+    assert m["per_position_conditional"] == [1.0, None, None, None, None, None, None]
+    assert m["per_position_hits"] == [1, 0, 0, 0, 0, 0, 0] and m["per_position_steps"] == [1, 0, 0, 0, 0, 0, 0]
+    assert 1 + sum(r or 0.0 for r in m["per_position"]) == m["tau"]
+    # with an uncut step beside it: slot 1 accepted in both, slot 2 only counted (and accepted) in the uncut one
+    full = GenerationResult(tokens=list(range(5)), num_prompt_tokens=4, seconds=1.0, prefill_seconds=0.1,
+                            committed=[4], accepted=[3], proposed=[7])
+    m = summarize([stop_step, full], max_block=8)
+    assert m["per_position"] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert m["per_position_hits"] == [2, 1, 1, 0, 0, 0, 0] and m["per_position_steps"] == [2, 1, 1, 1, 1, 1, 1]
+    assert m["tau"] == 3.0 == 1 + sum(m["per_position_hits"]) / m["steps"]
+
+
+def test_per_position_sums_equal_tau_on_every_decoded_step():
+    """Real decoding with a drafter that drafts the target's own tokens (every draft accepted) and one that
+    corrupts some slots: a stop token inside a block and a token budget ending inside a block cut steps
+    short; on every step of every run 1 + the accepted draft slots that count = tokens committed, and over a
+    run τ = 1 + Σ_k hits_k / steps."""
+    tgt = target("llama")
+    ids = prompt(1)
+    free = target_generate(tgt, ids, max_new_tokens=40)
+    reference = torch.cat([ids[0], torch.tensor(free.tokens)])
+    # full acceptance commits tokens 1..8 in step 1, 9..16 in step 2: a stop at index 10 is draft 2 of step 2
+    at = 10
+    assert free.tokens[at] not in free.tokens[:at]
+    stop = free.tokens[at]
+    runs = {}
+    for name, corrupt in (("full", None), ("partial", lambda c, s: (c + s) % 4 == 3)):
+        oracle = lambda: DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference, corrupt), tgt)  # noqa: E731
+        runs[f"{name} stop"] = speculative_generate(tgt, oracle(), ids, max_new_tokens=40, stop_token_ids=[stop])
+        runs[f"{name} budget"] = speculative_generate(tgt, oracle(), ids, max_new_tokens=13)
+        runs[f"{name} lookup"] = speculative_generate(tgt, PromptLookupProposer(3, BLOCK - 1), ids,
+                                                      max_new_tokens=13, stop_token_ids=[stop])
+    stop_run, budget_run = runs["full stop"], runs["full budget"]
+    assert stop_run.tokens == free.tokens[:at + 1] and stop_run.stopped
+    # the step holding the stop: 7 drafts, all accepted by the target, 2 tokens emitted (draft 1 and the stop)
+    assert (stop_run.proposed[-1], stop_run.accepted[-1], stop_run.committed[-1]) == (7, 7, 2)
+    assert summarize([stop_run])["per_position_steps"][1] == len(stop_run.committed) - 1  # slot 2 of the last: no
+    assert budget_run.committed == [8, 4] and budget_run.accepted == [7, 4] and budget_run.proposed == [7, 4]
+    for name, run in runs.items():
+        for p, a, c in zip(run.proposed, run.accepted, run.committed):
+            counted, accepted = step_slots(p, a, c)
+            assert 1 + accepted == c and accepted <= counted <= p, (name, p, a, c)
+        m = summarize([run], max_block=BLOCK)
+        assert m["tau"] == pytest.approx(1 + sum(m["per_position_hits"]) / m["steps"]), name
+        assert sum(m["acceptance_histogram"]) == m["steps"] and sum(run.committed) + 1 == len(run.tokens), name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -724,7 +786,9 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
         assert len(d["per_position"]) == BLOCK - 1 and d["speedup"] > 0
         assert s["target_only"]["tokens"] == d["tokens"] == s["prompt_lookup"]["tokens"]
     assert report["overall"]["prompts"] == 4
-    assert report["run"]["block_size"] == BLOCK and report["run"]["stop_token_ids"] == [0, 2]
+    # the shared stop policy: eos 2 = <|im_end|>, ChatML's end-of-turn; <|endoftext|> (0) is the pad, where
+    # transformers' generate does not stop either
+    assert report["run"]["block_size"] == BLOCK and report["run"]["stop_token_ids"] == [2]
     md = (tmp_path / "report.md").read_text()
     assert "| heldout |" in md and "| mtbench |" in md and "prompt_too_long × 1" in md
     # training's teacher-forced held-out block τ beside the decoded held-out τ
@@ -756,6 +820,32 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
         assert s["lossless"]["dflash"]["lossless"] and s["lossless"]["prompt_lookup"]["lossless"]
         assert s["target_only_vs_reference"]["lossless"]  # float32: 1-token and 8-token forwards agree here
         assert "target_only_vs_reference" not in d
+
+
+@pytest.mark.slow
+def test_prompt_in_two_sets_is_decoded_once_and_counted_once(stage_inputs, tmp_path, monkeypatch):
+    """The held-out rows of a split: both source are also the rows of a set on that source (as the default's
+    BFCL / MMATH sets are): each such prompt is decoded once, reported in both sets, and counted once in the
+    "all" row."""
+    import draftsmith.evaluate.run as run_mod
+
+    calls = []
+    real_generate = run_mod.target_generate
+    monkeypatch.setattr(run_mod, "target_generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
+    kwargs = _stage_kwargs(stage_inputs, tmp_path)
+    kwargs["evaluate_cfg"]["sets"] = {"heldout": {"source": "heldout", "max_prompts": 3, "max_new_tokens": 24},
+                                      "chat": {"source": "chat", "max_prompts": 3, "max_new_tokens": 24}}
+    report = run_evaluate(**kwargs)
+    held, chat = report["sets"]["heldout"], report["sets"]["chat"]
+    assert held["prompts"] == chat["prompts"] == 2  # c1, c2 (c3's prompt is too long)
+    assert [p["prompt_key"] for p in held["per_prompt"]] == [p["prompt_key"] for p in chat["per_prompt"]]
+    assert len(calls) == 1 + 2  # warm-up + each prompt once
+    assert held["dflash"] == chat["dflash"]
+    o = report["overall"]
+    assert o["prompts"] == 2 and o["prompts_in_several_sets"] == 2 and o["conversations"] == 2
+    assert o["target_only"]["tokens"] == held["target_only"]["tokens"]
+    assert o["dflash"]["steps"] == held["dflash"]["steps"] and o["dflash"]["tau"] == held["dflash"]["tau"]
+    assert "2 prompt(s) sit in more than one set" in (tmp_path / "report.md").read_text()
 
 
 def test_drafter_target_mismatch_is_refused(stage_inputs, tmp_path):

@@ -417,8 +417,9 @@ def _run(d, threads=1, **kw):
     return tk.run(**args)
 
 
-def test_stage_counts_every_drop_and_reconciles(stage_dirs):
-    report = _run(stage_dirs)
+def test_stage_counts_every_drop_and_reconciles(stage_dirs, caplog):
+    with caplog.at_level("INFO", logger="draftsmith.tokenize"):
+        report = _run(stage_dirs)
     assert json.loads((stage_dirs / "out" / "report.json").read_text()) == report
     tr = report["splits"]["train"]
     c, r, t = tr["conversations"], tr["rows"], tr["tokens"]
@@ -426,7 +427,7 @@ def test_stage_counts_every_drop_and_reconciles(stage_dirs):
     assert c["dropped_by_reason"] == {"duplicate_id": 1, "invalid_row": 1, "no_assistant_turn": 1,
                                       "invalid_messages": 1, "invalid_tool_call_arguments": 1, "invalid_tools": 1,
                                       "template_error": 1}
-    assert c["in"] == c["dropped"] + c["single_row"] + c["per_turn_fallback"]
+    assert c["in"] == c["dropped"] + c["single_row"] + c["per_turn_fallback"] and c["prompt_only"] == 0
     assert (c["single_row"], c["per_turn_fallback"]) == (5, 0)
     assert r["dropped_by_reason"] == {"empty_answer": 2}
     assert r["candidates"] == r["kept"] + r["dropped"] == 5
@@ -447,9 +448,14 @@ def test_stage_counts_every_drop_and_reconciles(stage_dirs):
     assert sum(b["rows"] for b in tr["length_histogram"]) == r["kept"] == 3
     assert tr["per_source"]["other"]["rows"] == 1
 
-    ev = report["splits"]["eval"]
-    assert ev["conversations"]["dropped_by_reason"] == {"no_assistant_turn": 1}
+    # the eval split's prompt-only row (MT-Bench style) is what evaluate asks: counted as such, not dropped
+    ev = report["splits"]["eval"]["conversations"]
+    assert (ev["in"], ev["single_row"], ev["prompt_only"], ev["dropped"], ev["dropped_by_reason"]) == (2, 1, 1, 0, {})
+    assert report["splits"]["eval"]["per_source"]["test"]["prompt_only"] == 1
     assert pq.read_table(stage_dirs / "out" / "eval.parquet").column("id").to_pylist() == ["e1"]
+    assert "eval: 1 prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no row: " \
+           "evaluate asks them as prompts" in caplog.text
+    assert not [r for r in caplog.records if "eval.parquet" in r.getMessage() and "dropped" in r.getMessage()]
 
     meta = tk.read_tokenized_metadata(stage_dirs / "out" / "train.parquet")
     tok = tk.load_tokenizer(stage_dirs / "target")

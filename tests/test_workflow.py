@@ -15,6 +15,10 @@ Tests:
 * the dry run plans every stage once (extract_shard once per shard);
 * the whole DAG runs and every contract between stages holds (curated / tokenized parquet, plan,
   manifests, index, exported drafter, evaluation report);
+* the console holds no "Shell command: None" nor shell arithmetic, and the final log line gives τ with two
+  decimals;
+* a copy of the finished project in another folder has nothing to do (no absolute path among rule inputs);
+* a source in another format than its adapter fails curate, and the job's log holds the traceback;
 * after a training parameter changes, ``snakemake -n`` plans only train, export and evaluate
   (Snakemake's default rerun triggers include params).
 
@@ -244,8 +248,8 @@ def workflow(tmp_path_factory, unpacked_wheel) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished_run(workflow) -> tuple[Path, str]:
-    """The DAG run to its end (or up to the last implemented stage): ``(workflow, last rule run)``."""
+def finished_run(workflow) -> tuple[Path, str, str]:
+    """The DAG run to its end (or up to the last implemented stage): ``(workflow, last rule run, console)``."""
     stubs = stub_stages()
     ran = [rule for rule, _ in STAGES[:[r for r, _ in STAGES].index(stubs[0])]] if stubs else [r for r, _ in STAGES]
     if "train" not in ran:
@@ -253,7 +257,7 @@ def finished_run(workflow) -> tuple[Path, str]:
     target = dict(STAGES)[ran[-1]] if stubs else "all"
     proc = snakemake(workflow, target)
     assert proc.returncode == 0, f"snakemake {target} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    return workflow, ran[-1]
+    return workflow, ran[-1], proc.stdout + proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +273,7 @@ def test_dry_run_plans_every_stage(workflow):
 
 
 def test_whole_dag_runs_and_every_contract_holds(finished_run):
-    work, last = finished_run
+    work, last, console = finished_run
     stubs = stub_stages()
     if stubs:
         pytest.skip(f"ran up to {last}; stages not implemented yet: {', '.join(stubs)}")
@@ -333,9 +337,48 @@ def test_whole_dag_runs_and_every_contract_holds(finished_run):
         assert s["dflash"]["tau"] >= 1.0, name
     assert (results / "eval" / "report.md").read_text().strip()
 
+    # what the console and the logs say reads as meant: no "Shell command: None" for script rules, no shell
+    # arithmetic, τ and speedups with two decimals
+    assert "Shell command: None" not in console and "$((" not in console
+    last_line = (work / "logs" / "evaluate" / "evaluate.log").read_text().strip().splitlines()[-1]
+    assert re.search(r"evaluate done: \d+ prompts, DFlash τ \d+\.\d\d speedup \d+\.\d\dx; prompt lookup τ "
+                     r"\d+\.\d\d speedup \d+\.\d\dx \(report\.md\)$", last_line), last_line
+
+
+def test_failed_job_stops_the_dag_and_its_log_holds_the_traceback(workflow, tmp_path):
+    """A source in another format than its adapter (alpaca records under adapter openai) fails curate, the
+    first stage, instead of passing on 'kept 0'; the job's own log holds the error and its traceback."""
+    work = copy_workflow(tmp_path / "workflow")
+    config = yaml.safe_load((workflow / "config.yaml").read_text())
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"q{i}", "input": "", "output": f"a{i}"}) + "\n"
+                              for i in range(5)))
+    config["data"]["sources"].append({"name": "mine", "path": str(alpaca), "adapter": "openai", "split": "train"})
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = snakemake(work, "results/curated/train.parquet")
+    assert proc.returncode != 0
+    log = (work / "logs" / "curate" / "curate.log").read_text()
+    message = (f"CurateError: data.sources[mine]: {alpaca}: every one of its 5 rows was dropped (adapter openai); "
+               "main reason: bad_record × 5")
+    assert "Traceback (most recent call last)" in log and message in log
+    assert message in proc.stdout + proc.stderr
+    assert not (work / "results" / "curated" / "train.parquet").exists()
+
+
+def test_moving_the_project_folder_reruns_nothing(finished_run, tmp_path):
+    """A finished project copied elsewhere (mtimes kept) has nothing to do: no rule lists an absolute path
+    of the project among its inputs (train used to list its script so)."""
+    work, last, _ = finished_run
+    target = "all" if last == STAGES[-1][0] else dict(STAGES)[last]
+    moved = tmp_path / "moved"
+    shutil.copytree(work, moved, symlinks=True)
+    proc = snakemake(moved, "-n", target)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert planned_jobs(proc.stdout + proc.stderr) == {}, (proc.stdout + proc.stderr)[-4000:]
+
 
 def test_changing_a_training_parameter_reruns_only_train_export_evaluate(finished_run):
-    work, last = finished_run
+    work, last, _ = finished_run
     ran = [rule for rule, _ in STAGES][:[rule for rule, _ in STAGES].index(last) + 1]
     target = "all" if last == STAGES[-1][0] else dict(STAGES)[last]
     expect = {rule: 1 for rule in AFTER_TRAIN if rule in ran}

@@ -90,6 +90,38 @@ def tiny_tokenizer(vocab_size: int = VOCAB, chat_template: str = TINY_CHATML_TEM
     return tok
 
 
+# Llama-3-Instruct's own chat template (meta-llama/Meta-Llama-3-8B-Instruct, tokenizer_config.json): turns end
+# with <|eot_id|>, while the tokenizer's eos is <|end_of_text|>.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def tiny_llama3_tokenizer(vocab_size: int = VOCAB):
+    """A tiny byte-level BPE tokenizer laid out like Llama-3-Instruct's: ``<|begin_of_text|>`` = 0 (bos),
+    ``<|end_of_text|>`` = 1 (eos, also pad), ``<|start_header_id|>`` = 2, ``<|end_header_id|>`` = 3,
+    ``<|eot_id|>`` = 4 (end of turn, **not** eos), with Llama 3's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([_TINY_CORPUS] * 4, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                  eos_token="<|end_of_text|>", pad_token="<|end_of_text|>",
+                                  additional_special_tokens=LLAMA3_SPECIALS[2:])
+    tok.chat_template = LLAMA3_TEMPLATE
+    assert tok.convert_tokens_to_ids(LLAMA3_SPECIALS) == [0, 1, 2, 3, 4]
+    return tok
+
+
 # The curated-parquet contract of DESIGN.md, written out independently of draftsmith.curate so tests
 # that build curated input (tokenize, regenerate, evaluate) check the stages against the contract.
 TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),

@@ -293,7 +293,37 @@ def _spool_source(source: Source, stats: _Stats, spool: Path, max_chars: int | N
     if malformed == stats.read:
         raise CurateError(f"data.sources[{source.name}]: {source.path}: no readable record "
                           f"({malformed} malformed; first: {first_malformed})")
+    invalid = stats.read - len(ids)
+    if ids and invalid * 2 >= stats.read:  # kept going, but most of the file did not fit the adapter
+        reason, count = max(stats.dropped.items(), key=lambda kv: kv[1])
+        log.warning("%s: %d of %d rows (%.0f%%) are invalid for adapter %s, mostly %s (%d): %s; examples in "
+                    "report.json", source.name, invalid, stats.read, 100 * invalid / stats.read, source.adapter,
+                    reason, count, DROP_REASONS.get(reason, reason))
     return ids
+
+
+def check_some_kept(source: Source, stats: "_Stats") -> None:
+    """Raise unless a source that was read kept at least one row (or was sampled to none on purpose).
+
+    A source whose every row is dropped is a mistake, most often a file in another format than its adapter
+    (an alpaca file under ``adapter: openai``): rc 0 and "kept 0" would hide it.
+
+    Raises:
+        CurateError: naming the source, its path, its adapter and the main drop reason with a count and an
+            example (file:line and detail).
+    """
+    if stats.kept or not stats.read or source.max_samples == 0 or source.weight == 0:
+        return
+    reason, count = max(stats.dropped.items(), key=lambda kv: kv[1])
+    example = (stats.examples.get(reason) or [{}])[0]
+    where = f" e.g. {example.get('origin')}: {example.get('detail')}" if example else ""
+    others = {k: v for k, v in sorted(stats.dropped.items()) if k != reason}
+    raise CurateError(
+        f"data.sources[{source.name}]: {source.path}: every one of its {stats.read} rows was dropped (adapter "
+        f"{source.adapter}); main reason: {reason} × {count} ({DROP_REASONS.get(reason, reason)}),{where}"
+        + (f"; other reasons: {others}" if others else "")
+        + f". Is the file in the format adapter {source.adapter} reads (schemas/config.schema.yaml, "
+          "data.sources.adapter)?")
 
 
 def _with_suffix(ids: pa.Array, copy_index: np.ndarray) -> pa.Array:
@@ -449,8 +479,8 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
         The report dict (also written to ``report_path``).
 
     Raises:
-        CurateError: bad source configuration; a missing path; a source with no readable record
-            (the message names the source and path).
+        CurateError: bad source configuration; a missing path; a source with no readable record, or
+            whose every row was dropped (the message names the source, path, adapter and main reason).
     """
     srcs = check_sources(sources)
     for s in srcs:
@@ -484,6 +514,7 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
                     ids = _spool_source(s, stats, spool, max_chars)
                     kept = _emit_source(s, stats, spool, ids, writers, kept_before=kept_ids,
                                         seed=seed, eval_fraction=eval_fraction)
+                    check_some_kept(s, stats)
                     kept_ids = np.sort(np.concatenate([kept_ids, kept]))
                     spool.unlink()
                     all_stats.append(stats)

@@ -20,7 +20,7 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation, stop_tokens
+from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation
 from draftsmith.evaluate.report import lossless_check, render_markdown, summarize
 from draftsmith.evaluate.run import check_pair, load_drafter, run_evaluate
 from draftsmith.evaluate.sampling import SamplingConfig, greedy_accept, rejection_sample, sampling_probs
@@ -29,6 +29,6 @@ __all__ = [
     "BenchmarkSet", "Conversation", "DFlashProposer", "GenerationResult",
     "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "greedy_accept",
     "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
-    "sampling_probs", "speculative_generate", "split_conversation", "stop_tokens", "summarize",
+    "sampling_probs", "speculative_generate", "split_conversation", "summarize",
     "target_generate",
 ]

@@ -31,9 +31,10 @@ from typing import Any, Callable
 
 import pyarrow.parquet as pq
 
+from draftsmith.config import HELDOUT  # the held-out set's source name, one definition
+
 log = logging.getLogger("draftsmith.evaluate")
 
-HELDOUT = "heldout"
 SET_DEFAULTS = {"max_prompts": 16, "max_new_tokens": 128}
 
 
@@ -191,32 +192,3 @@ def render(tokenizer, messages: list[dict], tools: Any, chat_template_kwargs: di
 
     return list(render_prompt(tokenizer, messages, tools, chat_template_kwargs))
 
-
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                      "<|end_of_text|>", "</s>", "<|return|>", "<|call|>")
-
-
-def stop_tokens(tokenizer, target_dir: str | None = None, extra: list[str] | None = None) -> list[int]:
-    """Stop token ids: eos (tokenizer, ``generation_config.json``, ``config.json``) plus the
-    end-of-turn special tokens the tokenizer defines (``<|im_end|>``, ``<|eot_id|>``, ...) and ``extra``.
-
-    Raises:
-        ValueError: an ``extra`` token that is not a single token of the vocabulary; or no stop token at all.
-    """
-    from draftsmith.tokenize import stop_token_ids
-
-    ids = set(stop_token_ids(tokenizer, target_dir))
-    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    added = set(getattr(tokenizer, "get_added_vocab", lambda: {})())
-    vocab = tokenizer.get_vocab()
-    for tok in END_OF_TURN_TOKENS:
-        if tok in vocab and (tok in specials or tok in added):
-            ids.add(int(vocab[tok]))
-    for tok in extra or []:
-        if tok not in vocab:
-            raise ValueError(f"evaluate.stop_tokens: {tok!r} is not a token of the target's vocabulary")
-        ids.add(int(vocab[tok]))
-    if not ids:
-        raise ValueError("no stop token: the tokenizer has no eos and no end-of-turn token; "
-                         "set evaluate.stop_tokens")
-    return sorted(ids)

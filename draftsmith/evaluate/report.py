@@ -7,7 +7,11 @@ Definitions (DESIGN.md terms):
   prompts of each prompt's τ, the figure the official ``dflash`` benchmark prints);
 * per-position acceptance rate at draft slot k = verify steps whose first k drafts were all accepted /
   steps that proposed at least k drafts (``per_position``), and the conditional rate given slots
-  1..k-1 were accepted (``per_position_conditional``);
+  1..k-1 were accepted (``per_position_conditional``). Only drafts that could be emitted count
+  (:func:`step_slots`): a step that a stop token or the token budget ends early commits ``c`` tokens, the
+  last of which plays the bonus token's role, so its slots 1..c-1 count as accepted and the slots after
+  them not at all (never emitted). Hence, on every step, 1 + accepted slots = tokens committed, and over a
+  set τ = 1 + Σ_k ``per_position_hits[k]`` / ``steps`` exactly (checked);
 * acceptance-length histogram: how many verify steps committed 1, 2, ..., B tokens;
 * tokens/s = generated tokens / wall-clock seconds (prefill + decode, CUDA synchronised), summed over
   the prompts; speedup = tokens/s of the method / tokens/s of target-only decoding of the same prompts
@@ -23,6 +27,27 @@ from typing import Iterable
 from draftsmith.evaluate.decode import GenerationResult
 
 
+def step_slots(proposed: int, accepted: int, committed: int) -> tuple[int, int]:
+    """Per-position accounting of one verify step: ``(draft slots that count, how many of them accepted)``.
+
+    The target accepted the first ``accepted`` of ``proposed`` drafts; the step committed ``committed``
+    tokens. Uncapped (``committed == accepted + 1``: the accepted drafts plus the target's bonus /
+    correction token) all ``proposed`` slots count and ``accepted`` of them are accepted (slot k is
+    accepted iff k <= accepted). When a stop token among the drafts or the token budget ended the step
+    early (``committed <= accepted``), only the slots before the last emitted token count, all accepted:
+    the last emitted token stands where the bonus would, and later drafts were never emitted. Either way
+    ``1 + accepted slots == committed``.
+
+    Raises:
+        ValueError: inconsistent counts (``committed`` not in 1..accepted + 1, or ``accepted > proposed``).
+    """
+    if not (0 <= accepted <= proposed and 1 <= committed <= accepted + 1):
+        raise ValueError(f"inconsistent verify step: {proposed} proposed, {accepted} accepted, {committed} committed")
+    if committed == accepted + 1:
+        return proposed, accepted
+    return committed - 1, committed - 1
+
+
 def summarize(results: list[GenerationResult], baseline: list[GenerationResult] | None = None,
               max_block: int | None = None) -> dict:
     """Aggregate metrics of one decoding method over a set's prompts.
@@ -34,8 +59,13 @@ def summarize(results: list[GenerationResult], baseline: list[GenerationResult] 
 
     Returns:
         dict with ``prompts, tokens, seconds, decode_seconds, tokens_per_s, steps, tau, tau_per_prompt,
-        per_position, per_position_conditional, acceptance_histogram`` (list, index i = i + 1 tokens
+        per_position, per_position_conditional`` (index k - 1 = draft slot k; None where no step counted
+        the slot), ``per_position_hits`` / ``per_position_steps`` (their counts: steps that accepted slot k /
+        that counted it, :func:`step_slots`), ``acceptance_histogram`` (list, index i = i + 1 tokens
         committed), and ``speedup`` / ``decode_speedup`` when a baseline is given.
+
+    Raises:
+        AssertionError: τ and the per-position counts do not reconcile (a bug, never silently reported).
     """
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(r.seconds for r in results)
@@ -54,18 +84,24 @@ def summarize(results: list[GenerationResult], baseline: list[GenerationResult] 
                            / sum(1 for r in results if r.committed)) if steps else None,
     }
     max_drafts = max((p for r in results for p in r.proposed), default=0)
-    reached = [0] * (max_drafts + 1)  # steps that proposed >= k drafts
-    hit = [0] * (max_drafts + 1)  # ... and accepted >= k of them
-    survived = [0] * (max_drafts + 1)  # ... and accepted >= k - 1 (slot k was reached)
+    reached = [0] * (max_drafts + 1)  # steps whose slot k counts (proposed, and emittable)
+    hit = [0] * (max_drafts + 1)  # ... and accepted slot k (so slots 1..k)
+    survived = [0] * (max_drafts + 1)  # ... and accepted slots 1..k-1 (slot k was reached)
     for r in results:
-        for p, a in zip(r.proposed, r.accepted):
-            for k in range(1, p + 1):
+        for p, a, c in zip(r.proposed, r.accepted, r.committed):
+            counted, acc = step_slots(p, a, c)
+            for k in range(1, counted + 1):
                 reached[k] += 1
-                hit[k] += a >= k
-                survived[k] += a >= k - 1
+                hit[k] += acc >= k
+                survived[k] += acc >= k - 1
     ks = range(1, max_drafts + 1)
     out["per_position"] = [hit[k] / reached[k] if reached[k] else None for k in ks]
     out["per_position_conditional"] = [hit[k] / survived[k] if survived[k] else None for k in ks]
+    out["per_position_hits"] = [hit[k] for k in ks]
+    out["per_position_steps"] = [reached[k] for k in ks]
+    if steps and sum(committed) != steps + sum(hit):
+        raise AssertionError(f"per-position counts do not reconcile with τ: {sum(committed)} tokens committed in "
+                             f"{steps} steps, but {sum(hit)} accepted draft slots")
     size = max(max_block or 0, max(committed, default=0))
     hist = [0] * size
     for c in committed:
@@ -147,6 +183,10 @@ def render_markdown(report: dict) -> str:
     lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
                  "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
                  "Lossless = greedy speculative output equals the lossless reference token for token.")
+    o = report.get("overall")
+    if o and o.get("prompts_in_several_sets"):
+        lines.append(f"The **all** row counts each prompt once: {o['prompts_in_several_sets']} prompt(s) sit in "
+                     "more than one set (decoded once, reported in each).")
     lines.append("")
     rows = []
     for name, s in report["sets"].items():
@@ -154,7 +194,6 @@ def render_markdown(report: dict) -> str:
         rows.append([name, s["conversations"], s["prompts"], t["tokens"], t["tokens_per_s"], d["tau"],
                      d["tokens_per_s"], d.get("speedup"), p["tau"], p["tokens_per_s"], p.get("speedup"),
                      _lossless_text(s)])
-    o = report.get("overall")
     if o:
         rows.append(["**all**", o["conversations"], o["prompts"], o["target_only"]["tokens"],
                      o["target_only"]["tokens_per_s"], o["dflash"]["tau"], o["dflash"]["tokens_per_s"],
@@ -180,6 +219,9 @@ def render_markdown(report: dict) -> str:
                      "the context is what the target generated.")
         lines.append("")
     lines.append("## Per-position acceptance (DFlash): P(drafts 1..k all accepted)")
+    lines.append("")
+    lines.append("Drafts a stop token or the token budget kept from being emitted do not count; over a set, "
+                 "τ = 1 + Σ_k (steps accepting draft k) / steps.")
     lines.append("")
     width = max((len(s["dflash"]["per_position"]) for s in report["sets"].values()), default=0)
     lines.append(_table(["set"] + [f"k={k}" for k in range(1, width + 1)],

@@ -28,7 +28,8 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.evaluate.prompts import load_sets, render, stop_tokens
+from draftsmith.config import REMOVED_STOP_TOKENS
+from draftsmith.evaluate.prompts import load_sets, render
 from draftsmith.evaluate.report import (
     lossless_check,
     plot_histogram,
@@ -44,7 +45,7 @@ from draftsmith.io import progress, read_json, sha256_file, write_json, write_te
 log = logging.getLogger("draftsmith.evaluate")
 
 METHODS = ("target_only", "dflash", "prompt_lookup")
-REPORT_FORMAT = "draftsmith.eval/1"
+REPORT_FORMAT = "draftsmith.eval/2"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,6 +102,18 @@ def check_pair(drafter: nn.Module, target: nn.Module) -> None:
                          f"target's embedding (0..{rows - 1})")
 
 
+
+
+def prompt_key(ids: list[int]) -> str:
+    """Identity of a rendered prompt: sha256 hex (16 digits) of its token ids. Two sets holding the same
+    prompt (the same curated row, or the same text from two rows) give the same key."""
+    return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
+
+
+def _gen_seed(seed: int, label: str) -> int:
+    """Seed of a prompt's sampling draws, from the run seed and the prompt label ``<row id>#<turn>``."""
+    row_id, turn = label.rsplit("#", 1)
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}:{turn}".encode()).digest()[:6], "little")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +176,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
     """
     from draftsmith.target import default_device, load_target, resolve_dtype
-    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, tokenizer_fingerprint
+    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, stop_token_ids, tokenizer_fingerprint
 
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
@@ -180,7 +193,12 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
                          f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
                          f"({fp[:12]}); evaluation must render prompts exactly as training did")
-    stops = stop_tokens(tokenizer, target_dir, evaluate_cfg.get("stop_tokens"))
+    if evaluate_cfg.get("stop_tokens"):
+        raise ValueError(REMOVED_STOP_TOKENS)
+    stops = stop_token_ids(tokenizer, target_dir, template_kwargs)  # the policy regenerate and tokenize use
+    if not stops:
+        raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
+                         "name no eos_token_id and the chat template writes no end-of-turn token")
 
     target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
                          attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
@@ -242,6 +260,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     set_reports: dict[str, dict] = {}
     all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
     all_labels: list[str] = []
+    all_keys: set[str] = set()
+    all_conversations: set[tuple[str, str]] = set()
+    # a prompt that sits in several sets (a held-out row that is also a BFCL / MMATH set row) is decoded once
+    # per token budget (and, when sampling, per draw seed: greedy output does not depend on it)
+    decoded: dict[tuple[str, int, int], tuple[dict[str, GenerationResult], str]] = {}
+
+    def draws(label: str) -> int:
+        return 0 if sampling.greedy else _gen_seed(seed, label)
     for bset in sets:
         key_src = json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts, bset.max_new_tokens],
                               "rows": [c.id for c in bset.conversations]}, sort_keys=True)
@@ -253,9 +279,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             results = {m: [_result_from_dict(d) for d in rs] for m, rs in cached["results"].items()}
             labels, skipped, planned = cached["labels"], cached["skipped_prompts"], cached["planned"]
             bar.update(planned)
+            keys = cached["prompt_keys"]
+            for k, (key_, lab) in enumerate(zip(keys, labels)):
+                decoded.setdefault((key_, bset.max_new_tokens, draws(lab)),
+                                   ({m: rs[k] for m, rs in results.items()}, f"{bset.name}:{lab}"))
         else:
             results = {m: [] for m in METHODS}
             labels: list[str] = []
+            keys: list[str] = []
             skipped: dict[str, int] = {}
             planned = 0
             for conv in bset.conversations:
@@ -275,11 +306,21 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                     if not warmed:
                         run_all(ids, min(16, bset.max_new_tokens), seed)  # first-call costs out of the timings
                         warmed = True
-                    gen_seed = int.from_bytes(hashlib.sha256(f"{seed}:{conv.id}:{t}".encode()).digest()[:6], "little")
-                    res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
+                    label = f"{conv.id}#{t}"
+                    gen_seed = _gen_seed(seed, label)
+                    pkey = prompt_key(ids)
+                    again = decoded.get((pkey, bset.max_new_tokens, draws(label)))
+                    if again is not None:
+                        res = again[0]
+                        log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
+                                 bset.name, label, again[1])
+                    else:
+                        res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
+                        decoded[(pkey, bset.max_new_tokens, draws(label))] = (res, f"{bset.name}:{label}")
                     for m, r in res.items():
                         results.setdefault(m, []).append(r)
-                    labels.append(f"{conv.id}#{t}")
+                    labels.append(label)
+                    keys.append(pkey)
                     answer = tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
                     history = history + [{"role": "assistant", "content": answer}]
                     log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
@@ -289,11 +330,18 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                                         f", lookup {summarize(results['prompt_lookup'])['tau']:.2f}", refresh=False)
                     bar.update(1)
             _save_partial(ppath, key, {"results": {m: [dataclasses.asdict(r) for r in rs] for m, rs in results.items()},
-                                       "labels": labels, "skipped_prompts": skipped, "planned": planned})
-        set_reports[bset.name] = _set_report(bset, results, labels, skipped, planned, sampling, dflash.block_size)
-        for m, rs in results.items():
-            all_results.setdefault(m, []).extend(rs)
-        all_labels.extend(f"{bset.name}:{lab}" for lab in labels)
+                                       "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
+                                       "planned": planned})
+        set_reports[bset.name] = _set_report(bset, results, labels, keys, skipped, planned, sampling,
+                                             dflash.block_size)
+        for k, key_ in enumerate(keys):  # the "all" row counts a prompt in several sets once
+            if key_ in all_keys:
+                continue
+            all_keys.add(key_)
+            all_labels.append(f"{bset.name}:{labels[k]}")
+            for m, rs in results.items():
+                all_results.setdefault(m, []).append(rs[k])
+        all_conversations.update((c.source, c.id) for c in bset.conversations)
 
     bar.close()
     report = {
@@ -316,7 +364,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                          "python": platform.python_version()},
         },
         "sets": set_reports,
-        "overall": _overall(set_reports, all_results, all_labels, sampling, dflash.block_size),
+        "overall": _overall(set_reports, all_results, all_labels, all_conversations, sampling, dflash.block_size),
         "training": _training_summary(trainer_state),
     }
     write_json(outputs["json"], report)
@@ -377,7 +425,7 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
     return static
 
 
-def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -> dict:
+def _set_report(bset, results, labels, keys, skipped, planned, sampling, block_size) -> dict:
     base = results["target_only"]
     if planned != len(base) + sum(skipped.values()):
         raise RuntimeError(f"set {bset.name}: {planned} prompts planned != {len(base)} decoded + {skipped} skipped")
@@ -396,10 +444,10 @@ def _set_report(bset, results, labels, skipped, planned, sampling, block_size) -
         "skipped_prompts": dict(skipped),
         **_decoder_metrics(results, labels, sampling, block_size),
         "per_prompt": [
-            {"prompt": lab, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
+            {"prompt": lab, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
              "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
              "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau}
-            for lab, b, d, p in zip(labels, base, results["dflash"], results["prompt_lookup"])],
+            for lab, key, b, d, p in zip(labels, keys, base, results["dflash"], results["prompt_lookup"])],
     }
     return out
 
@@ -421,11 +469,14 @@ def _decoder_metrics(results, labels, sampling, block_size) -> dict:
     return out
 
 
-def _overall(set_reports, all_results, all_labels, sampling, block_size) -> dict:
+def _overall(set_reports, all_results, all_labels, all_conversations, sampling, block_size) -> dict:
+    """The "all" row: every distinct prompt once (a prompt in several sets, e.g. a held-out row that is also
+    a BFCL set row, counts once); ``prompts_in_several_sets`` = set prompts - distinct prompts."""
     base = all_results["target_only"]
     return {
-        "conversations": sum(s["conversations"] for s in set_reports.values()),
+        "conversations": len(all_conversations),
         "prompts": len(base),
+        "prompts_in_several_sets": sum(s["prompts"] for s in set_reports.values()) - len(base),
         **_decoder_metrics(all_results, all_labels, sampling, block_size),
     }
 
