@@ -253,3 +253,43 @@ def test_static_engine_equals_unbatched_generate(kind):
     assert rg._split_stop(out[1], {stop}) == (refs[1][:first], True)
     with pytest.raises(ValueError, match="cannot run"):
         rg.StaticBatchEngine(tiny_target("qwen3_5"), pad_id=0, stop_ids=[2], batch_size=2, max_new_tokens=4)
+
+
+def test_vllm_engine_passes_token_ids_and_stop_ids(monkeypatch):
+    """The vLLM engine's glue, against a stand-in ``vllm`` module (vLLM itself is not a dependency): prompts go
+    as token ids, stop ids and sampling settings as SamplingParams, and an answer vLLM ended at a stop token
+    without returning it still counts as stopped."""
+    import sys
+    import types
+    from dataclasses import dataclass as dc
+
+    seen = {}
+
+    @dc
+    class Out:
+        token_ids: list
+        finish_reason: str
+
+    class LLM:
+        def __init__(self, **kw):
+            seen["llm"] = kw
+
+        def generate(self, requests, params, use_tqdm=False):
+            seen["requests"], seen["params"] = requests, params
+            return [types.SimpleNamespace(outputs=[Out([5, 6, 7], "stop")]),
+                    types.SimpleNamespace(outputs=[Out([8, 2], "stop")]),
+                    types.SimpleNamespace(outputs=[Out([9, 9, 9, 9], "length")])]
+
+    fake = types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    engine = rg.VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2, 3], temperature=0.0,
+                           top_p=1.0, seed=0, max_model_len=64, trust_remote_code=False)
+    out = engine.generate([[1, 2], [3], [4, 4]])
+    assert seen["requests"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}, {"prompt_token_ids": [4, 4]}]
+    assert seen["params"].stop_token_ids == [2, 3] and seen["params"].max_tokens == 4
+    assert seen["llm"]["model"] == "/models/t" and seen["llm"]["max_model_len"] == 64
+    assert [rg._split_stop(o, {2, 3}) for o in out] == [([5, 6, 7], True), ([8], True), ([9, 9, 9, 9], False)]
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ValueError, match="vllm package is not installed"):
+        rg.VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2], temperature=0.0, top_p=1.0,
+                      seed=0, max_model_len=None, trust_remote_code=False)
