@@ -668,8 +668,8 @@ class PackedBatch:
         return PackedBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
     def pin_memory(self) -> "PackedBatch":
-        """Page-locked copies (for asynchronous host-to-GPU copies)."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        """Page-locked copies (for asynchronous host-to-GPU copies); tensors already page-locked are kept."""
+        pin = lambda t: t if t is None or t.is_pinned() else t.pin_memory()  # noqa: E731
         return PackedBatch(*(pin(getattr(self, f)) for f in self.__dataclass_fields__))
 
 

@@ -313,17 +313,18 @@ def _seed_of(*parts: Any) -> int:
 
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
-               bucket_anchors: bool = False, max_anchors_per_row: int | None = None) -> PackedBatch:
+               bucket_anchors: bool = False, max_anchors_per_row: int | None = None,
+               pin_memory: bool = False) -> PackedBatch:
     """Read one row of samples (``(sample, tokens)`` pairs) and pack it with :func:`pack_documents`."""
     parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
     return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
                           pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
-                          max_anchors_per_row=max_anchors_per_row)
+                          max_anchors_per_row=max_anchors_per_row, pin_memory=pin_memory)
 
 
 def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int, feature_dtype: torch.dtype,
                    pad_tokens_to: int = 1, pad_anchors_to: int = 1, bucket_anchors: bool = False,
-                   max_anchors_per_row: int | None = None) -> PackedBatch:
+                   max_anchors_per_row: int | None = None, pin_memory: bool = False) -> PackedBatch:
     """Pack documents into one :class:`PackedBatch` row (``R = 1``).
 
     Args:
@@ -336,10 +337,16 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     ``pad_anchors_to``): on GPU a handful of shapes keeps compiled flex_attention kernels from recompiling.
     Anchors: :func:`draftsmith.modeling.sample_anchors` with a generator seeded by ``seed``, at most
     ``max_anchors_per_row`` of them (a uniform subset; see :func:`cap_anchors`).
+
+    With ``pin_memory`` the features (the row's bulk: ``S x width`` values) are written straight into page-locked
+    memory, ready for an asynchronous copy to the GPU. Only the padding tail is zeroed: zero-filling a fresh
+    ``S x width`` buffer cost more than reading the documents (40 of 80 ms per 16K-token row of 3 x 576 bf16
+    features, measured on a CPU core).
     """
     total = sum(p["input_ids"].numel() for p in parts)
     S = max(pad_tokens_to, -(-total // pad_tokens_to) * pad_tokens_to)
-    feats = torch.zeros(S, width, dtype=feature_dtype)
+    feats = torch.empty(S, width, dtype=feature_dtype, pin_memory=pin_memory)
+    feats[total:].zero_()
     ids = torch.zeros(S, dtype=torch.long)
     mask = torch.zeros(S, dtype=torch.bool)
     docs = torch.full((S,), -1, dtype=torch.long)
@@ -865,7 +872,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         return make_batch(index, bplan.rows(epoch)[r], num_anchors=tc["num_anchors"],
                           seed=_seed_of(tc["seed"], "anchors", epoch, r), feature_dtype=feat_dtype,
                           pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
-                          max_anchors_per_row=tc["max_anchors_per_row"])
+                          max_anchors_per_row=tc["max_anchors_per_row"], pin_memory=on_gpu)
 
     heldout_rows = pack_rows(lengths, heldout_ids, cap)[dd.rank::dd.world] if heldout_ids else []
 
@@ -874,7 +881,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         return Prefetcher(items, lambda j: make_batch(
             index, heldout_rows[j], num_anchors=tc["num_anchors"], seed=_seed_of(tc["seed"], "heldout", dd.rank, j),
             feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
-            max_anchors_per_row=tc["max_anchors_per_row"]),
+            max_anchors_per_row=tc["max_anchors_per_row"], pin_memory=on_gpu),
             depth=tc["prefetch"], pin=on_gpu, workers=tc["loader_workers"])
 
     writer = None
@@ -932,8 +939,9 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
             metrics = Metrics(block - 1, device)
             step_tokens = 0
             for m in range(tc["grad_accum"]):
-                batch = next(batches).to(device, non_blocking=True)
-                step_tokens += int((batch.doc_ids >= 0).sum())
+                batch = next(batches)
+                step_tokens += int((batch.doc_ids >= 0).sum())  # on the host: no wait for the GPU
+                batch = batch.to(device, non_blocking=True)
                 sync = m == tc["grad_accum"] - 1 or dd.world == 1
                 ctx = step_model.no_sync() if (dd.world > 1 and not sync) else _null()
                 with ctx, autocast():
