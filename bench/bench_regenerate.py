@@ -17,6 +17,7 @@ Measured on one H200 (see docs/gpu-proof/README.md for the figures and the exact
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -94,6 +95,10 @@ def main() -> int:
     ap.add_argument("--engines", default="generate,static,continuous")
     ap.add_argument("--batch-size-engine", type=int, default=256, help="batch of the static engine")
     ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024,
+                    help="prompts this long or longer are skipped, as the stage does with tokenize.max_length")
+    ap.add_argument("--warmup", type=int, default=64,
+                    help="prompts each engine generates 16 tokens for, untimed, before its timed run (0 = none)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench_regenerate.json")
     args = ap.parse_args()
@@ -120,8 +125,12 @@ def main() -> int:
         base = None
         for engine in args.engines.split(","):
             settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, max_turns=1, engine=engine,
+                                             max_prompt_tokens=args.max_prompt_tokens,
                                              batch_size=args.batch_size_engine if engine == "static" else args.batch_size)
             regen = rg.Regenerator(model, tok, settings, stops)
+            if args.warmup:  # one-time costs (kernel loading, allocator growth) out of the timed run
+                warm = dataclasses.replace(settings, max_new_tokens=min(16, args.max_new_tokens))
+                rg.Regenerator(model, tok, warm, stops).regenerate([dict(c) for c in convs[:args.warmup]])
             sync(args.device)
             t0 = time.perf_counter()
             out, stats = regen.regenerate([dict(c) for c in convs])
