@@ -872,3 +872,60 @@ def test_exported_drafter_loads_in_both_implementations(stage_inputs, official):
         runs.append(speculative_generate(tgt, DFlashProposer(drafter, tgt), ids, max_new_tokens=24))
     assert runs[0].tokens == runs[1].tokens == target_generate(tgt, ids, max_new_tokens=24).tokens
     assert runs[0].committed == runs[1].committed
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_drafter_drafts_what_the_dynamic_cache_drafts(kind):
+    """The static drafter (fixed K/V buffers, context rows written in chunks of B, padded rows overwritten by the
+    block; CUDA graphs on a GPU) gives the dynamic-cache drafter's draft distribution at every step, whatever
+    number of positions was committed in between (1..B), for a prompt longer than two blocks, full and shorter
+    blocks, and across prompts on one set of buffers. A drafter that overrides forward is refused."""
+    from draftsmith.evaluate.static import StaticDrafter, StaticTarget
+
+    tgt = target(kind) if kind == "llama" else tiny_target("qwen3", initializer_range=0.1)
+    drafter = make_drafter(tgt, seed=7)
+    sampling = SamplingConfig(temperature=1.0)
+    for seed, length in ((1, 21), (2, 5)):
+        ids = prompt(seed, length)
+        full = torch.cat([ids[0], torch.tensor(target_generate(tgt, ids, max_new_tokens=40).tokens)])
+        _, feats = StaticTarget(tgt, full.numel() + 1, layer_ids=[1, 2], cuda_graphs=False).prefill(full[None])
+        dyn, sta = DFlashProposer(drafter, tgt), DFlashProposer(drafter, tgt)
+        assert sta.use_static(64, cuda_graphs=False)
+        start = ids.shape[1]
+        for proposer in (dyn, sta):
+            proposer.reset(ids, feats[:, :start])
+        for committed, drafts in ((1, BLOCK - 1), (3, BLOCK - 1), (BLOCK, BLOCK - 1), (2, 4), (5, BLOCK - 1),
+                                  (7, 2), (1, BLOCK - 1)):
+            got = {}
+            for name, proposer in (("dynamic", dyn), ("static", sta)):
+                with torch.inference_mode():
+                    got[name] = proposer.propose(full, start, drafts, sampling, torch.Generator().manual_seed(start))
+            assert torch.equal(got["dynamic"][0], got["static"][0]), (kind, seed, start)
+            torch.testing.assert_close(got["static"][1], got["dynamic"][1], rtol=0, atol=1e-6)
+            assert got["static"][1].shape == (drafts, tgt.config.vocab_size)
+            start += committed
+            for proposer in (dyn, sta):
+                proposer.commit(feats[:, start - committed:start])
+    ok, why = StaticDrafter.supported(build_oracle(DFlashDraftModel, tgt, full))
+    assert not ok and "overrides forward" in why
+    with pytest.raises(ValueError, match="exceeds the drafter's static buffers"):
+        sta.static.logits(feats[:, :1], full[0], 64, BLOCK)
+
+
+def test_static_drafter_decodes_as_the_dynamic_path():
+    """End to end on the static target: DFlash decoding with the static drafter commits the same tokens, in the
+    same steps, as with the dynamic-cache drafter, and equals target-only decoding."""
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt = tiny_target("qwen3", initializer_range=0.1)
+    static = StaticTarget(tgt, 20 + 40 + BLOCK + 1, layer_ids=[1, 2], cuda_graphs=False, verify_width=BLOCK)
+    for seed in (1, 2, 3):
+        ids = prompt(seed, 20)
+        ref = target_generate(tgt, ids, max_new_tokens=40)
+        dyn = speculative_generate(tgt, DFlashProposer(make_drafter(tgt, seed=seed), tgt), ids, max_new_tokens=40,
+                                   static=static)
+        fast = DFlashProposer(make_drafter(tgt, seed=seed), tgt)
+        assert fast.use_static(static.max_length, cuda_graphs=False)
+        sta = speculative_generate(tgt, fast, ids, max_new_tokens=40, static=static)
+        assert sta.tokens == dyn.tokens == ref.tokens
+        assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)

@@ -180,6 +180,19 @@ class DFlashProposer(Proposer):
         self.dtype = next(drafter.parameters()).dtype
         self.cache = None
         self.context = None
+        #: a :class:`~draftsmith.evaluate.static.StaticDrafter` (fixed K/V buffers, CUDA-graph steps) or None
+        self.static = None
+
+    def use_static(self, max_length: int, cuda_graphs: bool = True) -> bool:
+        """Draft on a :class:`~draftsmith.evaluate.static.StaticDrafter` of ``max_length`` positions when the
+        drafter qualifies; returns whether it does (else drafting stays on the dynamic cache)."""
+        from draftsmith.evaluate.static import StaticDrafter
+
+        if not StaticDrafter.supported(self.drafter)[0]:
+            return False
+        self.static = StaticDrafter(self.drafter, self.embed_weight, self.head, max_length,
+                                    embed_scale=self.embed_scale, cuda_graphs=cuda_graphs)
+        return True
 
     def reset(self, prompt_ids, features):
         self.cache = DynamicCache(config=self.drafter.config)
@@ -188,6 +201,13 @@ class DFlashProposer(Proposer):
 
     def propose(self, tokens, start, num_drafts, sampling, generator):
         verify = num_drafts + 1
+        if self.static is not None:
+            with without_cudnn_attention():
+                logits = self.static.logits(self.context, tokens[start], start, verify)
+            if sampling.greedy:
+                return torch.argmax(logits, dim=-1), None
+            probs = sampling_probs(logits, sampling)
+            return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
         block = torch.full((1, verify), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[start]
         noise = F.embedding(block, self.embed_weight) * self.embed_scale

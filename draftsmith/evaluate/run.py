@@ -404,7 +404,7 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
     Raises:
         ValueError: ``static_cache: true`` for a target it cannot serve.
     """
-    from draftsmith.evaluate.static import StaticTarget, static_supported
+    from draftsmith.evaluate.static import StaticDrafter, StaticTarget, static_supported
 
     mode = str(evaluate_cfg.get("static_cache", "auto")).lower()
     if mode == "false" or (mode == "auto" and device.type != "cuda"):
@@ -422,6 +422,10 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
                           verify_width=width)
     log.info("target decodes on a static cache of %d positions%s", length,
              " with CUDA graphs" if static.cuda_graphs else "")
+    if dflash.use_static(length, cuda_graphs=static.cuda_graphs):
+        log.info("the drafter drafts on static K/V buffers%s", " with CUDA graphs" if static.cuda_graphs else "")
+    else:
+        log.info("the drafter drafts on a dynamic cache (%s)", StaticDrafter.supported(dflash.drafter)[1])
     return static
 
 

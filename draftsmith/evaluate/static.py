@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.target import LayerCapture, cache_kwargs, static_supported  # noqa: F401 - re-exported
@@ -160,3 +161,167 @@ class StaticTarget:
         self._graphs[width] = (graph, ids_buf, pos_buf, logits, feats)
         log.info("captured the %d-token target forward as a CUDA graph", width)
         return self._graphs[width]
+
+
+class StaticDrafter:
+    """The DFlash drafter's context K/V in fixed buffers, each drafting step of one width replayed as a CUDA graph.
+
+    A drafting step (:meth:`draftsmith.evaluate.decode.DFlashProposer.propose`) feeds the target features of the
+    positions committed since the last step (``n <= B`` of them; the prompt's in chunks of ``B``) and a block
+    ``[anchor, mask x (w - 1)]`` at ``start..start+w-1``. Eagerly that is a few hundred short kernels plus a
+    growing ``DynamicCache`` (~6 ms a step for a 4-layer drafter on an H200, more than the target's verify
+    forward). Here every layer's K/V live in buffers of ``max_length + 2B`` positions: the new context rows are
+    written at ``c0..c0+B-1`` (rows past the real ``n`` are padding), then the block's at ``start..start+w-1``
+    (over the padding), and the block's queries see keys ``< start + w`` only. Stale entries past that are never
+    visible: the next step's context rows overwrite them before they could be. Same keys, values and positions
+    as the dynamic path, so the same drafts (tested in float32 on the CPU without graphs).
+
+    Only draftsmith's :class:`~draftsmith.modeling.DFlashDraftModel` with full (non-causal, non-sliding) layers
+    qualifies (:meth:`supported`); other drafters (the official package's model) draft on the dynamic path.
+
+    Args:
+        drafter: the drafter (eval mode, on its device and dtype).
+        embed_weight: the target's input embedding ``[V, H]``; head: the target's LM head (module or weight).
+        max_length: positions the context can reach (the target's static cache length).
+        embed_scale: ``input_embedding_scale`` of the drafter config.
+        cuda_graphs: capture each width's step as a CUDA graph (CUDA only).
+    """
+
+    def __init__(self, drafter: nn.Module, embed_weight: torch.Tensor, head, max_length: int, *,
+                 embed_scale: float = 1.0, cuda_graphs: bool = True):
+        ok, why = self.supported(drafter)
+        if not ok:
+            raise ValueError(f"static drafting does not support this drafter: {why}")
+        self.drafter, self.embed_weight, self.head, self.embed_scale = drafter, embed_weight, head, embed_scale
+        self.block_size = int(drafter.block_size)
+        self.mask_token_id = int(drafter.mask_token_id)
+        self.device = next(drafter.parameters()).device
+        self.dtype = next(drafter.parameters()).dtype
+        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        cfg = drafter.config
+        attn = drafter.layers[0].self_attn
+        self.max_length = int(max_length)
+        self.length = self.max_length + 2 * self.block_size  # room for a step's padded context rows
+        shape = (1, attn.num_kv_heads, self.length, attn.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        width = len(drafter.target_layer_ids) * cfg.hidden_size
+        self.ctx_buf = torch.zeros((1, self.block_size, width), dtype=self.dtype, device=self.device)
+        self.c0_buf = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.start_buf = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.anchor_buf = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graphs: dict[int, tuple] = {}
+        self.graph_failures: dict[int, str] = {}
+
+    @staticmethod
+    def supported(drafter: nn.Module) -> tuple[bool, str]:
+        """``(True, "")`` for a draftsmith ``DFlashDraftModel`` whose layers all attend fully, else the reason."""
+        from draftsmith.modeling import DFlashDraftModel
+
+        if not isinstance(drafter, DFlashDraftModel):
+            return False, f"{type(drafter).__module__}.{type(drafter).__name__} is not draftsmith's DFlashDraftModel"
+        for name in ("forward", "compute_logits"):  # the static step runs the layers itself
+            if getattr(type(drafter), name) is not getattr(DFlashDraftModel, name):
+                return False, f"{type(drafter).__name__} overrides {name}"
+        for i, layer in enumerate(drafter.layers):
+            if layer.self_attn.is_causal or layer.self_attn.sliding_window is not None:
+                return False, f"drafter layer {i} is causal or sliding-window"
+        if drafter.mask_token_id is None:
+            return False, "the drafter config has no mask_token_id"
+        return True, ""
+
+    # -- one step, from the buffers ----------------------------------------------------------------------------
+    def _step(self, width: int) -> torch.Tensor:
+        """Logits ``[width - 1, V]`` of the block at ``start_buf`` after writing the context rows at ``c0_buf``."""
+        from draftsmith.modeling import apply_rotary
+
+        d, B = self.drafter, self.block_size
+        ctx_pos = self.c0_buf + torch.arange(B, device=self.device)
+        blk_pos = self.start_buf + torch.arange(width, device=self.device)
+        positions = torch.cat([ctx_pos, blk_pos])[None]
+        block = torch.cat([self.anchor_buf, torch.full((width - 1,), self.mask_token_id, dtype=torch.long,
+                                                       device=self.device)])
+        hidden = (F.embedding(block[None], self.embed_weight) * self.embed_scale).to(self.dtype)
+        ctx = d.hidden_norm(d.fc(self.ctx_buf))
+        cos, sin = d.rotary_emb(hidden, positions)
+        visible = torch.arange(self.length, device=self.device) < self.start_buf + width
+        mask = torch.zeros(self.length, dtype=self.dtype, device=self.device).masked_fill_(
+            ~visible, torch.finfo(self.dtype).min)[None, None, None, :]
+        for layer, kbuf, vbuf in zip(d.layers, self.keys, self.values):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_norm(attn.q_proj(x).view(1, width, -1, attn.head_dim)).transpose(1, 2)
+            k = torch.cat([attn.k_proj(ctx), attn.k_proj(x)], dim=1)
+            v = torch.cat([attn.v_proj(ctx), attn.v_proj(x)], dim=1)
+            k = attn.k_norm(k.view(1, B + width, -1, attn.head_dim)).transpose(1, 2)
+            v = v.view(1, B + width, -1, attn.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, k, cos, sin)
+            kbuf.index_copy_(2, ctx_pos, k[:, :, :B].to(self.dtype))  # context rows (padding past n) ...
+            vbuf.index_copy_(2, ctx_pos, v[:, :, :B])
+            kbuf.index_copy_(2, blk_pos, k[:, :, B:].to(self.dtype))  # ... then the block over the padding
+            vbuf.index_copy_(2, blk_pos, v[:, :, B:])
+            keys, values = kbuf, vbuf
+            if attn.num_heads != attn.num_kv_heads:
+                groups = attn.num_heads // attn.num_kv_heads
+                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q.to(self.dtype), keys, values, attn_mask=mask, scale=attn.scaling)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, width, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = d.norm(hidden)
+        return d.compute_logits(hidden[:, 1:], self.head)[0]
+
+    def _run(self, width: int) -> torch.Tensor:
+        if self.cuda_graphs and width not in self.graph_failures:
+            graph = self._graphs.get(width) or self._capture(width)
+            if graph is not None:
+                graph[0].replay()
+                return graph[1]
+        return self._step(width)
+
+    def _capture(self, width: int):
+        """Capture the width-``width`` step (two warm-ups on a side stream first; they write the same K/V the real
+        step writes). On failure that width drafts eagerly from then on (logged once)."""
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step(width)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._step(width)
+        except Exception as exc:  # noqa: BLE001 - a drafter whose step cannot be captured drafts eagerly
+            self.graph_failures[width] = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of the %d-token drafting step failed (%s): it runs eagerly", width,
+                        self.graph_failures[width])
+            torch.cuda.synchronize(self.device)
+            return None
+        self._graphs[width] = (graph, logits)
+        return self._graphs[width]
+
+    # -- the proposer's call ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """Draft logits ``[width - 1, V]`` for the block ``[anchor, mask x (width - 1)]`` at ``start``, after the
+        context features ``context [1, n, n_taps * H]`` of positions ``start - n .. start - 1`` (those committed
+        since the last step, or the whole prompt at the first). The returned tensor is overwritten by the next
+        step: copy what must outlive it.
+
+        Raises:
+            ValueError: a block past the buffers or wider than the block size.
+        """
+        if not 2 <= width <= self.block_size:
+            raise ValueError(f"drafting width {width} is outside 2..{self.block_size}")
+        if start + width > self.max_length:
+            raise ValueError(f"block end {start + width} exceeds the drafter's static buffers "
+                             f"({self.max_length} positions)")
+        n, B = context.shape[1], self.block_size
+        self.anchor_buf.copy_(anchor.reshape(1))
+        for c in range(0, n, B):  # the prompt arrives in chunks of B; later steps bring <= B rows
+            rows = min(B, n - c)
+            self.ctx_buf[:, :rows] = context[:, c:c + rows].to(self.dtype)
+            self.c0_buf.fill_(start - n + c)
+            self.start_buf.fill_(start - n + c + rows)  # < start: a block that the next chunk overwrites
+            out = self._run(width)
+        return out
