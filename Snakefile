@@ -1,7 +1,8 @@
 # draftsmith: train DFlash speculative-decoding drafters for Hugging Face causal LMs.
 # Thin on purpose: configuration, validation, the stage rule files, and the final target.
 # Stages (rules/<stage>.smk, scripts/<rule>.py, draftsmith/<stage>.py):
-#   assets -> curate -> [regenerate] -> tokenize -> extract_shard x N -> merge -> train -> export -> evaluate
+#   assets -> curate -> [regenerate] -> tokenize -> extract_plan -> extract_shard x N -> merge -> train -> export
+#   -> evaluate
 
 import os
 import sys

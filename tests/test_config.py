@@ -16,7 +16,7 @@ from draftsmith.config import ConfigError, check_eval_sets, config_errors
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
-STAGE_RULES = ["fetch_dataset", "materialize_target", "curate", "tokenize", "extract_plan",
+STAGE_RULES = ["fetch_dataset", "fetch_target", "materialize_target", "curate", "tokenize", "extract_plan",
                "extract_shard", "merge", "train", "export", "evaluate"]
 
 
@@ -114,6 +114,21 @@ def test_eval_set_typo_stops_snakemake_at_parse_time(tmp_path):
     assert proc.returncode != 0
     assert "evaluate.sets.mt.source: 'mt-bench' is no data source (did you mean 'mtbench'?)" in out
     assert "Building DAG" not in out
+
+
+def test_an_overlay_removes_a_set_with_null():
+    """A --configfile overlay cannot delete a key of config.yaml (Snakemake merges them): `name: null` removes an
+    evaluate set, so a config with its own sources can drop the benchmark sets that name the embedded ones."""
+    from draftsmith.config import check_config
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["data"]["sources"] = [{"name": "mychat", "path": "/data/chat.jsonl", "adapter": "sharegpt",
+                                  "split": "both"}]
+    config["evaluate"]["sets"].update(mtbench=None, humaneval=None, bfcl=None, mmath=None)
+    check_config(config, str(REPO / "schemas" / "config.schema.yaml"))
+    assert list(config["evaluate"]["sets"]) == ["heldout"]
+    assert config["evaluate"]["sets"]["heldout"]["max_prompts"] == 12
+    check_eval_sets(config["evaluate"], config["data"]["sources"])  # no set names a missing source
 
 
 def test_dry_run_plans_every_stage(tmp_path):

