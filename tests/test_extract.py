@@ -466,7 +466,7 @@ def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch
 def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path, fuse):
     """bf16 on the GPU: right-padded batches of a Qwen3.5-style target (GDN + full attention; fla when
     installed) give the features of each sample alone, run the same way (eager, or fused: compiled norms
-    and MLPs, fla conv1d). DESIGN.md measured 0.0 difference with fla."""
+    and MLPs, fla conv1d). docs/design.md records 0.0 difference with fla."""
     import contextlib
 
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig

@@ -122,7 +122,7 @@ def tiny_llama3_tokenizer(vocab_size: int = VOCAB):
     return tok
 
 
-# The curated-parquet contract of DESIGN.md, written out independently of draftsmith.curate so tests
+# The curated-parquet contract of docs/design.md, written out independently of draftsmith.curate so tests
 # that build curated input (tokenize, regenerate, evaluate) check the stages against the contract.
 TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])

@@ -1,6 +1,6 @@
 """Curate: mix chat, code, tool-calling and agentic sources into one clean chat dataset.
 
-Stage ``curate`` of ``DESIGN.md``. Every configured source is read by an *adapter* that turns its
+Stage ``curate`` of ``docs/design.md``. Every configured source is read by an *adapter* that turns its
 records into OpenAI-style chat ``messages`` (roles ``system`` / ``user`` / ``assistant`` / ``tool``,
 assistant ``tool_calls`` with JSON-string ``arguments``, optional ``reasoning_content``) plus an
 optional ``tools`` list of function schemas. Every row is then normalised and validated; invalid rows

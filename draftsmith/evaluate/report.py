@@ -1,6 +1,6 @@
 """Metrics of a benchmark set and the report files (report.json, report.md, PNG plots).
 
-Definitions (DESIGN.md terms):
+Definitions (docs/design.md terms):
 
 * acceptance length τ = tokens committed per verify forward of the target, bonus token included
   (``tau``: total committed / total verify forwards over the set; ``tau_per_prompt``: the mean over
