@@ -201,7 +201,9 @@ class StaticDrafter:
         cfg = drafter.config
         attn = drafter.layers[0].self_attn
         self.max_length = int(max_length)
-        self.length = self.max_length + 2 * self.block_size  # room for a step's padded context rows
+        # room for a step's padded context rows; a multiple of 16 keys (SDPA's memory-efficient kernel pads masks
+        # whose last dimension is not aligned)
+        self.length = -(-(self.max_length + 2 * self.block_size) // 16) * 16
         shape = (1, attn.num_kv_heads, self.length, attn.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
