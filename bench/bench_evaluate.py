@@ -2,8 +2,8 @@
 and the cost of rolling back Gated DeltaNet state exactly.
 
 Target: a random Hugging Face model of a given shape (``--preset``), bf16 on CUDA, fp32 on CPU.
-Drafter: a real draftsmith ``DFlashDraftModel`` (one layer; its forward and K/V cache run every step)
-whose logits are forced to the target's own greedy continuation, with draft slot ``k`` always wrong, so
+Drafter: a real draftsmith ``DFlashDraftModel`` (``--drafter-layers``; its forward, K/V cache and logits run every
+step) whose drafts are then replaced by the target's own greedy continuation, with draft slot ``k`` always wrong, so
 every verify step accepts exactly ``k - 1`` drafts: τ = k exactly (k = B: every draft right, τ = B).
 This isolates the loop's cost from drafter quality: the speedup printed for a given τ is what a drafter
 reaching that τ gets from this implementation on this machine.
@@ -15,9 +15,10 @@ and whether the output equals the baseline token for token. For hybrid targets e
 (through the whole target); ``τ = B`` never rolls back, so it shows the loop without that cost.
 
 Paths (``--paths``), each measured in the same run against the same dynamic-cache target-only baseline:
-``dynamic`` (``DynamicCache``, exact rollback, eager forwards: any target) and ``static`` (a
-``StaticTarget``: static KV cache, each forward width captured once as a CUDA graph and replayed; attention-only
-targets), so the ratio of the two target-only rows is the speed of the fast path itself.
+``dynamic`` (``DynamicCache``, exact rollback, eager forwards: any target), ``static`` (a ``StaticTarget``: static
+KV cache, each forward width captured once as a CUDA graph and replayed; attention-only targets; the drafter on
+its dynamic cache) and ``static-drafter`` (the same, and the drafter on a ``StaticDrafter``: fixed K/V buffers,
+one CUDA graph per step width), so the ratio of the two target-only rows is the speed of the fast path itself.
 
     python bench/bench_evaluate.py                          # tiny hybrid target on CPU (seconds)
     python bench/bench_evaluate.py --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU
@@ -75,26 +76,20 @@ def build_target(preset: str, layers: int | None, device: torch.device, dtype: t
     return model.eval()
 
 
-class ForcedDrafter(DFlashDraftModel):
-    """Real drafter forward and cache; logits forced to ``reference`` with slot ``wrong`` corrupted."""
+class ForcedProposer(DFlashProposer):
+    """The real drafter's step (its forward, K/V cache and LM-head logits are paid, on whichever path), then the
+    drafts replaced by ``reference`` (the target's own continuation) with slot ``wrong`` corrupted."""
 
     reference: torch.Tensor
     wrong: int | None = None
 
-    def forward(self, position_ids, *args, **kwargs):
-        out = super().forward(position_ids, *args, **kwargs)
-        self._positions = position_ids[0, -out.shape[1]:]
-        return out
-
-    def compute_logits(self, hidden, output_head):
-        logits = super().compute_logits(hidden, output_head)  # the LM-head matmul is paid, as in real use
-        positions = self._positions[-logits.shape[1]:].clamp(max=self.reference.shape[0] - 1)
-        ref = self.reference[positions].clone()
+    def propose(self, tokens, start, num_drafts, sampling, generator):
+        drafts, probs = super().propose(tokens, start, num_drafts, sampling, generator)
+        idx = torch.arange(start + 1, start + 1 + drafts.shape[0], device=drafts.device)
+        ref = self.reference[idx.clamp(max=self.reference.shape[0] - 1)].clone()
         if self.wrong is not None and self.wrong <= ref.shape[0]:
-            ref[self.wrong - 1] = (ref[self.wrong - 1] + 1) % logits.shape[-1]
-        forced = torch.full_like(logits, -1e4)
-        forced[0, torch.arange(ref.shape[0], device=ref.device), ref] = 1e4
-        return forced
+            ref[self.wrong - 1] = (ref[self.wrong - 1] + 1) % self.embed_weight.shape[0]
+        return ref, probs
 
 
 def timed(fn, repeats: int):
@@ -149,7 +144,7 @@ def main() -> None:
                                target_layer_ids=sorted({1, L // 2, L - 2}) if L >= 4 else [0], mask_token_id=0)
     torch.manual_seed(1)
     with torch.device(device):
-        drafter = ForcedDrafter(cfg).to(dtype).eval()
+        drafter = DFlashDraftModel(cfg).to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, target.config.vocab_size, (1, args.prompt_tokens), generator=g).to(device)
     params = sum(p.numel() for p in target.parameters())
@@ -161,13 +156,23 @@ def main() -> None:
     base_tps = len(base.tokens) / base_s
     print(f"baseline target-only (dynamic cache): {base_tps:.1f} tok/s ({base_s * 1e3 / len(base.tokens):.2f} "
           "ms/token)")
-    drafter.reference = torch.cat([prompt[0], torch.tensor(base.tokens, device=device)])
+    reference = torch.cat([prompt[0], torch.tensor(base.tokens, device=device)])
+
+    def forced(wrong, static=None):
+        proposer = ForcedProposer(drafter, target)
+        proposer.reference, proposer.wrong = reference, wrong
+        if static is not None and path == "static-drafter" and not proposer.use_static(static.max_length,
+                                                                                        static.cuda_graphs):
+            raise SystemExit("this drafter cannot draft on static buffers")
+        return proposer
 
     rows = []
     hybrid_modes = ["mixer", "forward"] if hybrid else ["auto"]
     for path in args.paths.split(","):
         static = None
-        if path == "static":
+        if path not in ("dynamic", "static", "static-drafter"):
+            raise SystemExit(f"unknown path {path!r}: dynamic, static or static-drafter")
+        if path != "dynamic":
             from draftsmith.evaluate.static import StaticTarget
 
             static = StaticTarget(target, args.prompt_tokens + args.new_tokens + B + 1,
@@ -181,9 +186,8 @@ def main() -> None:
             print(f"[{path}] target-only {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:5.2f}x  "
                   f"lossless {row['lossless']}")
         for tau in [int(t) for t in args.taus.split(",") if int(t) <= B]:
-            drafter.wrong = tau if tau < B else None
             for mode in (hybrid_modes if static is None else ["static"]):
-                proposer = DFlashProposer(drafter, target)
+                proposer = forced(tau if tau < B else None, static)
                 speculative_generate(target, proposer, prompt, max_new_tokens=args.new_tokens, rollback=mode
                                      if static is None else "auto", static=static)  # warm-up
                 s, out = timed(lambda: speculative_generate(
@@ -204,8 +208,7 @@ def main() -> None:
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            drafter.wrong = 2
-            proposer = DFlashProposer(drafter, target)
+            proposer = forced(2, static)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=acts) as prof:
                 t0 = time.perf_counter()
