@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from draftsmith.io import atomic_path, read_json, sha256_file, write_json
+from draftsmith.io import atomic_path, check_model_folder, read_json, sha256_file, write_json
 
 log = logging.getLogger("draftsmith.assets")
 
@@ -228,8 +228,6 @@ def resolve_target(model: str, assets_dir: str | os.PathLike = "resources", *, m
         FileNotFoundError: the folder does not exist (the message names the path).
         ValueError: it is not a Hugging Face model folder (no config.json or no weights).
     """
-    from draftsmith.target import check_model_folder
-
     name = embedded_name(model)
     if name is not None:
         target_spec(name)

@@ -127,3 +127,44 @@ def log_uncaught(exc_type, exc, tb) -> None:
         return
     logging.getLogger("draftsmith").critical("the job failed: %s: %s", exc_type.__name__, exc,
                                              exc_info=(exc_type, exc, tb))
+
+
+# -- target folders (no torch: Snakemake checks them while it builds the DAG) --------------------------------
+
+def check_model_folder(path: str | os.PathLike) -> Path:
+    """Raise a clear error unless ``path`` is a local Hugging Face model folder.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: it exists but has no ``config.json`` or no weights.
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"target model folder {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not a Hugging Face model folder: no config.json in it")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ValueError(f"{folder} has a config.json but no *.safetensors weights")
+    return folder
+
+
+def target_fingerprint(target_dir: str | os.PathLike) -> str:
+    """A cheap, deterministic fingerprint of a target folder (not a full content hash); shared by
+    extract (manifests), regenerate and evaluate (resume keys).
+
+    sha256 over ``config.json`` and, for every ``*.safetensors`` file (sorted by name), its name, size,
+    and its first and last MiB (the header with every tensor's name, dtype, shape and offsets, plus
+    weight bytes). Hashing tens of GB of weights per shard job would cost minutes.
+    """
+    folder = check_model_folder(target_dir)
+    digest = hashlib.sha256()
+    digest.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                digest.update(fh.read(1 << 20))
+    return digest.hexdigest()

@@ -139,6 +139,24 @@ def test_dry_run_plans_every_stage(tmp_path):
         assert f"\n{rule} " in out or f"rule {rule}:" in out, rule
 
 
+def test_building_the_dag_does_not_import_torch(tmp_path):
+    """Snakemake parses the workflow and plans the DAG (every `snakemake` call, login nodes included) without
+    importing torch: the rule files and what they import at parse time stay torch-free."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(REPO / "config.yaml", work / "config.yaml")
+    code = ("import sys\n"
+            "from snakemake.cli import main\n"
+            f"sys.argv = ['snakemake', '-s', {str(REPO / 'Snakefile')!r}, '-d', {str(work)!r}, '-n', '--cores', '1']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('PLANNED' if code in (0, None) else f'FAILED {code}')\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "PLANNED" in out, out[-3000:]
+    assert "NO TORCH" in out, out[-3000:]
+
+
 def test_dag_renders(tmp_path):
     proc = _snakemake(tmp_path, "--dag")
     assert proc.returncode == 0, proc.stderr[-3000:]
