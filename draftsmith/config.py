@@ -21,9 +21,15 @@ class ConfigError(ValueError):
     """The configuration violates the schema; the message lists every bad key."""
 
 
-def _key_path(error) -> str:
-    path = ".".join(str(p) for p in error.absolute_path)
-    return path or "<top level>"
+def _key_path(error, config: dict | None = None) -> str:
+    """Dotted key of a schema error; a data source is also named (``data.sources.1 (bfcl).adapter``)."""
+    parts = [str(p) for p in error.absolute_path]
+    if len(parts) >= 3 and parts[:2] == ["data", "sources"] and parts[2].isdigit() and isinstance(config, dict):
+        sources = (config.get("data") or {}).get("sources") or []
+        i = int(parts[2])
+        if i < len(sources) and isinstance(sources[i], dict) and sources[i].get("name"):
+            parts[2] = f"{i} ({sources[i]['name']})"
+    return ".".join(parts) or "<top level>"
 
 
 def config_errors(config: dict, schema: dict) -> list[str]:
@@ -31,7 +37,7 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     validator = Draft202012Validator(schema)
     messages = []
     for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
-        messages.append(f"{_key_path(err)}: {err.message}")
+        messages.append(f"{_key_path(err, config)}: {err.message}")
     return messages
 
 

@@ -56,6 +56,8 @@ def test_shipped_configs_are_valid():
     ({"extrakt": {"shards": 1}}, "'extrakt' was unexpected"),
     ({"train": {"lr": "fast"}}, "train.lr"),
     ({"drafter": {"layer_types": ["dense"]}}, "drafter.layer_types.0"),
+    ({"data": {"sources": [{"name": "chat", "path": "x.jsonl", "adapter": "sharegpt"},
+                           {"name": "tools", "path": "y.jsonl", "adapter": "nope"}]}}, "data.sources.1 (tools).adapter"),
 ])
 def test_bad_config_names_the_key(bad, key):
     errors = config_errors(bad, SCHEMA)
