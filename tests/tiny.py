@@ -68,22 +68,29 @@ _TINY_CORPUS = (
 )
 
 
-def tiny_tokenizer(vocab_size: int = VOCAB, chat_template: str = TINY_CHATML_TEMPLATE):
-    """A byte-level BPE fast tokenizer trained in-process (deterministic), with a ChatML chat template.
 
-    Special tokens match the tiny targets' config: ``<|endoftext|>`` = 0 (pad), ``<|im_start|>`` = 1,
-    ``<|im_end|>`` = 2 (eos, end of turn). ``vocab_size`` <= the tiny targets' VOCAB.
-    """
+def _byte_level_bpe(vocab_size: int, specials: list[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on the tiny corpus, ``specials`` taking ids 0, 1, ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator([_TINY_CORPUS] * 4, trainer)
+    return backend
+
+def tiny_tokenizer(vocab_size: int = VOCAB, chat_template: str = TINY_CHATML_TEMPLATE):
+    """A byte-level BPE fast tokenizer trained in-process (deterministic), with a ChatML chat template.
+
+    Special tokens match the tiny targets' config: ``<|endoftext|>`` = 0 (pad), ``<|im_start|>`` = 1,
+    ``<|im_end|>`` = 2 (eos, end of turn). ``vocab_size`` <= the tiny targets' VOCAB.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = _byte_level_bpe(vocab_size, specials)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = chat_template
     assert tok.convert_tokens_to_ids(specials) == [0, 1, 2]
@@ -105,15 +112,9 @@ def tiny_llama3_tokenizer(vocab_size: int = VOCAB):
     """A tiny byte-level BPE tokenizer laid out like Llama-3-Instruct's: ``<|begin_of_text|>`` = 0 (bos),
     ``<|end_of_text|>`` = 1 (eos, also pad), ``<|start_header_id|>`` = 2, ``<|end_header_id|>`` = 3,
     ``<|eot_id|>`` = 4 (end of turn, **not** eos), with Llama 3's chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([_TINY_CORPUS] * 4, trainer)
+    backend = _byte_level_bpe(vocab_size, LLAMA3_SPECIALS)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
                                   eos_token="<|end_of_text|>", pad_token="<|end_of_text|>",
                                   additional_special_tokens=LLAMA3_SPECIALS[2:])

@@ -201,29 +201,29 @@ class DFlashProposer(Proposer):
 
     def propose(self, tokens, start, num_drafts, sampling, generator):
         verify = num_drafts + 1
-        if self.static is not None:
-            with without_cudnn_attention():
+        with without_cudnn_attention():  # the drafter's key length grows every step: no per-shape cuDNN plans
+            if self.static is not None:
                 logits = self.static.logits(self.context, tokens[start], start, verify)
-            if sampling.greedy:
-                return torch.argmax(logits, dim=-1), None
-            probs = sampling_probs(logits, sampling)
-            return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+            else:
+                logits = self._dynamic_logits(tokens, start, verify)
+        if sampling.greedy:
+            return torch.argmax(logits, dim=-1), None
+        probs = sampling_probs(logits, sampling)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+
+    def _dynamic_logits(self, tokens, start, verify):
+        """Draft logits ``[verify - 1, V]`` on the growing ``DynamicCache`` (cropped back to the context after)."""
         block = torch.full((1, verify), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[start]
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
         ctx_len = self.context.shape[1]
         positions = torch.arange(start - ctx_len, start + verify, device=tokens.device)[None]
-        with without_cudnn_attention():  # the drafter's key length grows every step: no per-shape cuDNN plans
-            hidden = self.drafter(target_hidden=self.context.to(self.dtype), noise_embedding=noise.to(self.dtype),
-                                  position_ids=positions, past_key_values=self.cache, use_cache=True)
+        hidden = self.drafter(target_hidden=self.context.to(self.dtype), noise_embedding=noise.to(self.dtype),
+                              position_ids=positions, past_key_values=self.cache, use_cache=True)
         hidden = hidden[:, 1:, :]
         remove = self.cache.get_seq_length() - start  # keep only the context K/V (official _crop_to)
         self.cache.crop(-remove)
-        logits = self.drafter.compute_logits(hidden, self.head)[0]  # [k, V]
-        if sampling.greedy:
-            return torch.argmax(logits, dim=-1), None
-        probs = sampling_probs(logits, sampling)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+        return self.drafter.compute_logits(hidden, self.head)[0]  # [k, V]
 
     def commit(self, features):
         self.context = features
