@@ -54,6 +54,7 @@ from draftsmith.modeling import (
     resolve_mask_token_id,
     sample_anchors,
 )
+from draftsmith.stages import STAGE_KEYS
 
 log = logging.getLogger("draftsmith.train")
 
@@ -485,8 +486,9 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
 
 def run_fingerprint(drafter_config: dict, train_cfg: dict, index_meta: dict, world: int) -> str:
     """sha256 of everything that decides the training trajectory (not the save / eval / log cadence)."""
-    cadence = {"save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "gpus", "loader_workers",
-               "progress_interval", "logits_chunk_mib", "activation_checkpointing"}
+    # the runtime keys of draftsmith.stages (Snakemake does not rerun training for them either); the GPU count
+    # enters as world_size
+    cadence = set(STAGE_KEYS["train"]["train"]["runtime"]) | {"gpus"}
     payload = {
         "drafter": drafter_config,
         "train": {k: v for k, v in sorted(train_cfg.items()) if k not in cadence},
@@ -1007,3 +1009,38 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         writer.close()
     _barrier()
     return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m draftsmith.train``: one training process (torchrun starts one per GPU; rule train runs it).
+
+    ``--args`` is JSON ``{"train": {...}, "drafter": {...}}`` (missing keys take the defaults). Resumes from
+    ``<out>/checkpoints/`` when a checkpoint of the same configuration is there.
+    """
+    import argparse
+
+    from draftsmith.io import setup_logging
+
+    parser = argparse.ArgumentParser(prog="python -m draftsmith.train", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", required=True, help="results/features/index.json")
+    parser.add_argument("--target", required=True, help="the target's Hugging Face folder")
+    parser.add_argument("--out", required=True, help="output folder (results/drafter)")
+    parser.add_argument("--args", required=True, help="JSON with the train and drafter config sections")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for all processes together")
+    args = parser.parse_args(argv)
+    cfg = json.loads(args.args)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(None, level=logging.INFO if rank == 0 else logging.WARNING)  # the rule tees output to its log
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        train(args.index, args.target, args.out, cfg.get("train"), cfg.get("drafter"), threads=args.threads)
+    finally:
+        if dist.is_initialized():  # NCCL warns (and may leak) without an explicit teardown
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

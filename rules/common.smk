@@ -5,11 +5,11 @@ import os
 
 from snakemake.logging import logger
 
+from draftsmith.stages import rule_params, stage_config
+
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"
 
-# Python that runs the stage entry points in `shell:` rules (the one running Snakemake).
-PYTHON = sys.executable
 
 
 def all_cores(share=1, most=None):
@@ -81,7 +81,36 @@ def shard_manifests(wildcards=None):
     return [f"results/features/shard-{i}/manifest.json" for i in SHARDS]
 
 
-# Shell prefix for multi-process GPU rules: `{GPU_LEASE} {resources.gpu} -- CMD` leases that many
-# GPUs from the node-local pool (draftsmith/gpu.py) and execs CMD holding them. Single-process rules
-# lease in-process with draftsmith.gpu.lease_gpus(snakemake.resources.gpu) instead.
-GPU_LEASE = f"{PYTHON} -m draftsmith.gpu --gpus"
+
+
+def known_dataset(wildcards):
+    """No file inputs; raises at DAG-build time for an unknown dataset, listing the known ones."""
+    from draftsmith.assets import dataset_spec
+
+    dataset_spec(wildcards.dataset)
+    return []
+
+
+def known_target(wildcards):
+    """No file inputs; raises at DAG-build time for an unknown target, listing the known ones."""
+    from draftsmith.assets import target_spec
+
+    target_spec(wildcards.target)
+    return []
+
+
+def known_shard(wildcards):
+    """No file inputs; raises at DAG-build time for a shard outside extract.shards (shard-3 of a 2-shard
+    config would otherwise fail only after curate, tokenize and the plan had run)."""
+    if int(wildcards.shard) not in SHARDS:
+        raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
+                         f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
+    return []
+
+
+def evaluate_followups(wildcards=None):
+    """{source name: data folder} of the MT-Bench (adapter mtbench) sources used by evaluate.sets: their
+    question files hold the turn-2 questions, asked after the target's own answer to turn 1."""
+    wanted = {s.get("source") for s in config["evaluate"]["sets"].values()}
+    return {s["name"]: source_path(s) for s in config["data"]["sources"]
+            if s["adapter"] == "mtbench" and s["name"] in wanted}

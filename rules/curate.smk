@@ -19,7 +19,9 @@ rule curate:
     benchmark:
         "benchmarks/curate/curate.tsv"
     params:
-        data=config["data"],
+        settings=rule_params(config, "curate"),
         sources=[dict(s, local_path=source_path(s)) for s in config["data"]["sources"]],
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/curate.py"

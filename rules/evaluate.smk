@@ -8,14 +8,6 @@ from draftsmith.config import check_eval_sets
 check_eval_sets(config["evaluate"], config["data"]["sources"])
 
 
-def evaluate_followups(wildcards=None):
-    """{source name: data folder} of the MT-Bench (adapter mtbench) sources used by evaluate.sets: their
-    question files hold the turn-2 questions, asked after the target's own answer to turn 1."""
-    wanted = {s.get("source") for s in config["evaluate"]["sets"].values()}
-    return {s["name"]: source_path(s) for s in config["data"]["sources"]
-            if s["adapter"] == "mtbench" and s["name"] in wanted}
-
-
 rule evaluate:
     input:
         drafter="results/drafter/final/config.json",
@@ -39,12 +31,13 @@ rule evaluate:
     benchmark:
         "benchmarks/evaluate/evaluate.tsv"
     params:
-        evaluate=config["evaluate"],
-        target=config["target"],
+        settings=rule_params(config, "evaluate"),
         sources=config["data"]["sources"],
         followups=evaluate_followups(),
     threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/evaluate.py"

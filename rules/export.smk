@@ -14,6 +14,8 @@ rule export:
     benchmark:
         "benchmarks/export/export.tsv"
     params:
-        dtype=config["drafter"]["export_dtype"],
+        settings=rule_params(config, "export"),
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/export.py"

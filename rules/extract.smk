@@ -14,25 +14,16 @@ rule extract_plan:
     benchmark:
         "benchmarks/extract_plan/extract_plan.tsv"
     params:
-        extract=config["extract"],
-        drafter=config["drafter"],
-        target=config["target"],
+        settings=rule_params(config, "extract_plan"),
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/extract_plan.py"
 
 
-def _known_shard(wildcards):
-    """No file inputs; raises at DAG-build time for a shard outside extract.shards (shard-3 of a 2-shard
-    config would otherwise fail only after curate, tokenize and the plan had run)."""
-    if int(wildcards.shard) not in SHARDS:
-        raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
-                         f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
-    return []
-
-
 rule extract_shard:
     input:
-        _known_shard,
+        known_shard,
         plan="results/features/plan.json",
         train="results/tokenized/train.parquet",
         target=target_dir(),
@@ -43,12 +34,13 @@ rule extract_shard:
     benchmark:
         "benchmarks/extract_shard/shard-{shard}.tsv"
     params:
-        extract=config["extract"],
-        target=config["target"],
+        settings=rule_params(config, "extract_shard"),
     wildcard_constraints:
         shard=r"\d+",
     threads: all_cores(share=len(SHARDS))
     resources:
         gpu=1,
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/extract_shard.py"

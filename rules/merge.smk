@@ -15,8 +15,8 @@ rule merge:
         "logs/merge/merge.log",
     benchmark:
         "benchmarks/merge/merge.tsv"
-    params:
-        merge=config["merge"],
     threads: all_cores(most=8)
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/merge.py"

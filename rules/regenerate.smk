@@ -15,13 +15,11 @@ rule regenerate:
     benchmark:
         "benchmarks/regenerate/regenerate.tsv"
     params:
-        regenerate=config["regenerate"],
-        target=config["target"],
-        chat_template_kwargs=config["tokenize"]["chat_template_kwargs"],
-        # a prompt this long leaves no answer token inside a training row
-        max_prompt_tokens=config["tokenize"]["max_length"],
+        settings=rule_params(config, "regenerate"),
     threads: all_cores()
     resources:
         gpu=config["regenerate"]["gpus"],
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/regenerate.py"

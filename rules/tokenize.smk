@@ -15,8 +15,9 @@ rule tokenize:
     benchmark:
         "benchmarks/tokenize/tokenize.tsv"
     params:
-        tokenize=config["tokenize"],
-        target=config["target"],
+        settings=rule_params(config, "tokenize"),
     threads: config["tokenize"]["threads"]
+    conda:
+        "../envs/draftsmith.yaml"
     script:
         "../scripts/tokenize.py"

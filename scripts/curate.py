@@ -2,9 +2,10 @@
 
 from draftsmith.curate import curate
 from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
-data = snakemake.params.data  # noqa: F821
+data = stage_config("curate", snakemake.params.settings, snakemake.config)["data"]  # noqa: F821
 report = curate(
     snakemake.params.sources,  # noqa: F821 (config entries with the resolved local_path)
     snakemake.output.train,  # noqa: F821

@@ -6,8 +6,10 @@ import torch
 
 from draftsmith.gpu import lease_gpus
 from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake injects it)
+cfg = stage_config("evaluate", snakemake.params.settings, snakemake.config)  # noqa: F821
 lease_gpus(snakemake.resources.gpu, logger=log)  # noqa: F821
 torch.set_num_threads(snakemake.threads)  # noqa: F821
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,8 +22,8 @@ report = run_evaluate(
     curated_eval=snakemake.input.eval,  # noqa: F821
     tokenized_eval=snakemake.input.tokenized,  # noqa: F821
     outputs={k: snakemake.output[k] for k in ("json", "md", "tau", "positions", "histogram")},  # noqa: F821
-    evaluate_cfg=snakemake.params.evaluate,  # noqa: F821
-    target_cfg=snakemake.params.target,  # noqa: F821
+    evaluate_cfg=cfg["evaluate"],
+    target_cfg=cfg["target"],
     sources=snakemake.params.sources,  # noqa: F821
     followup_files=dict(snakemake.params.followups),  # noqa: F821
     trainer_state=snakemake.input.trainer_state,  # noqa: F821

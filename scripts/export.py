@@ -10,5 +10,5 @@ export_drafter(
     trained_dir=Path(snakemake.input.config).parent,  # noqa: F821
     target_dir=snakemake.input.target,  # noqa: F821
     out_dir=Path(snakemake.output.config).parent,  # noqa: F821
-    dtype=snakemake.params.dtype,  # noqa: F821
+    dtype=snakemake.params.settings["drafter"]["export_dtype"],  # noqa: F821
 )

@@ -5,8 +5,10 @@ Thin: leases one GPU from the node pool before CUDA starts, then draftsmith.extr
 """
 
 from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
+cfg = stage_config("extract_shard", snakemake.params.settings, snakemake.config)  # noqa: F821
 
 from draftsmith.gpu import lease_gpus  # noqa: E402
 
@@ -24,7 +26,7 @@ extract_shard(
     target_dir=snakemake.input.target,  # noqa: F821
     manifest_path=snakemake.output[0],  # noqa: F821
     shard=int(snakemake.wildcards.shard),  # noqa: F821
-    extract_cfg=snakemake.params.extract,  # noqa: F821
-    target_cfg=snakemake.params.target,  # noqa: F821
+    extract_cfg=cfg["extract"],
+    target_cfg=cfg["target"],
     device="cuda" if torch.cuda.is_available() else "cpu",
 )

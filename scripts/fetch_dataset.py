@@ -2,9 +2,10 @@
 
 from draftsmith import assets
 from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-cfg = snakemake.params.assets  # noqa: F821
+cfg = stage_config("fetch_dataset", {}, snakemake.config)["assets"]  # noqa: F821
 folder = assets.fetch_dataset(
     snakemake.wildcards.dataset,  # noqa: F821
     cfg["dir"],

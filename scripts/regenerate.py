@@ -6,6 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from draftsmith.gpu import lease_gpus  # noqa: E402
 from draftsmith.io import setup_logging  # noqa: E402
+from draftsmith.stages import stage_config  # noqa: E402
 
 log = setup_logging(snakemake.log[0])  # noqa: F821
 devices = lease_gpus(snakemake.resources.gpu, logger=log)  # noqa: F821  (before torch touches CUDA)
@@ -15,8 +16,8 @@ import torch  # noqa: E402
 from draftsmith.regenerate import GenerationSettings, run  # noqa: E402
 
 torch.set_num_threads(snakemake.threads)  # noqa: F821
-params = snakemake.params  # noqa: F821
-cfg = params.regenerate
+settings = stage_config("regenerate", snakemake.params.settings, snakemake.config)  # noqa: F821
+cfg = settings["regenerate"]
 if len(devices) > 1:
     log.warning("regenerate runs one process on one GPU; %d GPUs were leased (set regenerate.gpus: 1)", len(devices))
 run(
@@ -24,13 +25,14 @@ run(
     target_dir=snakemake.input.target,  # noqa: F821
     output=snakemake.output[0],  # noqa: F821
     settings=GenerationSettings(max_new_tokens=cfg["max_new_tokens"], batch_size=cfg["batch_size"],
-                                max_prompt_tokens=params.max_prompt_tokens, max_turns=cfg["max_turns"],
-                                chat_template_kwargs=params.chat_template_kwargs, engine=cfg["engine"],
+                                max_prompt_tokens=settings["tokenize"]["max_length"], max_turns=cfg["max_turns"],
+                                chat_template_kwargs=dict(settings["tokenize"]["chat_template_kwargs"]),
+                                engine=cfg["engine"],
                                 temperature=cfg["temperature"], top_p=cfg["top_p"], num_answers=cfg["num_answers"],
                                 seed=cfg["seed"]),
-    dtype=params.target["dtype"],
-    attn_implementation=params.target["attn_implementation"],
-    trust_remote_code=params.target["trust_remote_code"],
+    dtype=settings["target"]["dtype"],
+    attn_implementation=settings["target"]["attn_implementation"],
+    trust_remote_code=settings["target"]["trust_remote_code"],
     chunk_size=cfg["chunk_size"],
     device="cuda" if torch.cuda.is_available() else "cpu",
 )

@@ -1,52 +1,35 @@
-"""Entry point of rule train, run by torchrun (one process per leased GPU; a shell rule, so no `snakemake` object).
+"""Entry point of rule train: lease the GPUs, then torchrun ``python -m draftsmith.train`` (one process per leased
+GPU; one on the CPU when the rule asks for none), its output to the console and to the rule's log.
 
-    python -m draftsmith.gpu --gpus N -- python -m torch.distributed.run --standalone --nproc-per-node N \
-        scripts/train.py --index results/features/index.json --target TARGET --out results/drafter \
-        --args '{"train": {...}, "drafter": {...}, "target": {...}}' [--threads T]
-
-Resumes from results/drafter/checkpoints/ when a checkpoint of the same configuration is there.
+The processes get the keys the weights depend on (the rule's params) and train's runtime keys (cadence,
+loader; draftsmith.stages) from the config, which Snakemake does not rerun training for.
 """
 
-import os
+import json
+import subprocess
 import sys
+from pathlib import Path
 
-# Run as a file, Python puts scripts/ first on sys.path, where scripts/tokenize.py would shadow the standard
-# library's `tokenize` (imported by logging / linecache): drop that entry before importing anything else.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+from draftsmith.gpu import lease_gpus
+from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-
-from draftsmith.io import setup_logging  # noqa: E402
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--index", required=True, help="results/features/index.json")
-    parser.add_argument("--target", required=True, help="the target's Hugging Face folder")
-    parser.add_argument("--out", required=True, help="output folder (results/drafter)")
-    parser.add_argument("--args", required=True, help="JSON with the train, drafter and target config sections")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for all processes together")
-    args = parser.parse_args()
-    cfg = json.loads(args.args)
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(None, level=logging.INFO if rank == 0 else logging.WARNING)  # stdout/stderr go to the rule's log
-
-    import torch  # after logging, so import warnings land in the log
-
-    from draftsmith.train import train
-
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        train(args.index, args.target, args.out, cfg.get("train"), cfg.get("drafter"), threads=args.threads)
-    finally:
-        if torch.distributed.is_initialized():  # NCCL warns (and may leak) without an explicit teardown
-            torch.distributed.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
+cfg = stage_config("train", snakemake.params.settings, snakemake.config)  # noqa: F821
+gpus = int(snakemake.resources.gpu)  # noqa: F821
+lease_gpus(gpus, logger=log)  # exports CUDA_VISIBLE_DEVICES; this process holds the lease while training runs
+out_dir = Path(snakemake.output.state).parent.parent  # noqa: F821  (results/drafter)
+cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(max(1, gpus)),
+       "-m", "draftsmith.train", "--index", snakemake.input.index, "--target", snakemake.input.target,  # noqa: F821
+       "--out", str(out_dir), "--threads", str(snakemake.threads),  # noqa: F821
+       "--args", json.dumps({section: dict(values) for section, values in cfg.items()})]
+log.info("torchrun: %d process(es)", max(1, gpus))
+with open(snakemake.log[0], "a", encoding="utf-8") as log_file, \
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:  # noqa: F821
+    for line in proc.stdout:  # progress (rate, ETA) on the console and in the log
+        sys.stderr.write(line)
+        log_file.write(line)
+        log_file.flush()
+if proc.returncode:
+    log.error("training failed (exit status %d); its output is above", proc.returncode)
+    raise SystemExit(proc.returncode)

@@ -57,7 +57,8 @@ def test_shipped_configs_are_valid():
     ({"train": {"lr": "fast"}}, "train.lr"),
     ({"drafter": {"layer_types": ["dense"]}}, "drafter.layer_types.0"),
     ({"data": {"sources": [{"name": "chat", "path": "x.jsonl", "adapter": "sharegpt"},
-                           {"name": "tools", "path": "y.jsonl", "adapter": "nope"}]}}, "data.sources.1 (tools).adapter"),
+                           {"name": "tools", "path": "y.jsonl", "adapter": "nope"}]}},
+     "data.sources.1 (tools).adapter"),
 ])
 def test_bad_config_names_the_key(bad, key):
     errors = config_errors(bad, SCHEMA)
@@ -221,3 +222,44 @@ def test_readme_commands_work_as_written(tmp_path):
     assert proc.returncode != 0
     assert ("results/features/shard-3/manifest.json: extract.shards is 2, so the shards are 0..1"
             in proc.stdout + proc.stderr)
+
+
+def test_every_schema_key_is_read_by_a_stage_or_shapes_the_dag():
+    """draftsmith.stages names each schema key as an output or runtime key of some stage (a key no stage
+    reads would be dead configuration); only the keys that reshape the DAG itself are absent."""
+    from draftsmith.stages import STAGE_KEYS
+
+    schema = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
+    in_schema = {(section, key) for section, node in schema["properties"].items()
+                 for key in (node.get("properties") or {})}
+    named = {(section, key) for sections in STAGE_KEYS.values() for section, kinds in sections.items()
+             for keys in kinds.values() for key in keys}
+    assert named <= in_schema, sorted(named - in_schema)
+    assert in_schema - named == {("target", "model"), ("data", "sources"), ("regenerate", "enabled")}
+    for stage, sections in STAGE_KEYS.items():
+        for section, kinds in sections.items():
+            both = set(kinds.get("output", ())) & set(kinds.get("runtime", ()))
+            assert not both, f"{stage}.{section}: {sorted(both)} both output and runtime"
+
+
+def test_rule_params_hold_output_keys_and_stage_config_adds_runtime_ones():
+    from draftsmith.config import check_config
+    from draftsmith.stages import rule_params, stage_config
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    check_config(config, str(REPO / "schemas" / "config.schema.yaml"))
+    params = rule_params(config, "tokenize")
+    keys = ("max_length", "overflow", "chat_template_kwargs")
+    assert params == {"tokenize": {k: config["tokenize"][k] for k in keys},
+                      "target": {"trust_remote_code": config["target"]["trust_remote_code"]}}
+    cfg = stage_config("tokenize", params, config)
+    assert cfg["tokenize"]["threads"] == config["tokenize"]["threads"] and "drafter" not in cfg
+    with pytest.raises(TypeError):
+        cfg["tokenize"]["max_length"] = 1  # read-only
+    assert rule_params(config, "export") == {"drafter": {"export_dtype": config["drafter"]["export_dtype"]}}
+    # the tapped layers: with neither target_layer_ids nor num_target_features, num_layers decides them
+    cfg2 = {**config, "drafter": {**config["drafter"], "target_layer_ids": None, "num_target_features": None,
+                                  "num_layers": 3}}
+    assert rule_params(cfg2, "extract_plan")["drafter"] == {"target_layer_ids": None, "num_target_features": 3}
+    with pytest.raises(KeyError, match="unknown stage"):
+        rule_params(config, "tokenise")

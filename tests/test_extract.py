@@ -237,7 +237,8 @@ def test_chunk_writer_is_byte_identical_to_safetensors(tmp_path):
 
     tensors = {"hidden_states": torch.randn(37, 40).to(torch.bfloat16), "scales": torch.rand(37, 2),
                "target_token": torch.randint(0, 9, (37,), dtype=torch.int32),
-               "input_ids": torch.randint(0, 9, (37,), dtype=torch.int32), "loss_mask": torch.ones(37, dtype=torch.int8),
+               "input_ids": torch.randint(0, 9, (37,), dtype=torch.int32),
+               "loss_mask": torch.ones(37, dtype=torch.int8),
                "offsets": torch.tensor([0, 10, 37]), "sample_index": torch.tensor([4, 2]),
                "fp8": torch.randn(7, 3).to(torch.float8_e4m3fn), "f32": torch.randn(3, 3)}
     meta = {"draftsmith": json.dumps({"layer_ids": [1, 2], "note": 'quote " here'})}
@@ -424,27 +425,32 @@ def test_shards_pass_the_merge_stage(tmp_path, targets):
 
 
 def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch):
-    """The thin entry points: plan then one shard, as Snakemake's script directive would call them."""
+    """The thin entry points: plan then one shard, as Snakemake's script directive would call them (params =
+    the stage's output keys, the rest from the config)."""
+    from draftsmith.stages import rule_params
+
     write_tokenized(tmp_path / "train.parquet", LENGTHS)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # an empty GPU pool: the lease runs on the CPU
     extract_cfg = {"shards": 2, "token_budget": 200, "chunk_tokens": 100, "storage_dtype": "bfloat16",
                    "store_target_tokens": True, "require_fla": False, "disk_headroom": 1.05,
                    "padding_mask": True}
     target_cfg = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": False}
+    config = {"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
+              "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}}
     root_handlers = logging.getLogger().handlers[:]
     try:
         runpy.run_path(str(REPO / "scripts/extract_plan.py"), init_globals={"snakemake": SimpleNamespace(
             input=SimpleNamespace(train=str(tmp_path / "train.parquet"), target=str(targets["llama"])),
             output=[str(tmp_path / "plan.json")], log=[str(tmp_path / "plan.log")],
-            params=SimpleNamespace(extract=extract_cfg, drafter={"num_layers": 1, "target_layer_ids": None},
-                                   target=target_cfg))})
+            params=SimpleNamespace(settings=rule_params(config, "extract_plan")), config=config)})
         plan = read_json(tmp_path / "plan.json")
         assert plan["layer_ids"] == [2] and plan["num_shards"] == 2
         runpy.run_path(str(REPO / "scripts/extract_shard.py"), init_globals={"snakemake": SimpleNamespace(
             input=SimpleNamespace(plan=str(tmp_path / "plan.json"), train=str(tmp_path / "train.parquet"),
                                   target=str(targets["llama"])),
             output=[str(tmp_path / "features/shard-1/manifest.json")], log=[str(tmp_path / "shard.log")],
-            params=SimpleNamespace(extract=extract_cfg, target=target_cfg), wildcards=SimpleNamespace(shard="1"),
+            params=SimpleNamespace(settings=rule_params(config, "extract_shard")), config=config,
+            wildcards=SimpleNamespace(shard="1"),
             resources=SimpleNamespace(gpu=1), threads=1)})
     finally:
         root = logging.getLogger()

@@ -362,7 +362,8 @@ def test_header_reader_matches_safetensors(tmp_path):
 
 
 def test_merge_rule_runs_through_snakemake(tmp_path):
-    """rules/merge.smk + scripts/merge.py: writes the index, passes merge.verify_sha256 through params."""
+    """rules/merge.smk + scripts/merge.py: writes the index; merge.verify_sha256 (a runtime key,
+    read from the config) turns on the chunk checksums."""
     import subprocess
     import sys
 
@@ -371,7 +372,7 @@ def test_merge_rule_runs_through_snakemake(tmp_path):
     work.mkdir()
     for name in ("Snakefile", "config.yaml"):
         shutil.copy(repo / name, work / name)
-    for name in ("rules", "scripts", "schemas", "draftsmith"):
+    for name in ("rules", "scripts", "schemas", "draftsmith", "envs"):
         shutil.copytree(repo / name, work / name, ignore=shutil.ignore_patterns("__pycache__"))
     fs = make_feature_set(work / "results")
 

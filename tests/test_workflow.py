@@ -389,9 +389,122 @@ def test_changing_a_training_parameter_reruns_only_train_export_evaluate(finishe
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert planned_jobs(proc.stdout + proc.stderr) == {}, "a finished run must have nothing left to do"
 
-    config = yaml.safe_load((work / "config.yaml").read_text())
+    original = (work / "config.yaml").read_text()
+    config = yaml.safe_load(original)
     config["train"]["lr"] = config["train"]["lr"] / 2
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = snakemake(work, "-n", target)
+    try:
+        proc = snakemake(work, "-n", target)
+    finally:
+        (work / "config.yaml").write_text(original)  # the finished run stays finished for the other tests
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert planned_jobs(proc.stdout + proc.stderr) == expect
+
+
+# keys whose change reshapes the DAG (paths, inputs) rather than a stage's params: checked by other tests
+STRUCTURAL_KEYS = {("target", "model"), ("data", "sources")}
+
+
+def _changed_value(section: str, key: str, value, node: dict, config: dict):
+    """A valid value other than ``value`` for a schema key (schema type, enum and bounds respected)."""
+    special = {
+        ("assets", "dir"): "resources-elsewhere",
+        ("assets", "wheelhouse"): ["elsewhere"],
+        ("assets", "index_url"): "https://pypi.example.org/simple",
+        ("tokenize", "chat_template_kwargs"): {"enable_thinking": False},
+        ("drafter", "target_layer_ids"): [0],
+        ("drafter", "layer_types"): ["full_attention"] * int(config["drafter"]["num_layers"]),
+        ("evaluate", "stop_tokens"): ["</s>"],
+    }
+    if (section, key) in special:
+        return special[(section, key)]
+    if (section, key) == ("evaluate", "sets"):
+        name, first = next(iter(value.items()))
+        return {**value, name: {**first, "max_prompts": int(first.get("max_prompts", 16)) + 1}}
+    if "enum" in node:
+        return next(v for v in node["enum"] if v != value)
+    types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    if isinstance(value, bool) or "boolean" in types and value is None:
+        return not value
+    if value is None:
+        return 2 if "integer" in types else 0.5
+    if isinstance(value, (int, float)):
+        step = 1 if "integer" in types else (value / 2 or 0.5)
+        high = node.get("maximum", node.get("exclusiveMaximum"))
+        new = value + step
+        if high is not None and new >= high:
+            new = value - step
+        return int(new) if "integer" in types else new
+    raise AssertionError(f"no changed value for {section}.{key} = {value!r}: add one to _changed_value")
+
+
+def _overlay(folder: Path, section: str, key: str, value) -> Path:
+    """A config file that changes one key (Snakemake merges it over config.yaml)."""
+    path = folder / f"{section}.{key}.yaml"
+    path.write_text(yaml.safe_dump({section: {key: value}}))
+    return path
+
+
+def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path):
+    """Every schema key, changed alone over the finished run: ``snakemake -n`` plans exactly the stages whose
+    output keys (draftsmith.stages) include it and the stages downstream of them; a runtime key (threads,
+    cadence, batch sizes of inference, kernels) plans nothing. E.g. drafter.export_dtype -> export, evaluate;
+    tokenize.threads -> nothing; train.lr -> train, export, evaluate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from draftsmith.config import check_config
+    from draftsmith.stages import STAGE_KEYS, affected, rule_params
+
+    work, last, _ = finished_run
+    if last != STAGES[-1][0]:
+        pytest.skip("needs the whole DAG")
+    schema = yaml.safe_load((work / "schemas" / "config.schema.yaml").read_text())
+    base = yaml.safe_load((work / "config.yaml").read_text())
+    check_config(base, str(work / "schemas" / "config.schema.yaml"))  # defaults filled in, as the workflow does
+    dry = snakemake(work, "-n", "--nolock")
+    assert dry.returncode == 0 and planned_jobs(dry.stdout + dry.stderr) == {}, (dry.stdout + dry.stderr)[-3000:]
+    forced = planned_jobs(snakemake(work, "-n", "--nolock", "-F").stdout)
+    in_dag = set(forced) - {"all"}
+
+    cases = []
+    for section, props in schema["properties"].items():
+        for key, node in (props.get("properties") or {}).items():
+            if (section, key) in STRUCTURAL_KEYS:
+                continue
+            new = _changed_value(section, key, base[section].get(key), node, base)
+            changed = json.loads(json.dumps(base))
+            changed[section][key] = new
+            dag = in_dag
+            if (section, key) == ("assets", "dir"):  # every asset moves to a fresh folder
+                readers = in_dag & {"fetch_dataset", "fetch_target", "materialize_target"}
+            elif (section, key) == ("regenerate", "enabled"):  # adds (or removes) the regenerate job
+                readers = {"regenerate" if new else "tokenize"}
+                dag = in_dag | {"regenerate"} if new else in_dag - {"regenerate"}
+            else:
+                readers = {stage for stage in STAGE_KEYS if stage in in_dag
+                           and rule_params(base, stage) != rule_params(changed, stage)}
+            cases.append((f"{section}.{key}", _overlay(tmp_path, section, key, new), affected(readers) & dag))
+    assert len(cases) > 80
+
+    def plan(case):
+        name, overlay, expect = case
+        proc = snakemake(work, "-n", "--nolock", "--configfile", "config.yaml", str(overlay))
+        got = set(planned_jobs(proc.stdout + proc.stderr)) - {"all"}
+        return name, expect, got, proc.returncode, (proc.stdout + proc.stderr)[-1500:]
+
+    with ThreadPoolExecutor(2) as pool:
+        planned = list(pool.map(plan, cases))
+    refused = {"evaluate.stop_tokens": "evaluate.stop_tokens"}  # removed key: the config is refused, naming it
+    results = []
+    for name, expect, got, rc, out in planned:
+        if name in refused:
+            assert rc != 0 and refused[name] in out, f"{name}: expected a refused configuration, got rc {rc}"
+        else:
+            results.append((name, expect, got, rc, out))
+    wrong = [f"{name}: planned {sorted(got)}, expected {sorted(expect)}" + (f" (rc {rc}: {out[-300:]})" if rc else "")
+             for name, expect, got, rc, out in results if rc or got != expect]
+    assert not wrong, "\n".join(wrong)
+    by_name = {name: got for name, _, got, _, _ in results}
+    assert by_name["drafter.export_dtype"] == {"export", "evaluate"}
+    assert by_name["tokenize.threads"] == set()
+    assert by_name["train.lr"] == {"train", "export", "evaluate"}

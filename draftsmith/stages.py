@@ -1,0 +1,146 @@
+"""Which configuration keys each stage reads, and which of them its outputs depend on.
+
+One table (:data:`STAGE_KEYS`) for the workflow and the tests. Per rule and config section, two kinds of key:
+
+* **output** keys decide what the stage writes (a learning rate, a token budget of the answers, a storage dtype).
+  The rule passes exactly these as ``params``, so Snakemake reruns the stage, and what depends on it, when one
+  changes (params are a default rerun trigger) and never when anything else does.
+* **runtime** keys decide only how the work runs: threads, batch sizes of inference, progress and checkpoint
+  cadence, kernel choices, download locations. Outputs are the same (up to floating-point rounding of another
+  batching or kernel), so they are read from the config at run time and changing one reruns nothing.
+
+A key the table does not name for a stage is not given to that stage at all. ``tests/test_workflow.py`` changes
+every schema key in turn on a finished run and checks that ``snakemake -n`` plans exactly the stages that read
+it as an output key, and the stages downstream of them.
+
+Keys whose change alters the DAG itself (``target.model``, ``assets.dir``, ``data.sources``,
+``regenerate.enabled``, ``extract.shards``) act through input and output paths as well.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+#: rule -> section -> {"output": keys, "runtime": keys}
+STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
+    "fetch_dataset": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
+    "fetch_target": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
+    "materialize_target": {"assets": {"output": ("target_dtype",), "runtime": ("dir", "index_url", "wheelhouse")}},
+    "curate": {"data": {"output": ("seed", "eval_fraction", "max_chars")}},
+    "regenerate": {
+        # engine and batch size change how fast, not what: greedy answers are the target's either way (in
+        # float32 token for token; in bf16 another batching may flip near-tied argmaxes)
+        "regenerate": {"output": ("max_new_tokens", "temperature", "top_p", "num_answers", "seed", "max_turns"),
+                       "runtime": ("engine", "batch_size", "chunk_size", "gpus")},
+        "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        "tokenize": {"output": ("chat_template_kwargs", "max_length")},
+    },
+    "tokenize": {
+        "tokenize": {"output": ("max_length", "overflow", "chat_template_kwargs"), "runtime": ("threads",)},
+        "target": {"output": ("trust_remote_code",)},
+    },
+    "extract_plan": {
+        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens")},
+        # the tapped layers: target_layer_ids, else num_target_features (else num_layers) evenly spread
+        "drafter": {"output": ("target_layer_ids", "num_target_features")},
+        "target": {"output": ("trust_remote_code",)},
+    },
+    "extract_shard": {
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+                    "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
+        "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+    },
+    "merge": {"merge": {"runtime": ("verify_sha256",)}},
+    "train": {
+        "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
+                             "min_lr_ratio", "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors",
+                             "max_anchors_per_row", "loss_gamma", "labels", "eval_fraction", "attention",
+                             "compile"),
+                  "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
+                              "loader_workers", "progress_interval", "logits_chunk_mib",
+                              "activation_checkpointing")},
+        "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
+                               "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
+    },
+    "export": {"drafter": {"output": ("export_dtype",)}},
+    "evaluate": {
+        "evaluate": {"output": ("temperature", "top_p", "top_k", "prompt_lookup_ngram", "prompt_lookup_num_tokens",
+                                "block_size", "seed", "max_prompt_tokens", "stop_tokens", "sets"),
+                     "runtime": ("gpus", "rollback", "static_cache", "progress_interval")},
+        "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+    },
+}
+
+#: the rule that writes each stage's outputs, in DAG order, with the rules that consume them
+DOWNSTREAM: dict[str, tuple[str, ...]] = {
+    "fetch_dataset": ("curate",),
+    "fetch_target": ("materialize_target",),
+    "materialize_target": ("regenerate", "tokenize", "extract_plan", "extract_shard", "train", "export", "evaluate"),
+    "curate": ("regenerate", "tokenize", "evaluate"),
+    "regenerate": ("tokenize",),
+    "tokenize": ("extract_plan", "extract_shard", "merge", "evaluate"),
+    "extract_plan": ("extract_shard", "merge"),
+    "extract_shard": ("merge",),
+    "merge": ("train",),
+    "train": ("export", "evaluate"),
+    "export": ("evaluate",),
+    "evaluate": (),
+}
+
+
+def _keys(stage: str, kind: str) -> dict[str, tuple[str, ...]]:
+    try:
+        sections = STAGE_KEYS[stage]
+    except KeyError:
+        raise KeyError(f"unknown stage {stage!r} (known: {', '.join(STAGE_KEYS)})") from None
+    return {section: kinds.get(kind, ()) for section, kinds in sections.items() if kinds.get(kind)}
+
+
+def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
+    """A key's value as the stage sees it (one derived value: the number of tapped layers)."""
+    value = config[section].get(key)
+    if (stage, section, key) == ("extract_plan", "drafter", "num_target_features") and value is None \
+            and config[section].get("target_layer_ids") is None:
+        value = config[section].get("num_layers") or 1  # draftsmith.extract.resolve_layer_ids's fallback
+    return value
+
+
+def rule_params(config: Mapping, stage: str) -> dict[str, dict[str, Any]]:
+    """The ``params`` of ``stage``'s rule: ``{section: {key: value}}`` of its output keys only.
+
+    Raises:
+        KeyError: an unknown stage, or a key missing from the (schema-validated) config.
+    """
+    return {section: {key: _effective(config, stage, section, key) for key in keys}
+            for section, keys in _keys(stage, "output").items()}
+
+
+def stage_config(stage: str, params: Mapping, config: Mapping) -> Mapping[str, Mapping[str, Any]]:
+    """Everything ``stage`` reads, read-only: the rule's output-key ``params`` plus its runtime keys from the
+    config (``snakemake.config`` in a script). Sections the stage does not read are absent.
+
+    Raises:
+        KeyError: a runtime key missing from the config.
+    """
+    merged: dict[str, dict[str, Any]] = {section: dict(values) for section, values in params.items()}
+    for section, keys in _keys(stage, "runtime").items():
+        merged.setdefault(section, {}).update({key: config[section][key] for key in keys})
+    return MappingProxyType({section: MappingProxyType(values) for section, values in merged.items()})
+
+
+def readers(section: str, key: str) -> set[str]:
+    """Stages with ``section.key`` among their output keys."""
+    return {stage for stage, sections in STAGE_KEYS.items() if key in sections.get(section, {}).get("output", ())}
+
+
+def affected(stages: set[str]) -> set[str]:
+    """``stages`` and every stage downstream of them."""
+    out, todo = set(), list(stages)
+    while todo:
+        stage = todo.pop()
+        if stage not in out:
+            out.add(stage)
+            todo.extend(DOWNSTREAM[stage])
+    return out
