@@ -11,7 +11,8 @@ from snakemake.utils import min_version
 
 # The library and the stage scripts import `draftsmith` from this checkout, installed or not.
 sys.path.insert(0, workflow.basedir)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")]))
+# (Set here, not required from the user: hence no `envvars:` declaration.)
+os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])))
 
 from draftsmith.config import check_config
 

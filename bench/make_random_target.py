@@ -10,7 +10,8 @@ Eos / pad / bos ids follow that tokenizer so generation stops where the template
         --out /data/random-qwen3.5-27b
 
 Shapes: ``qwen3.5-27b`` (hybrid: 64 layers, 3 Gated DeltaNet : 1 full attention, hidden 5120, vocab 248,320,
-54 GB in bf16), ``tiny-hybrid`` (the same layout, 8 layers of width 256, vocabulary grown to the tokenizer's: CPU checks).
+54 GB in bf16), ``tiny-hybrid`` (the same layout, 8 layers of width 256, vocabulary grown to the tokenizer's:
+CPU checks).
 """
 
 from __future__ import annotations

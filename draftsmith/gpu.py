@@ -16,7 +16,7 @@ node-local pool of lock files instead:
 
 Two ways to use it::
 
-    python -m draftsmith.gpu --gpus 2 -- torchrun --nproc-per-node 2 scripts/train.py ...
+    python -m draftsmith.gpu --gpus 2 -- torchrun --nproc-per-node 2 -m draftsmith.train ...
 
     from draftsmith.gpu import lease_gpus
     devices = lease_gpus(1)   # before torch initialises CUDA; sets CUDA_VISIBLE_DEVICES
@@ -128,7 +128,8 @@ def acquire(n: int, *, pool: list[str] | None = None, poll_s: float = 0.2,
     if n > len(pool):
         raise GpuLeaseError(
             f"this job asks for {n} GPUs but the node's pool has {len(pool)} "
-            f"({', '.join(pool)}; from {'CUDA_VISIBLE_DEVICES' if 'CUDA_VISIBLE_DEVICES' in os.environ else 'nvidia-smi -L'})"
+            f"({', '.join(pool)}; from "
+            f"{'CUDA_VISIBLE_DEVICES' if 'CUDA_VISIBLE_DEVICES' in os.environ else 'nvidia-smi -L'})"
         )
     folder = lock_dir()
     os.makedirs(folder, exist_ok=True)

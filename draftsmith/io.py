@@ -116,7 +116,8 @@ def progress(total: int | None, desc: str, *, unit: str = "it", logger: logging.
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit_scale, disable=disable,
-                file=_LogStream(logger or logging.getLogger("draftsmith")), mininterval=interval, maxinterval=interval * 4,
+                file=_LogStream(logger or logging.getLogger("draftsmith")), mininterval=interval,
+                maxinterval=interval * 4,
                 smoothing=0.1, bar_format="{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%) "
                                           "[{elapsed} elapsed, ETA {remaining}, {rate_fmt}{postfix}]")
 def log_uncaught(exc_type, exc, tb) -> None:

@@ -470,7 +470,8 @@ def _fake_bfcl(root: Path) -> Path:
             {"geo.area": {"base": [3.0]}}]},
     ])
     write_jsonl(data / "BFCL_v4_multi_turn_base.json", [
-        {"id": "multi_turn_base_0", "question": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}])
+        {"id": "multi_turn_base_0",
+         "question": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}])
     write_jsonl(data / "possible_answer" / "BFCL_v4_multi_turn_base.json", [
         {"id": "multi_turn_base_0", "ground_truth": [["cd(folder='x')"], ["ls()"]]}])
     write_jsonl(data / "BFCL_v4_irrelevance.json", [{"id": "irrelevance_0", "question": [[]], "function": []}])

@@ -732,7 +732,8 @@ def _stage_kwargs(inputs, out, **cfg):
                                  "heldout": {"tau_blocks": 1.75, "tau_expected": 1.5, "loss": 3.0,
                                              "accuracy_per_position": [0.4, 0.2, 0.1]}}))
     return dict(target_dir=inputs["target"], drafter_dir=inputs["drafter"], curated_eval=inputs["curated"],
-                tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg, trainer_state=str(state),
+                tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg,
+                trainer_state=str(state),
                 target_cfg={"dtype": "float32"}, device="cpu",
                 sources=[{"name": "chat", "split": "both"}, {"name": "mtbench", "split": "eval"}],
                 followup_files={"mtbench": inputs["mtbench"]})

@@ -71,7 +71,8 @@ def test_fused_extraction_equals_each_sample_alone(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
     stats = {}
     man = run_shard(tmp_path, tmp_path / "target", model=loaded, fuse=True, run_stats=stats)
-    assert stats["fused"]["compiled"]["Qwen3_5RMSNorm"] == 2 * 4 + 1 + 2  # 2 per layer, final norm, q/k norms of the attention layer
+    # 2 per layer, the final norm, the q / k norms of the attention layer
+    assert stats["fused"]["compiled"]["Qwen3_5RMSNorm"] == 2 * 4 + 1 + 2
     assert all("forward" not in m.__dict__ for m in loaded.modules())
     rows = 0
     for row, hidden, t in stored_samples(tmp_path / "features" / "shard-0", man):

@@ -186,8 +186,9 @@ def test_official_package_loads_our_folder_and_matches(official, target, tmp_pat
     ours.save_pretrained(tmp_path)
     ref = official.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
     assert ref.target_layer_ids == ours.target_layer_ids and ref.mask_token_id == MASK and ref.block_size == 4
-    assert [l.self_attn.is_causal for l in ref.layers] == [l.self_attn.is_causal for l in ours.layers]
-    assert [l.self_attn.sliding_window for l in ref.layers] == [l.self_attn.sliding_window for l in ours.layers]
+    assert [layer.self_attn.is_causal for layer in ref.layers] == [layer.self_attn.is_causal for layer in ours.layers]
+    assert [layer.self_attn.sliding_window for layer in ref.layers] == \
+        [layer.self_attn.sliding_window for layer in ours.layers]
     torch.manual_seed(1)
     noise = torch.randn(2, 4, 64)
     ctx = torch.randn(2, 9, 128)

@@ -307,12 +307,12 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
-    """The rule's shape: torchrun with 2 CPU processes (gloo), through scripts/train.py."""
+    """The rule's shape: torchrun with 2 CPU processes (gloo) running ``python -m draftsmith.train``."""
     args = {"train": dict(TINY_TRAIN, max_steps=4, tokens_per_batch=64, eval_fraction=0.15),
             "drafter": TINY_DRAFTER, "target": {}}
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts" / "train.py"), "--index", str(qwen3_setup["index"]), "--target",
+           "-m", "draftsmith.train", "--index", str(qwen3_setup["index"]), "--target",
            str(qwen3_setup["target_dir"]), "--out", str(tmp_path), "--threads", "2", "--args", json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
