@@ -62,7 +62,7 @@ def divergences(model, tok, convs, base: dict, other: dict, device: str, limit: 
     """For answers that differ from the baseline's: the index of the first differing token and the target's
     logit gap between its two best tokens there (prompt + common prefix, one unpadded forward). A gap near 0 is
     a near-tie that any change of kernel or batch shape may flip: not an engine error."""
-    from draftsmith.tokenize import render_prompt
+    from draftsmith.chat import render_prompt
 
     out = []
     for conv in convs:
@@ -117,7 +117,7 @@ def main() -> int:
             model = tiny_target("llama", **shape).to(args.device, getattr(torch, dtype))
         else:
             from draftsmith.target import load_target
-            from draftsmith.tokenize import load_tokenizer, stop_token_ids
+            from draftsmith.chat import load_tokenizer, stop_token_ids
 
             tok = load_tokenizer(args.target)
             model = load_target(args.target, dtype=dtype, device=args.device)
@@ -126,7 +126,8 @@ def main() -> int:
         for engine in args.engines.split(","):
             settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, max_turns=1, engine=engine,
                                              max_prompt_tokens=args.max_prompt_tokens,
-                                             batch_size=args.batch_size_engine if engine == "static" else args.batch_size)
+                                             batch_size=(args.batch_size_engine if engine == "static"
+                                                         else args.batch_size))
             regen = rg.Regenerator(model, tok, settings, stops)
             if args.warmup:  # one-time costs (kernel loading, allocator growth) out of the timed run
                 warm = dataclasses.replace(settings, max_new_tokens=min(16, args.max_new_tokens))

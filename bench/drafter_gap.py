@@ -38,7 +38,7 @@ from draftsmith.evaluate import DFlashProposer, PromptLookupProposer, speculativ
 from draftsmith.evaluate.run import load_drafter
 from draftsmith.extract import FeatureExtractor
 from draftsmith.target import default_device, load_target, resolve_dtype
-from draftsmith.tokenize import load_tokenizer, stop_token_ids
+from draftsmith.chat import load_tokenizer, stop_token_ids
 from draftsmith.train import TRAIN_DEFAULTS, FeatureIndex, pack_documents, split_samples
 
 

@@ -79,7 +79,7 @@ def cross_key_errors(config: dict) -> list[str]:
 
 REMOVED_STOP_TOKENS = (
     "evaluate.stop_tokens is no longer read: regenerate, tokenize and evaluate share one stop policy "
-    "(draftsmith.tokenize.stop_token_ids): the eos_token_id of the target's tokenizer, config.json and "
+    "(draftsmith.chat.stop_token_ids): the eos_token_id of the target's tokenizer, config.json and "
     "generation_config.json, plus the end-of-turn token its chat template writes. To stop at another token, "
     "add its id to eos_token_id in the target's generation_config.json (where transformers and vLLM read it "
     "too) and remove evaluate.stop_tokens")

@@ -59,7 +59,7 @@ import shutil
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from draftsmith import fused
+from draftsmith.tokenized import TOKENIZED_META, Tokenized, read_tokenized  # noqa: F401  (re-exported)
 from draftsmith import target as tgt
 from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
 
@@ -82,8 +83,7 @@ STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3
                   "float32": torch.float32}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once (target tokens)
-TOKENIZED_META = ("draftsmith.chat_template_kwargs", "draftsmith.tokenizer_fingerprint",
-                  "draftsmith.max_length")
+
 
 
 class FeatureSanityError(RuntimeError):
@@ -136,90 +136,6 @@ def resolve_layer_ids(drafter_cfg: dict | None, num_target_layers: int) -> list[
         log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s",
                  num_target_layers, int(n), ids)
     return tgt.validate_layer_ids(list(ids), num_target_layers)
-
-
-@dataclass
-class Tokenized:
-    """The columns of a tokenized parquet that extraction needs, as flat numpy arrays.
-
-    ``input_ids[offsets[r]:offsets[r + 1]]`` (int32) and the same slice of ``loss_mask`` (int8) are
-    row r; ``num_tokens`` is int64 [rows]. ``metadata`` holds the decoded ``draftsmith.*`` schema
-    metadata (JSON values).
-    """
-
-    path: str
-    ids: list[str]
-    num_tokens: np.ndarray
-    offsets: np.ndarray | None = None
-    input_ids: np.ndarray | None = None
-    loss_mask: np.ndarray | None = None
-    metadata: dict = field(default_factory=dict)
-
-    def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
-        a, b = int(self.offsets[r]), int(self.offsets[r + 1])
-        return self.input_ids[a:b], self.loss_mask[a:b]
-
-
-def _flat_list(table, name: str, path: str) -> tuple[np.ndarray, np.ndarray]:
-    col = table.column(name).combine_chunks()
-    if col.null_count:
-        bad = next(i for i, v in enumerate(col.is_null().to_pylist()) if v)
-        raise ValueError(f"{path}: row {bad}: field {name!r} is null")
-    offsets = col.offsets.to_numpy().astype(np.int64)
-    values = col.flatten().to_numpy(zero_copy_only=False)
-    return offsets - offsets[0], values
-
-
-def read_tokenized(path: str | os.PathLike, *, with_tokens: bool = True) -> Tokenized:
-    """Read a tokenized parquet (``id``, ``num_tokens`` and, with tokens, ``input_ids``/``loss_mask``).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a missing column, a null field, duplicate ids, a row with no tokens, or
-            ``num_tokens`` disagreeing with the list lengths -- naming the file, row, id and field.
-    """
-    import pyarrow.parquet as pq
-
-    path = str(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenized parquet {path} does not exist")
-    columns = ["id", "num_tokens"] + (["input_ids", "loss_mask"] if with_tokens else [])
-    schema = pq.read_schema(path)
-    missing = [c for c in columns if c not in schema.names]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {missing} (have {schema.names})")
-    table = pq.read_table(path, columns=columns, memory_map=True)
-    ids = table.column("id").to_pylist()
-    num_tokens = table.column("num_tokens").to_numpy(zero_copy_only=False)
-    for r, (i, n) in enumerate(zip(ids, num_tokens)):
-        if i is None:
-            raise ValueError(f"{path}: row {r}: field 'id' is null")
-        if not n or n < 1:
-            raise ValueError(f"{path}: row {r} (id {i}): field 'num_tokens' is {n}; "
-                             "a sample needs at least one token")
-    if len(set(ids)) != len(ids):
-        seen: set[str] = set()
-        dup = next((r, i) for r, i in enumerate(ids) if i in seen or seen.add(i))
-        raise ValueError(f"{path}: row {dup[0]}: duplicate id {dup[1]!r}")
-    meta = {}
-    for key in TOKENIZED_META:
-        raw = (schema.metadata or {}).get(key.encode())
-        meta[key] = json.loads(raw) if raw is not None else None
-    tok = Tokenized(path=path, ids=ids, num_tokens=num_tokens.astype(np.int64), metadata=meta)
-    if with_tokens:
-        off, values = _flat_list(table, "input_ids", path)
-        loff, lvalues = _flat_list(table, "loss_mask", path)
-        lengths, llengths = np.diff(off), np.diff(loff)
-        for name, got in (("input_ids", lengths), ("loss_mask", llengths)):
-            bad = np.nonzero(got != tok.num_tokens)[0]
-            if bad.size:
-                r = int(bad[0])
-                raise ValueError(f"{path}: row {r} (id {ids[r]}): num_tokens is {tok.num_tokens[r]} "
-                                 f"but field {name!r} has {got[r]} values")
-        tok.offsets = off
-        tok.input_ids = values.astype(np.int32, copy=False)
-        tok.loss_mask = lvalues.astype(np.int8, copy=False)
-    return tok
 
 
 def balance_shards(num_tokens: list[int] | np.ndarray, num_shards: int) -> list[list[int]]:
@@ -916,7 +832,8 @@ class _ShardRunner:
         raise FeatureSanityError(
             f"shard {self.shard} chunk {chunk}: sample id {self.tok.ids[row]!r} (tokenized row {row}) "
             f"has bad target features at layer id {self.layer_ids[layer_idx]}, position "
-            f"{tok_idx - starts[s]}: {'non-finite' if not math.isfinite(float(absmax[tok_idx, layer_idx])) else 'all-zero row'}"
+            f"{tok_idx - starts[s]}: "
+            f"{'non-finite' if not math.isfinite(float(absmax[tok_idx, layer_idx])) else 'all-zero row'}"
             f" (this batch: {nonfinite} non-finite values, {zero_rows} all-zero rows). The target "
             f"produced broken hidden states; refusing to store them")
 

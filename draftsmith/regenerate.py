@@ -17,7 +17,7 @@ Choices (documented, tested):
   results), because the tool results that follow it belong to those exact calls; assistant text turns after
   the tool results are regenerated.
 * **Stops.** Generation is greedy (``do_sample=False``) and stops at the first stop token of the one stop
-  policy tokenize and evaluate share (:func:`draftsmith.tokenize.stop_token_ids`: eos ids plus the chat
+  policy tokenize and evaluate share (:func:`draftsmith.chat.stop_token_ids`: eos ids plus the chat
   template's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, whose eos is ``<|end_of_text|>``); the
   answer is the generated tokens before the stop token, decoded without skipping special tokens, stored as
   ``content`` (``reasoning_content`` null: a thinking target's ``<think>...</think>`` stays inline in
@@ -59,8 +59,8 @@ import torch
 from draftsmith.target import (cache_kwargs, static_supported, target_fingerprint, use_grouped_sdpa,
                                without_cudnn_attention)
 from draftsmith.io import atomic_path, progress, sha256_file
-from draftsmith.tokenize import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
-                                 tokenizer_fingerprint)
+from draftsmith.chat import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
+                             tokenizer_fingerprint)
 
 log = logging.getLogger("draftsmith.regenerate")
 
@@ -709,7 +709,7 @@ def run(*, conversations: str, target_dir: str, output: str, settings: Generatio
         device: str | torch.device | None = None) -> dict:
     """The regenerate stage: load the target, regenerate ``conversations`` into ``output``; returns the report."""
     from draftsmith.target import load_target
-    from draftsmith.tokenize import load_tokenizer
+    from draftsmith.chat import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     stops = stop_token_ids(tokenizer, target_dir, check_template_kwargs(settings.chat_template_kwargs))

@@ -18,7 +18,7 @@ so the held-out set can be held to the prompt lengths training saw). Each conver
   asked after the target's own answer to the previous one; MT-Bench's second question (not stored
   in the curated row, see ``draftsmith.curate.mtbench_questions``) is appended the same way.
 
-Rendering uses ``draftsmith.tokenize.render_prompt`` with the chat template kwargs recorded in the
+Rendering uses ``draftsmith.chat.render_prompt`` with the chat template kwargs recorded in the
 tokenized parquet's metadata, so evaluation prompts are the exact serving render of training (a
 thinking on/off mismatch is a known silent failure, z-lab/dflash#133).
 """
@@ -185,10 +185,10 @@ def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list
 def render(tokenizer, messages: list[dict], tools: Any, chat_template_kwargs: dict) -> list[int]:
     """Serving render of a prompt (generation prompt appended) -> token ids.
 
-    Uses ``draftsmith.tokenize.render_prompt`` (the tokenize stage's own render, tool-call arguments
+    Uses ``draftsmith.chat.render_prompt`` (the tokenize stage's own render, tool-call arguments
     parsed to dicts, null fields dropped).
     """
-    from draftsmith.tokenize import render_prompt
+    from draftsmith.chat import render_prompt
 
     return list(render_prompt(tokenizer, messages, tools, chat_template_kwargs))
 

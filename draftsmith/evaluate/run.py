@@ -2,7 +2,8 @@
 
 For each prompt of each set: target-only decoding (the baseline and the lossless reference), DFlash
 speculative decoding with the exported drafter, and prompt-lookup speculative decoding (reference
-drafter), in an order rotated from prompt to prompt so that no method is always timed first. Each set's results are saved under ``partial_dir`` (atomically, keyed by a fingerprint of
+drafter), in an order rotated from prompt to prompt so that no method is always timed first. Each set's
+results are saved under ``partial_dir`` (atomically, keyed by a fingerprint of
 the drafter weights, target, set, sampling and template kwargs) so a killed job resumes at the next
 unfinished set; the folder is removed once the report is written.
 """
@@ -176,7 +177,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
     """
     from draftsmith.target import default_device, load_target, resolve_dtype
-    from draftsmith.tokenize import load_tokenizer, read_tokenized_metadata, stop_token_ids, tokenizer_fingerprint
+    from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
+    from draftsmith.tokenized import read_tokenized_metadata
 
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
@@ -350,7 +352,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
             "drafter_implementation": drafter_implementation,
             "block_size": dflash.block_size, "target_layer_ids": dflash.layer_ids,
-            "mask_token_id": dflash.mask_token_id, "device": _device_name(device), "dtype": str(dtype).replace("torch.", ""),
+            "mask_token_id": dflash.mask_token_id, "device": _device_name(device),
+            "dtype": str(dtype).replace("torch.", ""),
             "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": seed,
             "chat_template_kwargs": template_kwargs, "tokenizer_fingerprint": fp, "stop_token_ids": stops,
             "prompt_lookup_ngram": lookup.max_ngram, "prompt_lookup_num_tokens": lookup.max_drafts,
