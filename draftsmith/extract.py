@@ -11,20 +11,7 @@ Two steps (rules ``extract_plan`` and ``extract_shard``, contracts in docs/desig
   wanted, unpads, checks the numbers and writes chunk files (safetensors) atomically, with a progress
   record after each chunk so a killed job resumes without redoing finished chunks.
 
-Chunk file (``shard-{i}/chunk-{j:05d}.safetensors``), samples concatenated without padding:
-
-==================  =========================  ==============================================
-name                shape                      dtype
-==================  =========================  ==============================================
-``hidden_states``   [tokens, n_layers * H]     bfloat16 | float32 | float8_e4m3fn
-``scales``          [tokens, n_layers]         float32 (fp8 storage only; x = q * scale)
-``input_ids``       [tokens]                   int32
-``loss_mask``       [tokens]                   int8
-``offsets``         [samples + 1]              int64 (sample s = rows offsets[s]:offsets[s+1])
-``sample_index``    [samples]                  int64 (row index in the tokenized train parquet)
-``target_token``    [tokens]                   int32 (optional; argmax of the target's logits
-                                               at position t = its prediction for t + 1)
-==================  =========================  ==============================================
+Chunk files, manifests, the plan and the index: :mod:`draftsmith.features`.
 
 Not done on purpose: packing several samples into one row (``cu_seqlens``). docs/design.md records that it
 leaks across documents for Gated DeltaNet targets (the short causal conv does not see the boundaries),
@@ -56,8 +43,6 @@ import logging
 import math
 import os
 import shutil
-import struct
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,20 +53,27 @@ import torch
 from torch import nn
 
 from draftsmith import fused
+from draftsmith.features import (  # noqa: F401  (re-exported: the extract stage's file format)
+    FEATURES_FORMAT,
+    FP8_MAX,
+    LAYER_SEMANTICS,
+    PLAN_FORMAT,
+    PROGRESS_FORMAT,
+    STORAGE_DTYPES,
+    chunk_hidden_states,
+    dequantize_fp8,
+    load_chunk,
+    quantize_fp8,
+    row_absmax,
+    storage_torch_dtype,
+    write_safetensors,
+)
 from draftsmith.tokenized import TOKENIZED_META, Tokenized, read_tokenized  # noqa: F401  (re-exported)
 from draftsmith import target as tgt
 from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
 
 log = logging.getLogger("draftsmith.extract")
 
-PLAN_FORMAT = "draftsmith.plan/1"
-FEATURES_FORMAT = "draftsmith.features/1"
-PROGRESS_FORMAT = "draftsmith.progress/1"
-LAYER_SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
-                   "the last layer includes the final norm")
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
-                  "float32": torch.float32}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once (target tokens)
 
 
@@ -221,7 +213,7 @@ def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,
 def bytes_per_token(num_layers: int, hidden: int, storage_dtype: str, target_token: bool) -> int:
     """Bytes one token costs in a chunk file: features (+ fp8 scales) + input id + loss mask
     (+ target token). Example: 5 layers x 5120 in bf16 with target tokens = 51,209 bytes."""
-    elem = torch.empty((), dtype=STORAGE_DTYPES[storage_dtype]).element_size()
+    elem = torch.empty((), dtype=storage_torch_dtype(storage_dtype)).element_size()
     extra = 4 * num_layers if storage_dtype == "float8_e4m3fn" else 0
     return num_layers * hidden * elem + extra + 4 + 1 + (4 if target_token else 0)
 
@@ -307,130 +299,6 @@ def chunk_name(index: int) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # numerics: sanity statistics and fp8 storage
-
-
-def row_absmax(hidden: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """Per token and tapped layer, max |x| over the hidden dim.
-
-    Args:
-        hidden: ``[tokens, num_layers * H]`` any float dtype.
-    Returns:
-        ``[tokens, num_layers]`` float32; NaN where a row holds a NaN, inf where it holds an inf,
-        0 where the row is all zero.
-    """
-    t = hidden.shape[0]
-    return torch.linalg.vector_norm(hidden.view(t, num_layers, -1), ord=math.inf, dim=-1,
-                                    dtype=torch.float32)
-
-
-def quantize_fp8(hidden: torch.Tensor, num_layers: int, absmax: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn storage with one float32 scale per token and tapped layer.
-
-    ``scale = max|x| / 448`` over the layer's H values of that token; ``q = x / scale`` rounded to
-    e4m3 (3 mantissa bits) and clamped to +-448. Dequantise with :func:`dequantize_fp8`.
-
-    Round-trip error (e4m3 rounds to nearest with 3 mantissa bits; values below 2^-6 in scaled units
-    are subnormal with step 2^-9): elementwise ``|x_hat - x| <= max(2^-4 |x|, 2^-10 * scale)``, i.e.
-    at most 6.25 % of the value for values within ~2^15 of the row's max; measured on Gaussian-like
-    rows, the relative RMS error per row is ~2-3 % (tested in tests/test_extract.py). It halves the
-    disk of bf16 storage (1 byte per value + 4 bytes per token and layer).
-
-    Args:
-        hidden: ``[tokens, num_layers * H]`` float (finite).
-        absmax: optional precomputed :func:`row_absmax`.
-    Returns:
-        ``(q [tokens, num_layers * H] float8_e4m3fn, scales [tokens, num_layers] float32)``.
-    """
-    t = hidden.shape[0]
-    if absmax is None:
-        absmax = row_absmax(hidden, num_layers)
-    scales = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
-    view = hidden.view(t, num_layers, -1)
-    q = torch.empty(view.shape, dtype=torch.float8_e4m3fn, device=hidden.device)
-    for j in range(num_layers):  # one layer at a time bounds the float32 temporary
-        x = view[:, j, :].float() / scales[:, j:j + 1]
-        q[:, j, :] = x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(t, -1), scales
-
-
-def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-                   ) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`: ``[tokens, n * H]`` fp8 x ``[tokens, n]`` -> ``[tokens, n * H]``."""
-    t, n = scales.shape
-    return (q.view(t, n, -1).to(torch.float32) * scales[:, :, None]).to(dtype).view(t, -1)
-
-
-def load_chunk(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a chunk file (safetensors, no pickle)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def chunk_hidden_states(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
-                        ) -> torch.Tensor:
-    """``[tokens, n * H]`` features of a loaded chunk in ``dtype`` (fp8 storage is dequantised)."""
-    h = tensors["hidden_states"]
-    if h.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8(h, tensors["scales"], dtype)
-    return h.to(dtype)
-
-
-# safetensors dtype names and their rank in the format's tensor order (safetensors sorts tensors by
-# dtype, largest enum value first, then by name; matching it makes our files byte-identical to
-# ``safetensors.torch.save_file`` -- tested)
-_ST_DTYPES = {torch.int64: ("I64", 6), torch.float32: ("F32", 5), torch.int32: ("I32", 4),
-              torch.bfloat16: ("BF16", 3), torch.float8_e4m3fn: ("F8_E4M3", 2), torch.int8: ("I8", 1)}
-
-
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> str:
-    """Write CPU tensors as a safetensors file and return the file's sha256, hashing while writing.
-
-    The bytes are exactly those of ``safetensors.torch.save_file(tensors, path, metadata)`` (header
-    ``{"__metadata__", name: {dtype, shape, data_offsets}}`` padded with spaces to 8 bytes, tensors by
-    dtype then name); files load with ``safetensors.torch.load_file``. Hashing runs in a second thread
-    over the same in-memory bytes (both release the GIL), so a chunk costs max(write, hash) instead of
-    write + re-read + hash: ~2x faster on a disk writing ~1.2 GB/s (measured on the H200 machine).
-
-    Args:
-        tensors: contiguous CPU tensors of dtypes int64, float32, int32, bfloat16, float8_e4m3fn, int8.
-    Raises:
-        ValueError: an unsupported dtype or a non-CPU tensor.
-    """
-    items = []
-    for name, t in tensors.items():
-        if t.dtype not in _ST_DTYPES or t.device.type != "cpu":
-            raise ValueError(f"write_safetensors: tensor {name!r} is {t.dtype} on {t.device}")
-        items.append((name, t.contiguous()))
-    items.sort(key=lambda kv: (-_ST_DTYPES[kv[1].dtype][1], kv[0]))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype][0], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(len(head) + 8) % 8)
-    views = [struct.pack("<Q", len(head)) + head]
-    views += [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for _, t in items if t.numel()]
-    digest = hashlib.sha256()
-
-    def hash_all() -> None:
-        for v in views:
-            digest.update(v)
-
-    hasher = threading.Thread(target=hash_all, name="chunk-sha256")
-    hasher.start()
-    try:
-        with open(path, "wb") as fh:
-            for v in views:
-                fh.write(v)
-    finally:
-        hasher.join()
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -801,7 +669,7 @@ class _ShardRunner:
 
     def _host(self, capacity: int, width: int) -> dict[str, torch.Tensor]:
         pin = self.cuda
-        buf = {"hidden_states": torch.empty(capacity, width, dtype=STORAGE_DTYPES[self.storage], pin_memory=pin)}
+        buf = {"hidden_states": torch.empty(capacity, width, dtype=storage_torch_dtype(self.storage), pin_memory=pin)}
         if self.storage == "float8_e4m3fn":
             buf["scales"] = torch.empty(capacity, self.n_layers, dtype=torch.float32, pin_memory=pin)
         if self.want_tt:
@@ -893,7 +761,7 @@ class _ShardRunner:
                 self._to_host(buf["hidden_states"][pos:pos + t], q)
                 self._to_host(buf["scales"][pos:pos + t], scales)
             else:
-                self._to_host(buf["hidden_states"][pos:pos + t], hidden.to(STORAGE_DTYPES[self.storage]))
+                self._to_host(buf["hidden_states"][pos:pos + t], hidden.to(storage_torch_dtype(self.storage)))
             if target_token is not None:
                 self._to_host(buf["target_token"][pos:pos + t], target_token)
             pos += t

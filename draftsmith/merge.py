@@ -48,13 +48,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
+from draftsmith.features import DTYPE_BYTES, FEATURES_FORMAT, INDEX_FORMAT, PLAN_FORMAT, STORAGE_DTYPES
 from draftsmith.io import atomic_path, read_json, sha256_file
 
 log = logging.getLogger("draftsmith.merge")
 
-PLAN_FORMAT = "draftsmith.plan/1"
-MANIFEST_FORMAT = "draftsmith.features/1"
-INDEX_FORMAT = "draftsmith.index/1"
 
 #: Metadata every shard must share (copied into index.json).
 SHARED_FIELDS = (
@@ -72,11 +70,6 @@ MANIFEST_FIELDS = ("format", "shard", "num_shards", *SHARED_FIELDS, "num_samples
                    "chunks")
 CHUNK_FIELDS = ("file", "sha256", "bytes", "num_samples", "num_tokens", "rows", "ids", "stats")
 
-#: safetensors dtype string of each ``storage_dtype`` for ``hidden_states``.
-STORAGE_DTYPES = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
-#: Bytes per element of the safetensors dtypes.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 #: Largest header accepted (safetensors itself refuses headers over 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 #: Problems listed in the error message at most (the count is always given).
@@ -551,11 +544,11 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
             continue
         missing = _missing_fields(manifest, MANIFEST_FIELDS)
         if missing:
-            problems.append(f"{mpath}: no field(s) {', '.join(missing)} (not a {MANIFEST_FORMAT} manifest)")
+            problems.append(f"{mpath}: no field(s) {', '.join(missing)} (not a {FEATURES_FORMAT} manifest)")
             continue
         s = manifest["shard"]
-        if manifest["format"] != MANIFEST_FORMAT:
-            problems.append(f"{mpath}: format {manifest['format']!r}, expected {MANIFEST_FORMAT!r}")
+        if manifest["format"] != FEATURES_FORMAT:
+            problems.append(f"{mpath}: format {manifest['format']!r}, expected {FEATURES_FORMAT!r}")
         elif not isinstance(s, int) or not 0 <= s < num_shards:
             problems.append(f"{mpath}: shard {s!r} is outside the plan's 0..{num_shards - 1}")
         elif s in manifests:

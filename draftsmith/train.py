@@ -39,9 +39,9 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.features import FeatureIndex, SampleRef  # noqa: F401  (SampleRef re-exported)
 from draftsmith.io import progress, read_json, sha256_file, write_json
 from draftsmith.modeling import (
     DFlashDraftModel,
@@ -58,7 +58,6 @@ from draftsmith.stages import STAGE_KEYS
 
 log = logging.getLogger("draftsmith.train")
 
-INDEX_FORMAT = "draftsmith.index/1"
 CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
 
 #: Defaults of the ``train`` config section (mirrors schemas/config.schema.yaml) for library callers.
@@ -81,109 +80,6 @@ DRAFTER_DEFAULTS: dict[str, Any] = {
 # ---------------------------------------------------------------------------------------------------------------
 # Features
 # ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SampleRef:
-    """Where one tokenized row's features live: chunk ``chunk``, tokens ``start:end`` of that chunk."""
-
-    chunk: int
-    start: int
-    end: int
-    row: int  # tokenized train row index
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-class FeatureIndex:
-    """The merged feature index (``results/features/index.json``) and its chunk files, memory-mapped.
-
-    Chunk files are opened with ``safetensors.safe_open`` (a memory map) and samples are read with
-    ``get_slice`` row ranges, so only the bytes of the requested samples are touched and nothing is copied
-    into RAM up front. Only the small ``offsets`` / ``sample_index`` tensors are read at open time.
-
-    Attributes:
-        meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
-        layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
-
-    Raises:
-        FileNotFoundError: the index or a chunk file is missing.
-        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes (file and field named).
-    """
-
-    REQUIRED = ("hidden_states", "input_ids", "loss_mask", "offsets", "sample_index")
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.meta = read_json(self.path)
-        if self.meta.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{self.path}: format is {self.meta.get('format')!r}, expected {INDEX_FORMAT!r}")
-        for key in ("chunks", "layer_ids", "hidden_size", "num_target_layers", "storage_dtype", "has_target_token"):
-            if key not in self.meta:
-                raise ValueError(f"{self.path}: field {key!r} is missing")
-        self.layer_ids = [int(i) for i in self.meta["layer_ids"]]
-        self.hidden_size = int(self.meta["hidden_size"])
-        self.num_target_layers = int(self.meta["num_target_layers"])
-        self.storage_dtype = self.meta["storage_dtype"]
-        self.has_target_token = bool(self.meta["has_target_token"])
-        self.width = len(self.layer_ids) * self.hidden_size
-        self.files: list[Path] = []
-        self._handles: dict[int, Any] = {}
-        self.samples: list[SampleRef] = []
-        for ci, chunk in enumerate(self.meta["chunks"]):
-            file = self.path.parent / chunk["path"]
-            if not file.is_file():
-                raise FileNotFoundError(f"{self.path}: chunk {ci} file {file} does not exist")
-            self.files.append(file)
-            fh = self._open(ci)
-            keys = set(fh.keys())
-            for name in self.REQUIRED + (("target_token",) if self.has_target_token else ()) + \
-                    (("scales",) if self.storage_dtype == "float8_e4m3fn" else ()):
-                if name not in keys:
-                    raise ValueError(f"{file}: tensor {name!r} is missing")
-            shape = fh.get_slice("hidden_states").get_shape()
-            if len(shape) != 2 or shape[1] != self.width:
-                raise ValueError(f"{file}: hidden_states has shape {shape}, expected [tokens, {self.width}] "
-                                 f"({len(self.layer_ids)} layers x {self.hidden_size})")
-            offsets = fh.get_tensor("offsets").tolist()
-            rows = fh.get_tensor("sample_index").tolist()
-            if len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != shape[0] \
-                    or any(b < a for a, b in zip(offsets, offsets[1:])):
-                raise ValueError(f"{file}: offsets {offsets[:4]}... do not partition {shape[0]} tokens into "
-                                 f"{len(rows)} samples")
-            for i, row in enumerate(rows):
-                self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
-        if not self.samples:
-            raise ValueError(f"{self.path}: the index holds no samples")
-
-    def _open(self, ci: int):
-        fh = self._handles.get(ci)
-        if fh is None:
-            fh = safe_open(str(self.files[ci]), framework="pt")
-            self._handles[ci] = fh
-        return fh
-
-    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype = torch.bfloat16
-             ) -> dict[str, torch.Tensor]:
-        """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (fp8 dequantised
-        as ``fp8 * scale`` per token and layer), ``input_ids`` / ``loss_mask`` / ``target_token`` ``[T]`` int64."""
-        fh = self._open(ref.chunk)
-        end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
-        hs = fh.get_slice("hidden_states")[ref.start:end]
-        if self.storage_dtype == "float8_e4m3fn":
-            scales = fh.get_slice("scales")[ref.start:end].float()
-            n = len(self.layer_ids)
-            hs = (hs.float().view(-1, n, self.hidden_size) * scales[:, :, None]).view(-1, self.width)
-        out = {
-            "features": hs.to(dtype),
-            "input_ids": fh.get_slice("input_ids")[ref.start:end].long(),
-            "loss_mask": fh.get_slice("loss_mask")[ref.start:end].bool(),
-        }
-        if self.has_target_token:
-            out["target_token"] = fh.get_slice("target_token")[ref.start:end].long()
-        return out
-
 
 def split_samples(rows: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Held-out split: ``round(eval_fraction * n)`` samples (at least 1 when the fraction is positive and
