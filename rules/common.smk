@@ -106,11 +106,3 @@ def known_shard(wildcards):
         raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
                          f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
     return []
-
-
-def evaluate_followups(wildcards=None):
-    """{source name: data folder} of the MT-Bench (adapter mtbench) sources used by evaluate.sets: their
-    question files hold the turn-2 questions, asked after the target's own answer to turn 1."""
-    wanted = {s.get("source") for s in config["evaluate"]["sets"].values()}
-    return {s["name"]: source_path(s) for s in config["data"]["sources"]
-            if s["adapter"] == "mtbench" and s["name"] in wanted}

@@ -16,7 +16,6 @@ rule evaluate:
         eval="results/curated/eval.parquet",
         tokenized="results/tokenized/eval.parquet",
         trainer_state="results/drafter/trained/trainer_state.json",
-        followups=lambda w: sorted(evaluate_followups().values()),
     output:
         json="results/eval/report.json",
         md=report("results/eval/report.md", category="Evaluation", labels={"figure": "report (tables)"}),
@@ -33,7 +32,6 @@ rule evaluate:
     params:
         settings=rule_params(config, "evaluate"),
         sources=config["data"]["sources"],
-        followups=evaluate_followups(),
     threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],

@@ -25,7 +25,6 @@ report = run_evaluate(
     evaluate_cfg=cfg["evaluate"],
     target_cfg=cfg["target"],
     sources=snakemake.params.sources,  # noqa: F821
-    followup_files=dict(snakemake.params.followups),  # noqa: F821
     trainer_state=snakemake.input.trainer_state,  # noqa: F821
 )
 

@@ -626,10 +626,8 @@ def test_benchmark_adapters_humaneval_mmath_champ_mtbench_tau2(tmp_path):
                           ("user", "Solve the following problem. Make sure to show your work before "
                                    "giving the final answer.\n\nCount x."),
                           ("assistant", "1. First.\n2. Then 7.\n\nFinal answer: 7")]]
-    assert got["mt"] == [[("user", "Write a poem.")]]  # turn 1 only; evaluate asks turn 2
+    assert got["mt"] == [[("user", "Write a poem."), ("user", "Shorter.")]]  # evaluate asks 2 after its answer
     assert got["t2"] == [[("system", "# Airline policy"), ("user", "You want to cancel.\n\nYou are Emma.")]]
-    (mt_id,) = [row["id"] for row in evals if row["source"] == "mt"]
-    assert C.mtbench_questions(tmp_path / "mt")[mt_id]["turns"] == ["Write a poem.", "Shorter."]
 
 
 # ------------------------------------------------------------------------------------------------

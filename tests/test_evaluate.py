@@ -643,7 +643,7 @@ def test_split_conversation():
                                          m("user", "q2"), m("assistant", "ref")], None)
     assert conv.context == [] and conv.user_turns == [[m("system", "S"), m("user", "q1"), m("assistant", "a1"),
                                                        m("user", "q2")]]
-    conv = split_conversation("b", "mtbench", [m("system", "S"), m("user", "t1")], None, ["t2"])
+    conv = split_conversation("b", "mtbench", [m("system", "S"), m("user", "t1"), m("user", "t2")], None)
     assert conv.context == [m("system", "S")] and conv.user_turns == [[m("user", "t1")], [m("user", "t2")]]
     assert split_conversation("c", "s", [m("system", "S"), m("assistant", "x")], None) is None
 
@@ -654,13 +654,13 @@ def test_load_sets(tmp_path):
         {"id": "x1", "source": "code", "messages": [m("user", "def f"), m("assistant", "pass")], "tools": None},
         {"id": "h2", "source": "chat", "messages": [m("assistant", "orphan")], "tools": None},
         {"id": "h3", "source": "math", "messages": [m("user", "1+1"), m("assistant", "2")], "tools": None},
-        {"id": "t1", "source": "mtbench", "messages": [m("user", "turn one")], "tools": None},
+        {"id": "t1", "source": "mtbench", "messages": [m("user", "turn one"), m("user", "turn two")], "tools": None},
     ]
     path = write_curated(tmp_path / "eval.parquet", rows)
     sets = load_sets(path, {"heldout": {"source": "heldout", "max_prompts": 5},
                             "mt": {"source": "mtbench", "max_new_tokens": 7},
                             "code": {"source": "code", "max_prompts": 1}},
-                     heldout_sources=["chat", "math"], followups={"mtbench": {"t1": ["turn two"]}})
+                     heldout_sources=["chat", "math"])
     held, mt, code = sets
     assert [c.id for c in held.conversations] == ["h1", "h3"] and held.skipped == {"no_user_turn": 1}
     assert held.rows_read == 3 == len(held.conversations) + sum(held.skipped.values())
@@ -695,12 +695,9 @@ def stage_inputs(tmp_path_factory):
     tok.save_pretrained(tdir)
     ddir = root / "drafter"
     make_drafter(tgt, seed=2).save_pretrained(ddir)
-    t1 = "Write a function that adds two numbers."
-    mt_id = normalize_conversation([{"role": "user", "content": t1}], prompt_only=True).id
-    qdir = root / "mtbench" / "data"
-    qdir.mkdir(parents=True)
-    (qdir / "question.jsonl").write_text(json.dumps(
-        {"question_id": 81, "category": "coding", "turns": [t1, "Now explain it."]}) + "\n")
+    t1, t2 = "Write a function that adds two numbers.", "Now explain it."
+    mt_id = normalize_conversation([{"role": "user", "content": t1}, {"role": "user", "content": t2}],
+                                   prompt_only=True).id
     rows = [
         {"id": "c1", "source": "chat", "messages": [m("user", "Hello! How are you today?"), m("assistant", "fine")],
          "tools": None},
@@ -708,7 +705,7 @@ def stage_inputs(tmp_path_factory):
                                                     m("assistant", "jumps")], "tools": None},
         {"id": "c3", "source": "chat", "messages": [m("user", "The answer is " + "42, " * 300),
                                                     m("assistant", "ok")], "tools": None},
-        {"id": mt_id, "source": "mtbench", "messages": [m("user", t1)], "tools": None},
+        {"id": mt_id, "source": "mtbench", "messages": [m("user", t1), m("user", t2)], "tools": None},
     ]
     curated = write_curated(root / "eval.parquet", rows)
     meta = tokenized_metadata({}, tokenizer_fingerprint(tok), 512)
@@ -717,7 +714,7 @@ def stage_inputs(tmp_path_factory):
     tokenized = str(root / "tok_eval.parquet")
     pq.write_table(pa.Table.from_pylist([], schema=schema), tokenized)
     return {"root": root, "target": str(tdir), "drafter": str(ddir), "curated": curated, "tokenized": tokenized,
-            "mtbench": str(root / "mtbench"), "tokenizer": tok}
+            "tokenizer": tok}
 
 
 def _stage_kwargs(inputs, out, **cfg):
@@ -735,8 +732,7 @@ def _stage_kwargs(inputs, out, **cfg):
                 tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg,
                 trainer_state=str(state),
                 target_cfg={"dtype": "float32"}, device="cpu",
-                sources=[{"name": "chat", "split": "both"}, {"name": "mtbench", "split": "eval"}],
-                followup_files={"mtbench": inputs["mtbench"]})
+                sources=[{"name": "chat", "split": "both"}, {"name": "mtbench", "split": "eval"}])
 
 
 @pytest.mark.slow

@@ -34,3 +34,30 @@ def test_snakemake_lint_is_clean():
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Congratulations, your workflow is in a good condition!" in out, out[-6000:]
+
+
+STAGES = {"assets", "curate", "regenerate", "tokenize", "extract", "merge", "train", "export", "evaluate"}
+
+
+def test_no_stage_module_imports_another_stage():
+    """Stages share code through shared modules (chat, tokenized, features, target, modeling, ...), never by
+    importing each other: a stage's internals can change without another stage breaking."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "draftsmith").rglob("*.py")):
+        stage = path.relative_to(REPO / "draftsmith").parts[0].removesuffix(".py")
+        if stage not in STAGES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"draftsmith.{a.name}" for a in node.names if node.module == "draftsmith"]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "draftsmith" and len(parts) > 1 and parts[1] in STAGES and parts[1] != stage:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert not found, "\n".join(found)

@@ -41,7 +41,7 @@ from .adapters import (ADAPTERS, BFCL_TYPES, CHAMP_SYSTEM, CHAMP_USER, COLUMN_FI
                        bfcl_schema, convert_alpaca, convert_auto, convert_bfcl, convert_champ,
                        convert_humaneval, convert_mmath, convert_mtbench, convert_openai,
                        convert_prompt_response, convert_sharegpt, convert_tau2, convert_tooltalk,
-                       iter_bfcl, mtbench_questions)
+                       iter_bfcl)
 from .normalize import (ROLE_ALIASES, Conversation, canonical_json, conversation_id,
                         normalize_conversation, normalize_tool_calls, normalize_tools)
 from .pipeline import (ROW_GROUP_ROWS, SPLITS, Source, check_sources, curate, eval_mask, id_to_u64,
@@ -62,7 +62,7 @@ __all__ = [
     "convert_mmath", "convert_mtbench", "convert_openai", "convert_prompt_response",
     "convert_sharegpt", "convert_tau2", "convert_tooltalk", "curate", "eval_mask", "id_to_u64",
     "is_hf_dataset_dir", "iter_bfcl", "iter_hf_disk", "iter_json_array", "iter_json_array_items",
-    "iter_json_document", "iter_jsonl", "iter_parquet", "iter_records", "mtbench_questions",
+    "iter_json_document", "iter_jsonl", "iter_parquet", "iter_records",
     "normalize_conversation", "normalize_tool_calls", "normalize_tools", "plan_copies",
     "sampling_keys", "splitmix64",
 ]

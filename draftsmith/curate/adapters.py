@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .normalize import ROLE_ALIASES, normalize_conversation, normalize_tool_calls
+from .normalize import ROLE_ALIASES, normalize_tool_calls
 from .readers import Item, _find, iter_json_document, iter_jsonl, iter_records
 from .schema import CurateError, DropRow, Malformed
 
@@ -457,33 +457,21 @@ def convert_champ(rec: dict) -> Converted:
 
 
 def convert_mtbench(rec: dict) -> Converted:
-    """MT-Bench ``{question_id, category, turns: [t1, t2]}`` -> [user: t1] (prompt only).
+    """MT-Bench ``{question_id, category, turns: [t1, t2]}`` -> [user: t1, user: t2] (prompt only).
 
-    The second turn is a follow-up to the *target's* answer to the first, so it cannot be a
-    second user message right after the first: the row holds turn 1 only and the evaluate stage,
-    which has the target's answer, asks turn 2 itself (:func:`mtbench_questions` gives both turns
-    keyed by the row id).
+    Turn 2 follows up on the *target's* answer to turn 1, so the row holds the questions only: the evaluate
+    stage asks turn 1, then turn 2 after the target's own answer (a prompt-only row's user messages are its
+    turns). Turns that are not text are dropped from the end (a row needs turn 1).
     """
     turns = _require(rec, "turns", list)
     if not turns or not isinstance(turns[0], str):
         raise DropRow("bad_record", "turns is empty or not text")
-    return [{"role": "user", "content": turns[0]}], None
-
-
-def mtbench_questions(path: str | Path) -> dict[str, dict]:
-    """MT-Bench questions keyed by the curated row id of their turn-1 row.
-
-    Returns:
-        ``{row id: {"question_id", "category", "turns": [t1, t2]}}`` for the evaluate stage, which
-        sends turn 2 after the target's answer to turn 1.
-    """
-    out = {}
-    for _, rec in _read_mtbench(Path(path), {}):
-        if isinstance(rec, Malformed):
-            continue
-        conv = normalize_conversation(convert_mtbench(rec)[0], prompt_only=True)
-        out[conv.id] = {k: rec.get(k) for k in ("question_id", "category", "turns")}
-    return out
+    asked = []
+    for turn in turns:
+        if not isinstance(turn, str) or not turn.strip():
+            break
+        asked.append({"role": "user", "content": turn})
+    return asked, None
 
 
 def convert_tau2(rec: dict, policy: str) -> Converted:

@@ -15,8 +15,7 @@ so the held-out set can be held to the prompt lengths training saw). Each conver
 * a row with an assistant turn: prompt = the messages before the last assistant turn (the reference
   answer is not shown), one turn;
 * a prompt-only row (user turns, no assistant turn; MT-Bench, tau2): each user turn in order, each
-  asked after the target's own answer to the previous one; MT-Bench's second question (not stored
-  in the curated row, see ``draftsmith.curate.mtbench_questions``) is appended the same way.
+  asked after the target's own answer to the previous one (MT-Bench's curated rows hold both questions).
 
 Rendering uses ``draftsmith.chat.render_prompt`` with the chat template kwargs recorded in the
 tokenized parquet's metadata, so evaluation prompts are the exact serving render of training (a
@@ -94,13 +93,13 @@ def _clean(message: dict) -> dict:
     return {k: v for k, v in message.items() if v is not None}
 
 
-def split_conversation(row_id: str, source: str, messages: list[dict], tools: str | None,
-                       followups: list[str] | None = None) -> Conversation | None:
+def split_conversation(row_id: str, source: str, messages: list[dict], tools: str | None) -> Conversation | None:
     """Turn a curated row into a :class:`Conversation`; ``None`` when it has no user turn to ask.
 
     Args:
-        messages: curated messages (Arrow structs as dicts; null fields allowed).
-        followups: extra user questions asked after the last one (MT-Bench turn 2).
+        messages: curated messages (Arrow structs as dicts; null fields allowed). In a prompt-only row
+            (no assistant message) each user message starts a turn, asked after the target's answer to
+            the one before (MT-Bench's two turns).
     """
     messages = [_clean(m) for m in messages]
     last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
@@ -117,15 +116,12 @@ def split_conversation(row_id: str, source: str, messages: list[dict], tools: st
         context = messages[:users[0]]
         bounds = users[1:] + [len(messages)]
         turns = [messages[u:b] for u, b in zip(users, bounds)]
-    for text in followups or []:
-        turns.append([{"role": "user", "content": text}])
     if last_assistant is not None:
         return Conversation(row_id, source, [], turns, tools)
     return Conversation(row_id, source, context, turns, tools)
 
 
 def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list[str],
-              followups: dict[str, dict[str, list[str]]] | None = None,
               first_prompt_fits: Callable[[Conversation, int], bool] | None = None) -> list[BenchmarkSet]:
     """Read the benchmark sets from the curated eval parquet.
 
@@ -133,7 +129,6 @@ def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list
         curated_eval: path of ``results/curated/eval.parquet``.
         sets: config ``evaluate.sets`` (name -> {source, max_prompts, max_new_tokens}).
         heldout_sources: names of the ``split: both`` sources (the ``heldout`` set).
-        followups: per source, ``{row id: [extra user questions]}`` (MT-Bench turn 2).
         first_prompt_fits: ``(conversation, max_new_tokens) -> bool``; a conversation whose first prompt does
             not fit is skipped (reason ``prompt_too_long``) and does not count towards ``max_prompts``, so a
             set is filled with prompts of the length the drafter was trained on.
@@ -169,8 +164,7 @@ def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list
             if len(bset.conversations) >= bset.max_prompts:
                 break
             bset.rows_read += 1
-            extra = ((followups or {}).get(row["source"]) or {}).get(row["id"])
-            conv = split_conversation(row["id"], row["source"], row["messages"] or [], row["tools"], extra)
+            conv = split_conversation(row["id"], row["source"], row["messages"] or [], row["tools"])
             if conv is None:
                 bset.skip("no_user_turn", row["id"])
                 continue

@@ -149,7 +149,7 @@ def _load_partial(path: Path, key: str) -> dict | None:
 
 def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokenized_eval: str,
                  outputs: dict[str, str], evaluate_cfg: dict, target_cfg: dict, sources: list[dict],
-                 followup_files: dict[str, str] | None = None, device: torch.device | str | None = None,
+                 device: torch.device | str | None = None,
                  partial_dir: str | None = None, drafter_implementation: str = "draftsmith",
                  trainer_state: str | None = None) -> dict:
     """Run the evaluate stage and write report.json, report.md and the three plots.
@@ -164,7 +164,6 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         evaluate_cfg: config ``evaluate`` (sets, sampling, prompt lookup, ...).
         target_cfg: config ``target`` (dtype, attn_implementation, trust_remote_code).
         sources: config ``data.sources`` (``split: both`` sources form the ``heldout`` set).
-        followup_files: per source name, the MT-Bench question file folder (turn 2 questions).
         device: default: ``cuda`` if available else ``cpu``.
         partial_dir: where per-set results are kept until the report is written (resume).
         trainer_state: the training run's ``trainer_state.json``: its held-out (teacher-forced) block τ is
@@ -215,7 +214,6 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
     static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
 
-    followups = _read_followups(followup_files or {})
     heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
 
     def fits(num_prompt_tokens: int, max_new: int) -> bool:
@@ -226,7 +224,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         return fits(len(ids), max_new)
 
     sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {}, heldout_sources=heldout_sources,
-                     followups=followups, first_prompt_fits=first_prompt_fits)
+                     first_prompt_fits=first_prompt_fits)
     if not sets:
         raise ValueError("evaluate.sets is empty: nothing to evaluate")
 
@@ -486,18 +484,6 @@ def _overall(set_reports, all_results, all_labels, all_conversations, sampling, 
         "prompts_in_several_sets": sum(s["prompts"] for s in set_reports.values()) - len(base),
         **_decoder_metrics(all_results, all_labels, sampling, block_size),
     }
-
-
-def _read_followups(files: dict[str, str]) -> dict[str, dict[str, list[str]]]:
-    """Per source, ``{row id: [turn 2, ...]}`` from MT-Bench question files (draftsmith.curate)."""
-    out = {}
-    for source, path in files.items():
-        from draftsmith.curate import mtbench_questions
-
-        questions = mtbench_questions(path)
-        out[source] = {rid: [t for t in (q.get("turns") or [])[1:] if isinstance(t, str)]
-                       for rid, q in questions.items()}
-    return out
 
 
 def _device_name(device: torch.device) -> str:
