@@ -631,6 +631,87 @@ class _TrainStep(torch.nn.Module):
                                              backend=backend, logits_chunk_bytes=logits_chunk_bytes)
 
 
+def _setup_device(threads: int | None) -> tuple[torch.device, Dist]:
+    """This process's device (``cuda:LOCAL_RANK`` when CUDA is there), torch.distributed, CPU threads."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    ranks = setup_distributed(device.type)
+    if ranks.world > 1 and threads:
+        torch.set_num_threads(max(1, int(threads) // ranks.world))
+    return device, ranks
+
+
+def _optimizer(model: DFlashDraftModel, settings: dict, on_gpu: bool) -> tuple[torch.optim.Optimizer, list]:
+    """AdamW over the trainable parameters, weight decay on matrices only; returns ``(optimizer, params)``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings["lr"],
+                                  fused=on_gpu or None)
+    return optimizer, params
+
+
+def _resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer: torch.optim.Optimizer,
+            device: torch.device, total_steps: int) -> tuple[int, list]:
+    """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history)``,
+    ``(0, [])`` when there is none.
+
+    Raises:
+        ValueError: the checkpoint's fingerprint is not the folder's (edited by hand).
+    """
+    found = load_latest_checkpoint(ckpt_dir)
+    if found is None:
+        return 0, []
+    path, state = found
+    if state.get("fingerprint") != fingerprint:
+        raise ValueError(f"{path}: its run fingerprint {state.get('fingerprint', '?')[:12]} does not match "
+                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
+    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
+    load_optimizer_tensors(optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)),
+                           state["optimizer"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["torch_cpu"])
+    if device.type == "cuda" and f"torch_cuda_{device.index or 0}" in rng:
+        torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
+    log.info("resumed from %s (step %d of %d)", path, int(state["step"]), total_steps)
+    return int(state["step"]), list(state.get("history", []))
+
+
+def _allow_recompiles() -> None:
+    """Compiled flex_attention sees one shape per anchor bucket: let dynamo keep them all."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+
+
+def _log_heldout(writer, metrics: dict, step: int) -> None:
+    if writer is not None:
+        writer.add_scalar("eval/loss", metrics["loss"], step)
+        writer.add_scalar("eval/tau_expected", metrics["tau_expected"], step)
+        writer.add_scalar("eval/tau_blocks", metrics["tau_blocks"], step)
+        for k, a in enumerate(metrics["accuracy_per_position"], start=1):
+            writer.add_scalar(f"eval/accuracy_pos{k:02d}", a, step)
+    log.info("step %d held-out: loss %.4f, tau_expected %.3f, tau_blocks %.3f, acc %s", step, metrics["loss"],
+             metrics["tau_expected"], metrics["tau_blocks"],
+             " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))
+
+
+def _log_train(writer, summary: dict, step: int, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+    if writer is not None:
+        writer.add_scalar("train/loss", summary["loss"], step)
+        writer.add_scalar("train/lr", lr, step)
+        writer.add_scalar("train/grad_norm", grad_norm, step)
+        writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
+        writer.add_scalar("train/accuracy_pos01", summary["accuracy_per_position"][0], step)
+
+
 def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
           train_cfg: dict | None = None, drafter_cfg: dict | None = None, *, threads: int | None = None,
           stop_after_steps: int | None = None) -> dict[str, Any]:
@@ -638,6 +719,10 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
 
     Writes ``<out_dir>/trained/{model.safetensors, config.json, trainer_state.json}`` (trainer_state last),
     checkpoints under ``<out_dir>/checkpoints/``, TensorBoard scalars under ``<out_dir>/tensorboard/``.
+
+    Steps: data (held-out split, batch plan) -> model (frozen target embedding and head, drafter, optimizer,
+    resume) -> batches (packed rows prefetched in pinned memory) -> the loop (learning rate, micro-batches,
+    clip, step, log, held-out evaluation, checkpoint) -> trained/ and trainer_state.json.
 
     Args:
         index_path: ``results/features/index.json``.
@@ -656,222 +741,168 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
             checkpoint from a different configuration in ``checkpoints/``.
     """
     t_start = time.time()
-    tc = {**TRAIN_DEFAULTS, **(train_cfg or {})}
-    dc = {**DRAFTER_DEFAULTS, **(drafter_cfg or {})}
+    settings = {**TRAIN_DEFAULTS, **(train_cfg or {})}
+    drafter_settings = {**DRAFTER_DEFAULTS, **(drafter_cfg or {})}
     out_dir, target_dir = Path(out_dir), Path(target_dir)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if threads:
-        torch.set_num_threads(max(1, int(threads)))
-    dd = setup_distributed(device.type)
-    if dd.world > 1 and threads:
-        torch.set_num_threads(max(1, int(threads) // dd.world))
+    device, ranks = _setup_device(threads)
     on_gpu = device.type == "cuda"
-    feat_dtype = torch.bfloat16 if on_gpu else torch.float32
+    feature_dtype = torch.bfloat16 if on_gpu else torch.float32
 
     # -- data ------------------------------------------------------------------------------------------------
     index = FeatureIndex(index_path)
-    use_target_tokens = tc["labels"] == "target" and index.has_target_token
-    if tc["labels"] == "target" and not index.has_target_token:
+    use_target_tokens = settings["labels"] == "target" and index.has_target_token
+    if settings["labels"] == "target" and not index.has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
-    train_ids, heldout_ids = split_samples([s.row for s in index.samples], tc["eval_fraction"], tc["seed"])
+    train_ids, heldout_ids = split_samples([s.row for s in index.samples], settings["eval_fraction"],
+                                           settings["seed"])
     lengths = [s.num_tokens for s in index.samples]
-    cap = int(tc["tokens_per_batch"])
-    truncated = sum(1 for i in train_ids if lengths[i] > cap)
+    row_tokens = int(settings["tokens_per_batch"])
+    truncated = sum(1 for i in train_ids if lengths[i] > row_tokens)
     log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
-             len(index.samples), len(train_ids), len(heldout_ids), truncated, cap)
+             len(index.samples), len(train_ids), len(heldout_ids), truncated, row_tokens)
     try:
-        bplan = BatchPlan(lengths, train_ids, cap, seed=tc["seed"], world=dd.world, grad_accum=tc["grad_accum"],
-                          epochs=tc["epochs"], max_steps=tc["max_steps"])
+        batch_plan = BatchPlan(lengths, train_ids, row_tokens, seed=settings["seed"], world=ranks.world,
+                               grad_accum=settings["grad_accum"], epochs=settings["epochs"],
+                               max_steps=settings["max_steps"])
     except ValueError as exc:
         raise ValueError(f"{index_path}: {exc}") from None
-    total_steps = bplan.total_steps
-    per_step = bplan.per_step
-    steps_per_epoch = bplan.steps_per_epoch[0]
-    warmup = int(round(tc["warmup_ratio"] * total_steps))
+    total_steps = batch_plan.total_steps
+    warmup = int(round(settings["warmup_ratio"] * total_steps))
 
     # -- model -----------------------------------------------------------------------------------------------
     embed, head = load_target_embeddings_and_head(target_dir)
-    vocab = embed.shape[0]
+    config = build_model_config(index, target_dir, drafter_settings, embed.shape[0])
     tied = head is embed
-    embed = embed.to(device=device, dtype=feat_dtype)
-    head = embed if tied else head.to(device=device, dtype=feat_dtype)  # tied: one copy on the device
-    config = build_model_config(index, target_dir, dc, vocab)
+    embed = embed.to(device=device, dtype=feature_dtype)
+    head = embed if tied else head.to(device=device, dtype=feature_dtype)  # tied: one copy on the device
     block = config.dflash_config["block_size"]
-    gamma = float(tc["loss_gamma"] or default_loss_gamma(block))
-    torch.manual_seed(tc["seed"])
+    gamma = float(settings["loss_gamma"] or default_loss_gamma(block))
+    torch.manual_seed(settings["seed"])
     model = DFlashDraftModel(config).to(device)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=tc["lr"],
-                            fused=on_gpu or None)
-    model_cfg_dict = drafter_config_dict(config)
-    fingerprint = run_fingerprint(model_cfg_dict, tc, index.meta, dd.world)
-
+    optimizer, params = _optimizer(model, settings, on_gpu)
+    fingerprint = run_fingerprint(drafter_config_dict(config), settings, index.meta, ranks.world)
     # one checkpoint folder per run fingerprint: a rerun with the same configuration resumes; a changed one
     # (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
     ckpt_dir = out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
-    others = sorted(p.name for p in ckpt_dir.parent.glob("run-*") if p != ckpt_dir) if ckpt_dir.parent.is_dir() \
-        else []
-    if others and dd.main:
+    others = sorted(p.name for p in ckpt_dir.parent.glob("run-*") if p != ckpt_dir) \
+        if ckpt_dir.parent.is_dir() else []
+    if others and ranks.main:
         log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s", ckpt_dir.parent,
                  ", ".join(others))
-    start_step, history = 0, []
-    found = load_latest_checkpoint(ckpt_dir)
-    if found is not None and found[1].get("fingerprint") != fingerprint:
-        raise ValueError(f"{found[0]}: its run fingerprint {found[1].get('fingerprint', '?')[:12]} does not match "
-                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
-    if found is not None:
-        path, state = found
-        model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
-        load_optimizer_tensors(opt, load_file(str(path / "optimizer.safetensors"), device=str(device)),
-                               state["optimizer"])
-        rng = load_file(str(path / "rng.safetensors"))
-        torch.set_rng_state(rng["torch_cpu"])
-        if on_gpu and f"torch_cuda_{device.index or 0}" in rng:
-            torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
-        start_step, history = int(state["step"]), list(state.get("history", []))
-        log.info("resumed from %s (step %d of %d)", path, start_step, total_steps)
-
+    start_step, history = _resume(ckpt_dir, fingerprint, model, optimizer, device, total_steps)
     n_params = sum(p.numel() for p in params)
     log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels %s; "
              "%d steps (%d per epoch, warmup %d), %d process(es) on %s",
              config.num_hidden_layers, config.hidden_size, n_params, n_params / 1e6, block, gamma,
-             "target tokens" if use_target_tokens else "data tokens", total_steps, steps_per_epoch, warmup,
-             dd.world, device)
+             "target tokens" if use_target_tokens else "data tokens", total_steps, batch_plan.steps_per_epoch[0],
+             warmup, ranks.world, device)
 
     step_model: torch.nn.Module = _TrainStep(model)
-    if dd.world > 1:
-        step_model = torch.nn.parallel.DistributedDataParallel(
-            step_model, device_ids=[device.index] if on_gpu else None)
-    chunk_bytes = int(tc["logits_chunk_mib"]) << 20
-    model.activation_checkpointing = bool(tc["activation_checkpointing"])
-    if tc["compile"] and on_gpu:
+    if ranks.world > 1:
+        step_model = torch.nn.parallel.DistributedDataParallel(step_model, device_ids=[device.index] if on_gpu
+                                                               else None)
+    chunk_bytes = int(settings["logits_chunk_mib"]) << 20
+    model.activation_checkpointing = bool(settings["activation_checkpointing"])
+    if settings["compile"] and on_gpu:
         for layer in model.layers:
             layer.compile()  # in place: state-dict names unchanged
+    if on_gpu:
+        _allow_recompiles()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else \
         (lambda: torch.autocast("cpu", enabled=False))
-    # GPU: fixed row length and power-of-two anchor buckets, so compiled flex_attention sees few shapes
-    pad_tokens = -(-cap // 128) * 128 if on_gpu else 1
-    pad_anchors = max(1, 128 // block) if on_gpu else 1
-    if on_gpu:
-        import torch._dynamo.config as dynamo_config
 
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+    # -- batches: packed rows; on a GPU a fixed row length and power-of-two anchor buckets, so compiled
+    # flex_attention sees few shapes ---------------------------------------------------------------------------
+    def batch_of(row: list[tuple[int, int]], seed: int) -> PackedBatch:
+        return make_batch(index, row, num_anchors=settings["num_anchors"], seed=seed, feature_dtype=feature_dtype,
+                          pad_tokens_to=-(-row_tokens // 128) * 128 if on_gpu else 1,
+                          pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,
+                          max_anchors_per_row=settings["max_anchors_per_row"], pin_memory=on_gpu)
 
-    def make_train(item):
-        _, epoch, r = item
-        return make_batch(index, bplan.rows(epoch)[r], num_anchors=tc["num_anchors"],
-                          seed=_seed_of(tc["seed"], "anchors", epoch, r), feature_dtype=feat_dtype,
-                          pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
-                          max_anchors_per_row=tc["max_anchors_per_row"], pin_memory=on_gpu)
-
-    heldout_rows = pack_rows(lengths, heldout_ids, cap)[dd.rank::dd.world] if heldout_ids else []
-
-    def heldout_batches():
-        items = list(range(len(heldout_rows)))
-        return Prefetcher(items, lambda j: make_batch(
-            index, heldout_rows[j], num_anchors=tc["num_anchors"], seed=_seed_of(tc["seed"], "heldout", dd.rank, j),
-            feature_dtype=feat_dtype, pad_tokens_to=pad_tokens, pad_anchors_to=pad_anchors, bucket_anchors=on_gpu,
-            max_anchors_per_row=tc["max_anchors_per_row"], pin_memory=on_gpu),
-            depth=tc["prefetch"], pin=on_gpu, workers=tc["loader_workers"])
-
+    heldout_rows = pack_rows(lengths, heldout_ids, row_tokens)[ranks.rank::ranks.world] if heldout_ids else []
     writer = None
-    if dd.main:
+    if ranks.main:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step or None)
 
-    def run_eval(step: int) -> dict | None:
+    def heldout_metrics(step: int) -> dict | None:
         if not heldout_ids:
             return None
-        pf = heldout_batches()
+        def heldout_batch(j: int) -> PackedBatch:
+            return batch_of(heldout_rows[j], _seed_of(settings["seed"], "heldout", ranks.rank, j))
+
+        batches = Prefetcher(list(range(len(heldout_rows))), heldout_batch, depth=settings["prefetch"], pin=on_gpu,
+                             workers=settings["loader_workers"])
         try:
-            metrics = evaluate(model, pf, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+            metrics = evaluate(model, batches, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
                                device=device, autocast=autocast, logits_chunk_bytes=chunk_bytes)
         finally:
-            pf.close()
+            batches.close()
         metrics["step"] = step
-        if writer is not None:
-            writer.add_scalar("eval/loss", metrics["loss"], step)
-            writer.add_scalar("eval/tau_expected", metrics["tau_expected"], step)
-            writer.add_scalar("eval/tau_blocks", metrics["tau_blocks"], step)
-            for k, a in enumerate(metrics["accuracy_per_position"], start=1):
-                writer.add_scalar(f"eval/accuracy_pos{k:02d}", a, step)
-        log.info("step %d held-out: loss %.4f, tau_expected %.3f, tau_blocks %.3f, acc %s", step, metrics["loss"],
-                 metrics["tau_expected"], metrics["tau_blocks"],
-                 " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))
+        _log_heldout(writer, metrics, step)
         return metrics
 
     def checkpoint(step: int) -> None:
-        if dd.main:
-            save_checkpoint(ckpt_dir, step, model, opt, {
+        if ranks.main:
+            save_checkpoint(ckpt_dir, step, model, optimizer, {
                 "fingerprint": fingerprint, "total_steps": total_steps,
-                "data_position": {"step": step, "epoch": bplan.locate(min(step, total_steps - 1))[0],
-                                  "micro_batches_per_step": per_step},
-                "scheduler": {"warmup_steps": warmup, "total_steps": total_steps, "min_lr_ratio": tc["min_lr_ratio"],
-                              "lr": opt.param_groups[0]["lr"]},
-                "history": history}, keep=int(tc["keep_checkpoints"]))
+                "data_position": {"step": step, "epoch": batch_plan.locate(min(step, total_steps - 1))[0],
+                                  "micro_batches_per_step": batch_plan.per_step},
+                "scheduler": {"warmup_steps": warmup, "total_steps": total_steps,
+                              "min_lr_ratio": settings["min_lr_ratio"], "lr": optimizer.param_groups[0]["lr"]},
+                "history": history}, keep=int(settings["keep_checkpoints"]))
         _barrier()
 
-    # -- loop -------------------------------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------------------------
     end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
-    prefetch = Prefetcher(list(bplan.items(start_step, end_step, dd.rank)), make_train, depth=tc["prefetch"],
-                          pin=on_gpu, workers=tc["loader_workers"])
+
+    def train_batch(item: tuple[int, int, int]) -> PackedBatch:
+        _, epoch, r = item
+        return batch_of(batch_plan.rows(epoch)[r], _seed_of(settings["seed"], "anchors", epoch, r))
+
+    prefetch = Prefetcher(list(batch_plan.items(start_step, end_step, ranks.rank)), train_batch,
+                          depth=settings["prefetch"], pin=on_gpu, workers=settings["loader_workers"])
     batches = iter(prefetch)
-    bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not dd.main,
-                   interval=float(tc["progress_interval"]))
-    tokens_seen = 0
-    t_loop = time.time()
-    last = {}
+    bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not ranks.main,
+                   interval=float(settings["progress_interval"]))
+    accum = settings["grad_accum"]
+    tokens_seen, t_loop, last = 0, time.time(), {}
     try:
         for step in range(start_step, end_step):
-            lr = tc["lr"] * lr_factor(step, total_steps, warmup, tc["min_lr_ratio"])
-            for g in opt.param_groups:
-                g["lr"] = lr
+            lr = settings["lr"] * lr_factor(step, total_steps, warmup, settings["min_lr_ratio"])
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             metrics = Metrics(block - 1, device)
-            step_tokens = 0
-            for m in range(tc["grad_accum"]):
+            for micro in range(accum):
                 batch = next(batches)
-                step_tokens += int((batch.doc_ids >= 0).sum())  # on the host: no wait for the GPU
+                tokens_seen += int((batch.doc_ids >= 0).sum())  # on the host: no wait for the GPU
                 batch = batch.to(device, non_blocking=True)
-                sync = m == tc["grad_accum"] - 1 or dd.world == 1
-                ctx = step_model.no_sync() if (dd.world > 1 and not sync) else contextlib.nullcontext()
-                with ctx, autocast():
-                    out = step_model(batch, embed, head, gamma, use_target_tokens, tc["attention"], chunk_bytes)
-                    (out.loss / tc["grad_accum"]).backward()
+                no_sync = ranks.world > 1 and micro < accum - 1  # DDP all-reduces on the last micro-batch only
+                with step_model.no_sync() if no_sync else contextlib.nullcontext(), autocast():
+                    out = step_model(batch, embed, head, gamma, use_target_tokens, settings["attention"],
+                                     chunk_bytes)
+                    (out.loss / accum).backward()
                 metrics.add(out)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tokens_seen += step_tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             done = step + 1
-            if done % tc["log_every"] == 0 or done == end_step:
+            if done % settings["log_every"] == 0 or done == end_step:
                 metrics.all_reduce()
-                s = metrics.summary()
-                elapsed = time.time() - t_loop
-                last = {"step": done, "loss": s["loss"], "lr": lr, "grad_norm": float(grad_norm),
-                        "tokens_per_s": tokens_seen * dd.world / max(elapsed, 1e-9)}
-                if writer is not None:
-                    writer.add_scalar("train/loss", s["loss"], done)
-                    writer.add_scalar("train/lr", lr, done)
-                    writer.add_scalar("train/grad_norm", float(grad_norm), done)
-                    writer.add_scalar("train/tokens_per_s", last["tokens_per_s"], done)
-                    writer.add_scalar("train/accuracy_pos01", s["accuracy_per_position"][0], done)
-                bar.set_postfix_str(f"loss {s['loss']:.4f}, lr {lr:.2e}, {last['tokens_per_s']:,.0f} ctx tok/s",
+                summary = metrics.summary()
+                tokens_per_s = tokens_seen * ranks.world / max(time.time() - t_loop, 1e-9)
+                last = {"step": done, "loss": summary["loss"], "lr": lr, "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_per_s}
+                _log_train(writer, summary, done, lr, float(grad_norm), tokens_per_s)
+                bar.set_postfix_str(f"loss {summary['loss']:.4f}, lr {lr:.2e}, {tokens_per_s:,.0f} ctx tok/s",
                                     refresh=False)
             bar.update(1)
-            if done % tc["eval_every"] == 0 and done != total_steps:
-                ev = run_eval(done)
-                if ev is not None:
-                    history.append(ev)
-            if done % tc["save_every"] == 0 or done == end_step:
+            if done % settings["eval_every"] == 0 and done != total_steps:
+                heldout = heldout_metrics(done)
+                if heldout is not None:
+                    history.append(heldout)
+            if done % settings["save_every"] == 0 or done == end_step:
                 checkpoint(done)
     finally:
         prefetch.close()
@@ -882,20 +913,21 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
             writer.close()
         return {"stopped_at": end_step, "total_steps": total_steps}
 
-    final_eval = run_eval(total_steps)
+    # -- outputs ----------------------------------------------------------------------------------------------
+    final_eval = heldout_metrics(total_steps)
     if final_eval is not None:
         history.append(final_eval)
     state = {
-        "format": "draftsmith.trainer_state/1", "steps": total_steps, "steps_per_epoch": bplan.steps_per_epoch,
-        "world_size": dd.world, "device": str(device),
+        "format": "draftsmith.trainer_state/1", "steps": total_steps, "steps_per_epoch": batch_plan.steps_per_epoch,
+        "world_size": ranks.world, "device": str(device),
         "samples": {"total": len(index.samples), "train": len(train_ids), "heldout": len(heldout_ids),
                     "train_truncated": truncated},
-        "rows_skipped_at_epoch_ends": bplan.skipped_rows, "tokens_per_batch": cap, "block_size": block, "gamma": gamma,
-        "labels": "target" if use_target_tokens else "data", "trainable_parameters": n_params,
+        "rows_skipped_at_epoch_ends": batch_plan.skipped_rows, "tokens_per_batch": row_tokens, "block_size": block,
+        "gamma": gamma, "labels": "target" if use_target_tokens else "data", "trainable_parameters": n_params,
         "last_train": last, "heldout": final_eval, "history": history, "fingerprint": fingerprint,
         "resumed_from_step": start_step, "wall_s": time.time() - t_start,
     }
-    if dd.main:
+    if ranks.main:
         trained = out_dir / "trained"
         model.save_pretrained(trained)
         write_json(trained / "trainer_state.json", state)
