@@ -8,6 +8,7 @@ naming the key path (``extract.shards``), then lets Snakemake's validator fill i
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 import yaml
 from jsonschema import Draft202012Validator
@@ -19,6 +20,28 @@ HELDOUT = "heldout"
 
 class ConfigError(ValueError):
     """The configuration violates the schema; the message lists every bad key."""
+
+
+#: the configuration schema: every key with its type, bounds, description and default
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
+def schema_defaults(section: str) -> dict:
+    """``{key: default}`` of one config section, read from :data:`SCHEMA_PATH` (defaults live only there).
+
+    Raises:
+        FileNotFoundError: the schema is not beside the package (draftsmith runs from its checkout).
+        KeyError: no such section.
+    """
+    if not SCHEMA_PATH.is_file():
+        raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
+                                "schema of its checkout")
+    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    try:
+        props = schema["properties"][section]["properties"]
+    except KeyError:
+        raise KeyError(f"{SCHEMA_PATH}: no config section {section!r}") from None
+    return {key: node.get("default") for key, node in props.items()}
 
 
 def _key_path(error, config: dict | None = None) -> str:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from draftsmith.config import schema_defaults
 from draftsmith.features import FeatureIndex, SampleRef  # noqa: F401  (SampleRef re-exported)
 from draftsmith.io import progress, read_json, sha256_file, write_json
 from draftsmith.modeling import (
@@ -60,21 +61,9 @@ log = logging.getLogger("draftsmith.train")
 
 CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
 
-#: Defaults of the ``train`` config section (mirrors schemas/config.schema.yaml) for library callers.
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "gpus": 1, "seed": 0, "epochs": 1, "max_steps": None, "lr": 6e-4, "weight_decay": 0.0, "warmup_ratio": 0.04,
-    "min_lr_ratio": 0.0, "grad_clip": 1.0, "tokens_per_batch": 8192, "grad_accum": 1, "num_anchors": 512,
-    "loss_gamma": None, "labels": "target", "save_every": 500, "eval_every": 200, "eval_fraction": 0.02,
-    "keep_checkpoints": 2, "prefetch": 4, "attention": "auto", "compile": False, "log_every": 10,
-    "max_anchors_per_row": None, "activation_checkpointing": False, "logits_chunk_mib": 1024,
-    "progress_interval": 30, "loader_workers": 4,
-}
-DRAFTER_DEFAULTS: dict[str, Any] = {
-    "num_layers": 1, "block_size": 16, "target_layer_ids": None, "num_target_features": None,
-    "mask_token_id": None, "layer_types": None, "sliding_window": None, "is_causal": None,
-    "intermediate_size": None, "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
-    "rope_theta": None, "export_dtype": "bfloat16",
-}
+#: Defaults of the ``train`` and ``drafter`` config sections for library callers: the schema's own
+TRAIN_DEFAULTS: dict[str, Any] = schema_defaults("train")
+DRAFTER_DEFAULTS: dict[str, Any] = schema_defaults("drafter")
 
 
 # ---------------------------------------------------------------------------------------------------------------
