@@ -147,12 +147,202 @@ def _load_partial(path: Path, key: str) -> dict | None:
 # The stage
 # ------------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Decoding:
+    """Everything decoding one prompt needs, built once per run (:func:`_prepare_decoding`)."""
+
+    target: nn.Module
+    tokenizer: object
+    template_kwargs: dict
+    tokenizer_fingerprint: str
+    stops: list[int]
+    dflash: DFlashProposer
+    lookup: PromptLookupProposer
+    static: object | None
+    sampling: SamplingConfig
+    seed: int
+    rollback: str
+    device: torch.device
+    dtype: torch.dtype
+    max_prompt_tokens: int
+    max_positions: int
+    warmed: bool = False
+
+    def fits(self, num_prompt_tokens: int, max_new: int) -> bool:
+        return num_prompt_tokens <= self.max_prompt_tokens and num_prompt_tokens + max_new <= self.max_positions
+
+    def render(self, messages: list[dict], tools) -> list[int]:
+        return render(self.tokenizer, messages, tools, self.template_kwargs)
+
+    def draw_seed(self, label: str) -> int:
+        """The sampling seed of a prompt (0 when greedy: greedy output does not depend on it)."""
+        return 0 if self.sampling.greedy else _gen_seed(self.seed, label)
+
+    def decode(self, ids: list[int], max_new: int, gen_seed: int, rotate: int = 0) -> dict[str, GenerationResult]:
+        """One prompt decoded by every method (in an order rotated by ``rotate``: no method always first) and,
+        when greedy on the static path, the lossless reference (target-only at the verify width)."""
+        out = {}
+        order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]
+        for method in order:
+            gen = torch.Generator(device=self.device).manual_seed(gen_seed) if not self.sampling.greedy else None
+            if method == "target_only":
+                out[method] = target_generate(self.target, ids, max_new_tokens=max_new, stop_token_ids=self.stops,
+                                              sampling=self.sampling, generator=gen, static=self.static)
+            else:
+                proposer = self.dflash if method == "dflash" else self.lookup
+                out[method] = speculative_generate(self.target, proposer, ids, max_new_tokens=max_new,
+                                                   stop_token_ids=self.stops, sampling=self.sampling, generator=gen,
+                                                   rollback=self.rollback, static=self.static)
+        if self.static is not None and self.sampling.greedy:  # the lossless reference: verification's kernels
+            out["reference"] = target_generate(self.target, ids, max_new_tokens=max_new, stop_token_ids=self.stops,
+                                               sampling=self.sampling, static=self.static, width=None)
+        return out
+
+
+def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, evaluate_cfg: dict,
+                      target_cfg: dict, device: torch.device | str | None, drafter_implementation: str
+                      ) -> _Decoding:
+    """Tokenizer (checked against the one training used), stop policy, target, drafter, proposers and the
+    static decoding path.
+
+    Raises:
+        ValueError: another tokenizer / template than training's, the removed ``stop_tokens`` key, no stop
+            token, a drafter that does not fit the target.
+    """
+    from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
+    from draftsmith.target import default_device, load_target, resolve_dtype
+    from draftsmith.tokenized import read_tokenized_metadata
+
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
+    meta = read_tokenized_metadata(tokenized_eval)
+    template_kwargs = meta["chat_template_kwargs"]
+    trust = bool(target_cfg.get("trust_remote_code", False))
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint != meta["tokenizer_fingerprint"]:
+        raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
+                         f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
+                         f"({fingerprint[:12]}); evaluation must render prompts exactly as training did")
+    if evaluate_cfg.get("stop_tokens"):
+        raise ValueError(REMOVED_STOP_TOKENS)
+    stops = stop_token_ids(tokenizer, target_dir, template_kwargs)  # the policy regenerate and tokenize use
+    if not stops:
+        raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
+                         "name no eos_token_id and the chat template writes no end-of-turn token")
+
+    target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
+                         attn_implementation=target_cfg.get("attn_implementation", "sdpa"), trust_remote_code=trust)
+    drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
+    check_pair(drafter, target)
+    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg.get("block_size"))
+    lookup = PromptLookupProposer(int(evaluate_cfg.get("prompt_lookup_ngram", 3)),
+                                  int(evaluate_cfg.get("prompt_lookup_num_tokens") or dflash.max_drafts))
+    max_positions = int(getattr(getattr(target.config, "text_config", None) or target.config,
+                                "max_position_embeddings", 1 << 30))
+    max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
+    static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
+    sampling = SamplingConfig(float(evaluate_cfg.get("temperature", 0.0)), float(evaluate_cfg.get("top_p", 1.0)),
+                              int(evaluate_cfg.get("top_k", 0)))
+    return _Decoding(target=target, tokenizer=tokenizer, template_kwargs=template_kwargs,
+                     tokenizer_fingerprint=fingerprint, stops=stops, dflash=dflash, lookup=lookup, static=static,
+                     sampling=sampling, seed=int(evaluate_cfg.get("seed", 0)),
+                     rollback=evaluate_cfg.get("rollback", "auto"), device=device, dtype=dtype,
+                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions)
+
+
+def _decode_set(decoding: _Decoding, bset, decoded: dict, bar) -> dict:
+    """Decode one benchmark set turn by turn: each later turn is asked after the target's own answer.
+
+    ``decoded`` maps ``(prompt key, budget, draw seed)`` to earlier results: a prompt that sits in several sets
+    (a held-out row that is also a BFCL / MMATH set row) is decoded once.
+
+    Returns:
+        ``{"results": {method: [GenerationResult]}, "labels", "prompt_keys", "skipped_prompts", "planned"}``.
+    """
+    results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
+    labels: list[str] = []
+    keys: list[str] = []
+    skipped: dict[str, int] = {}
+    planned = 0
+    for conv in bset.conversations:
+        history = list(conv.context)
+        planned += len(conv.user_turns)
+        for t, turn in enumerate(conv.user_turns):
+            history = history + turn
+            ids = decoding.render(history, conv.tools)
+            if not decoding.fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
+                left = len(conv.user_turns) - t  # later turns need this one's answer
+                skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + left
+                log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
+                            "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
+                            decoding.max_prompt_tokens, bset.max_new_tokens, decoding.max_positions, left - 1)
+                bar.update(left)
+                break
+            if not decoding.warmed:  # first-call costs (CUDA graphs, kernels) out of the timings
+                decoding.decode(ids, min(16, bset.max_new_tokens), decoding.seed)
+                decoding.warmed = True
+            label = f"{conv.id}#{t}"
+            pkey = prompt_key(ids)
+            again = decoded.get((pkey, bset.max_new_tokens, decoding.draw_seed(label)))
+            if again is not None:
+                res = again[0]
+                log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
+                         bset.name, label, again[1])
+            else:
+                res = decoding.decode(ids, bset.max_new_tokens, _gen_seed(decoding.seed, label), rotate=len(labels))
+                decoded[(pkey, bset.max_new_tokens, decoding.draw_seed(label))] = (res, f"{bset.name}:{label}")
+            for m, r in res.items():
+                results.setdefault(m, []).append(r)
+            labels.append(label)
+            keys.append(pkey)
+            answer = decoding.tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
+            history = history + [{"role": "assistant", "content": answer}]
+            log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
+                      bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
+                      res["dflash"].tau, res["prompt_lookup"].tau)
+            bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(results['dflash'])['tau']:.2f}"
+                                f", lookup {summarize(results['prompt_lookup'])['tau']:.2f}", refresh=False)
+            bar.update(1)
+    return {"results": results, "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
+            "planned": planned}
+
+
+def _run_metadata(decoding: _Decoding, target_dir: str, drafter_dir: str, drafter_sha: str,
+                  drafter_implementation: str) -> dict:
+    """The report's ``run`` section: what was decoded, how, with which versions."""
+    static, sampling = decoding.static, decoding.sampling
+    return {
+        "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
+        "drafter_implementation": drafter_implementation,
+        "block_size": decoding.dflash.block_size, "target_layer_ids": decoding.dflash.layer_ids,
+        "mask_token_id": decoding.dflash.mask_token_id, "device": _device_name(decoding.device),
+        "dtype": str(decoding.dtype).replace("torch.", ""),
+        "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": decoding.seed,
+        "chat_template_kwargs": decoding.template_kwargs, "tokenizer_fingerprint": decoding.tokenizer_fingerprint,
+        "stop_token_ids": decoding.stops,
+        "prompt_lookup_ngram": decoding.lookup.max_ngram, "prompt_lookup_num_tokens": decoding.lookup.max_drafts,
+        "rollback": _rollback_text(decoding.target, decoding.rollback),
+        "decoding": ("static KV cache" + (", CUDA graphs" if static.cuda_graphs else "") if static is not None
+                     else "dynamic KV cache"),
+        "lossless_reference": (f"greedy target-only decoding with forwards padded to the verify width "
+                               f"({static.verify_width} tokens: the kernels verification runs)"
+                               if static is not None else "greedy target-only decoding"),
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                     "python": platform.python_version()},
+    }
+
+
 def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokenized_eval: str,
                  outputs: dict[str, str], evaluate_cfg: dict, target_cfg: dict, sources: list[dict],
                  device: torch.device | str | None = None,
                  partial_dir: str | None = None, drafter_implementation: str = "draftsmith",
                  trainer_state: str | None = None) -> dict:
     """Run the evaluate stage and write report.json, report.md and the three plots.
+
+    Steps: prepare the decoders (:func:`_prepare_decoding`) -> read the sets (first prompts that fit) -> per set,
+    reuse the results an interrupted run saved or decode it (:func:`_decode_set`) and save them -> the report
+    (per set, and "all" counting a prompt in several sets once) -> report.md and plots.
 
     Args:
         target_dir: the target's Hugging Face folder.
@@ -175,86 +365,27 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     Raises:
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
     """
-    from draftsmith.target import default_device, load_target, resolve_dtype
-    from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
-    from draftsmith.tokenized import read_tokenized_metadata
-
-    device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
-    sampling = SamplingConfig(float(evaluate_cfg.get("temperature", 0.0)), float(evaluate_cfg.get("top_p", 1.0)),
-                              int(evaluate_cfg.get("top_k", 0)))
-    seed = int(evaluate_cfg.get("seed", 0))
-    rollback = evaluate_cfg.get("rollback", "auto")
-
-    meta = read_tokenized_metadata(tokenized_eval)
-    template_kwargs = meta["chat_template_kwargs"]
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=bool(target_cfg.get("trust_remote_code", False)))
-    fp = tokenizer_fingerprint(tokenizer)
-    if fp != meta["tokenizer_fingerprint"]:
-        raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
-                         f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
-                         f"({fp[:12]}); evaluation must render prompts exactly as training did")
-    if evaluate_cfg.get("stop_tokens"):
-        raise ValueError(REMOVED_STOP_TOKENS)
-    stops = stop_token_ids(tokenizer, target_dir, template_kwargs)  # the policy regenerate and tokenize use
-    if not stops:
-        raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
-                         "name no eos_token_id and the chat template writes no end-of-turn token")
-
-    target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
-                         attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
-                         trust_remote_code=bool(target_cfg.get("trust_remote_code", False)))
-    drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
-    check_pair(drafter, target)
-    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg.get("block_size"))
-    pl_tokens = evaluate_cfg.get("prompt_lookup_num_tokens") or dflash.max_drafts
-    lookup = PromptLookupProposer(int(evaluate_cfg.get("prompt_lookup_ngram", 3)), int(pl_tokens))
-    max_positions = int(getattr(getattr(target.config, "text_config", None) or target.config,
-                                "max_position_embeddings", 1 << 30))
-    max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
-    static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
-
-    heldout_sources = [s["name"] for s in sources if s.get("split", "both") == "both"]
-
-    def fits(num_prompt_tokens: int, max_new: int) -> bool:
-        return num_prompt_tokens <= max_prompt_tokens and num_prompt_tokens + max_new <= max_positions
+    decoding = _prepare_decoding(target_dir, drafter_dir, tokenized_eval, evaluate_cfg, target_cfg, device,
+                                 drafter_implementation)
 
     def first_prompt_fits(conv, max_new: int) -> bool:
-        ids = render(tokenizer, list(conv.context) + conv.user_turns[0], conv.tools, template_kwargs)
-        return fits(len(ids), max_new)
+        return decoding.fits(len(decoding.render(list(conv.context) + conv.user_turns[0], conv.tools)), max_new)
 
-    sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {}, heldout_sources=heldout_sources,
+    sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {},
+                     heldout_sources=[s["name"] for s in sources if s.get("split", "both") == "both"],
                      first_prompt_fits=first_prompt_fits)
     if not sets:
         raise ValueError("evaluate.sets is empty: nothing to evaluate")
 
     drafter_sha = sha256_file(Path(drafter_dir) / "model.safetensors")
     base_key = {"format": REPORT_FORMAT, "drafter": drafter_sha, "target": target_fingerprint(target_dir),
-                "tokenizer": fp, "template_kwargs": template_kwargs, "sampling": dataclasses.asdict(sampling),
-                "seed": seed, "block_size": dflash.block_size, "lookup": [lookup.max_ngram, lookup.max_drafts],
-                "stops": stops, "device": device.type, "dtype": str(dtype), "rollback": rollback,
-                "max_prompt_tokens": max_prompt_tokens}
+                "tokenizer": decoding.tokenizer_fingerprint, "template_kwargs": decoding.template_kwargs,
+                "sampling": dataclasses.asdict(decoding.sampling), "seed": decoding.seed,
+                "block_size": decoding.dflash.block_size,
+                "lookup": [decoding.lookup.max_ngram, decoding.lookup.max_drafts], "stops": decoding.stops,
+                "device": decoding.device.type, "dtype": str(decoding.dtype), "rollback": decoding.rollback,
+                "max_prompt_tokens": decoding.max_prompt_tokens}
     partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
-
-    def run_all(ids: list[int], max_new: int, gen_seed: int, rotate: int = 0) -> dict[str, GenerationResult]:
-        out = {}
-        order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]  # no method always first
-        for method in order:
-            gen = torch.Generator(device=device).manual_seed(gen_seed) if not sampling.greedy else None
-            if method == "target_only":
-                out[method] = target_generate(target, ids, max_new_tokens=max_new, stop_token_ids=stops,
-                                              sampling=sampling, generator=gen, static=static)
-            else:
-                proposer = dflash if method == "dflash" else lookup
-                out[method] = speculative_generate(target, proposer, ids, max_new_tokens=max_new,
-                                                   stop_token_ids=stops, sampling=sampling, generator=gen,
-                                                   rollback=rollback, static=static)
-        if static is not None and sampling.greedy:  # the lossless reference: same kernels as verification
-            out["reference"] = target_generate(target, ids, max_new_tokens=max_new, stop_token_ids=stops,
-                                               sampling=sampling, static=static, width=None)
-        return out
-
-    warmed = False
     bar = progress(sum(len(c.user_turns) for b in sets for c in b.conversations), "evaluate", unit="prompt",
                    logger=log, interval=float(evaluate_cfg.get("progress_interval", 30)))
     set_reports: dict[str, dict] = {}
@@ -262,12 +393,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     all_labels: list[str] = []
     all_keys: set[str] = set()
     all_conversations: set[tuple[str, str]] = set()
-    # a prompt that sits in several sets (a held-out row that is also a BFCL / MMATH set row) is decoded once
-    # per token budget (and, when sampling, per draw seed: greedy output does not depend on it)
     decoded: dict[tuple[str, int, int], tuple[dict[str, GenerationResult], str]] = {}
-
-    def draws(label: str) -> int:
-        return 0 if sampling.greedy else _gen_seed(seed, label)
     for bset in sets:
         key_src = json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts, bset.max_new_tokens],
                               "rows": [c.id for c in bset.conversations]}, sort_keys=True)
@@ -276,64 +402,19 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         cached = _load_partial(ppath, key)
         if cached is not None:
             log.info("set %s: reusing results of an interrupted run (%s)", bset.name, ppath)
-            results = {m: [_result_from_dict(d) for d in rs] for m, rs in cached["results"].items()}
-            labels, skipped, planned = cached["labels"], cached["skipped_prompts"], cached["planned"]
-            bar.update(planned)
-            keys = cached["prompt_keys"]
-            for k, (key_, lab) in enumerate(zip(keys, labels)):
-                decoded.setdefault((key_, bset.max_new_tokens, draws(lab)),
-                                   ({m: rs[k] for m, rs in results.items()}, f"{bset.name}:{lab}"))
+            done = {**cached, "results": {m: [_result_from_dict(d) for d in rs]
+                                          for m, rs in cached["results"].items()}}
+            bar.update(done["planned"])
+            for k, (key_, lab) in enumerate(zip(done["prompt_keys"], done["labels"])):
+                decoded.setdefault((key_, bset.max_new_tokens, decoding.draw_seed(lab)),
+                                   ({m: rs[k] for m, rs in done["results"].items()}, f"{bset.name}:{lab}"))
         else:
-            results = {m: [] for m in METHODS}
-            labels: list[str] = []
-            keys: list[str] = []
-            skipped: dict[str, int] = {}
-            planned = 0
-            for conv in bset.conversations:
-                history = list(conv.context)
-                planned += len(conv.user_turns)
-                for t, turn in enumerate(conv.user_turns):
-                    history = history + turn
-                    ids = render(tokenizer, history, conv.tools, template_kwargs)
-                    if not fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
-                        left = len(conv.user_turns) - t  # later turns need this one's answer
-                        skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + left
-                        log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
-                                    "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
-                                    max_prompt_tokens, bset.max_new_tokens, max_positions, left - 1)
-                        bar.update(left)
-                        break
-                    if not warmed:
-                        run_all(ids, min(16, bset.max_new_tokens), seed)  # first-call costs out of the timings
-                        warmed = True
-                    label = f"{conv.id}#{t}"
-                    gen_seed = _gen_seed(seed, label)
-                    pkey = prompt_key(ids)
-                    again = decoded.get((pkey, bset.max_new_tokens, draws(label)))
-                    if again is not None:
-                        res = again[0]
-                        log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
-                                 bset.name, label, again[1])
-                    else:
-                        res = run_all(ids, bset.max_new_tokens, gen_seed, rotate=len(labels))
-                        decoded[(pkey, bset.max_new_tokens, draws(label))] = (res, f"{bset.name}:{label}")
-                    for m, r in res.items():
-                        results.setdefault(m, []).append(r)
-                    labels.append(label)
-                    keys.append(pkey)
-                    answer = tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
-                    history = history + [{"role": "assistant", "content": answer}]
-                    log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
-                              bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
-                              res["dflash"].tau, res["prompt_lookup"].tau)
-                    bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(results['dflash'])['tau']:.2f}"
-                                        f", lookup {summarize(results['prompt_lookup'])['tau']:.2f}", refresh=False)
-                    bar.update(1)
-            _save_partial(ppath, key, {"results": {m: [dataclasses.asdict(r) for r in rs] for m, rs in results.items()},
-                                       "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
-                                       "planned": planned})
-        set_reports[bset.name] = _set_report(bset, results, labels, keys, skipped, planned, sampling,
-                                             dflash.block_size)
+            done = _decode_set(decoding, bset, decoded, bar)
+            _save_partial(ppath, key, {**done, "results": {m: [dataclasses.asdict(r) for r in rs]
+                                                           for m, rs in done["results"].items()}})
+        results, labels, keys = done["results"], done["labels"], done["prompt_keys"]
+        set_reports[bset.name] = _set_report(bset, results, labels, keys, done["skipped_prompts"], done["planned"],
+                                             decoding.sampling, decoding.dflash.block_size)
         for k, key_ in enumerate(keys):  # the "all" row counts a prompt in several sets once
             if key_ in all_keys:
                 continue
@@ -342,30 +423,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             for m, rs in results.items():
                 all_results.setdefault(m, []).append(rs[k])
         all_conversations.update((c.source, c.id) for c in bset.conversations)
-
     bar.close()
+
     report = {
         "format": REPORT_FORMAT,
-        "run": {
-            "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
-            "drafter_implementation": drafter_implementation,
-            "block_size": dflash.block_size, "target_layer_ids": dflash.layer_ids,
-            "mask_token_id": dflash.mask_token_id, "device": _device_name(device),
-            "dtype": str(dtype).replace("torch.", ""),
-            "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": seed,
-            "chat_template_kwargs": template_kwargs, "tokenizer_fingerprint": fp, "stop_token_ids": stops,
-            "prompt_lookup_ngram": lookup.max_ngram, "prompt_lookup_num_tokens": lookup.max_drafts,
-            "rollback": _rollback_text(target, rollback),
-            "decoding": ("static KV cache" + (", CUDA graphs" if static.cuda_graphs else "") if static is not None
-                         else "dynamic KV cache"),
-            "lossless_reference": (f"greedy target-only decoding with forwards padded to the verify width "
-                                   f"({static.verify_width} tokens: the kernels verification runs)"
-                                   if static is not None else "greedy target-only decoding"),
-            "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
-                         "python": platform.python_version()},
-        },
+        "run": _run_metadata(decoding, target_dir, drafter_dir, drafter_sha, drafter_implementation),
         "sets": set_reports,
-        "overall": _overall(set_reports, all_results, all_labels, all_conversations, sampling, dflash.block_size),
+        "overall": _overall(set_reports, all_results, all_labels, all_conversations, decoding.sampling,
+                            decoding.dflash.block_size),
         "training": _training_summary(trainer_state),
     }
     write_json(outputs["json"], report)
