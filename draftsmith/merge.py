@@ -490,49 +490,9 @@ def _check_plan(plan: dict[str, Any], plan_path: str, tok: TokenizedTrain) -> tu
     return problems, planned
 
 
-def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | os.PathLike],
-                   tokenized_path: str | os.PathLike, index_path: str | os.PathLike | None = None, *,
-                   verify_sha256: bool = False, threads: int = 1,
-                   logger: logging.Logger | None = None) -> dict[str, Any]:
-    """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
-
-    Args:
-        plan_path: ``results/features/plan.json`` (format ``draftsmith.plan/1``).
-        manifest_paths: every ``shard-{i}/manifest.json`` (format ``draftsmith.features/1``); chunk
-            files are found beside their manifest.
-        tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema
-            metadata are read.
-        index_path: where to write the index (atomically); ``None`` only returns it. Chunk paths in the
-            index are relative to this file's folder (``results/features``); with ``None``, relative
-            to the plan's folder.
-        verify_sha256: hash every chunk file and compare with the manifest (reads every byte), and
-            check the stored ``sample_index`` / ``offsets`` against the manifest and tokenized lengths.
-        threads: chunk files checked in parallel.
-        logger: where the summary and the per-layer table go (default ``draftsmith.merge``).
-
-    Returns:
-        The index (``draftsmith.index/1``): ``chunks`` (``path``, ``shard``, ``sha256``,
-        ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
-        ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
-        tokens), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards``, ``layer_stats`` (see
-        :func:`merge_layer_stats`) and ``stats`` (total non-finite values and zero rows).
-
-    Raises:
-        MergeError: any problem; the message lists each one with its shard, chunk and sample.
-        FileNotFoundError / ValueError: the plan or the tokenized set cannot be read.
-    """
-    logger = logger or log
-    plan_path = str(plan_path)
-    tok = read_tokenized_train(tokenized_path)
-    plan = read_json(plan_path)
-    problems, planned = _check_plan(plan, plan_path, tok)
-    num_shards = int(plan["num_shards"])
-    owner = np.full(tok.num_rows, -1, dtype=np.int64)  # planned shard of each row
-    for s, rows in planned.items():
-        rows_arr = np.asarray(rows, dtype=np.int64)
-        owner[rows_arr[(rows_arr >= 0) & (rows_arr < tok.num_rows)]] = s
-
-    # -- manifests -------------------------------------------------------------------------------
+def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int, problems: list[str]
+                    ) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """The shard manifests that are there and well formed, by shard; every other one becomes a problem."""
     manifests: dict[int, tuple[Path, dict[str, Any]]] = {}
     for mpath in map(Path, manifest_paths):
         if not mpath.exists():
@@ -558,13 +518,13 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
                             f"has {num_shards} (stale shard from another plan)")
         else:
             manifests[s] = (mpath, manifest)
-    features_dir = Path(plan_path).parent
-    missing_shards = [s for s in range(num_shards) if s not in manifests]
-    for s in missing_shards:
-        problems.append(f"shard {s}: no manifest (expected {features_dir / f'shard-{s}' / 'manifest.json'}); "
-                        f"no chunk holds its planned {tok.describe_rows(planned.get(s, []))}")
+    return manifests
 
-    # -- shared metadata ---------------------------------------------------------------------------
+
+def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: TokenizedTrain,
+                           problems: list[str]) -> dict[str, Any]:
+    """The metadata every shard must share (:data:`SHARED_FIELDS`), checked across shards, against the plan and
+    against the tokenized set's (tokenizer, chat template); empty without manifests."""
     meta: dict[str, Any] = {}
     if manifests:
         ref_shard = min(manifests)
@@ -588,8 +548,13 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
             if manifest["storage_dtype"] not in STORAGE_DTYPES:
                 problems.append(f"shard {s}: storage_dtype {manifest['storage_dtype']!r} is not one of "
                                 f"{', '.join(STORAGE_DTYPES)}")
+    return meta
 
-    # -- chunks: manifest arithmetic, coverage, ids ----------------------------------------------
+
+def _check_chunks(manifests: dict, owner: np.ndarray, tok: TokenizedTrain, problems: list[str]
+                  ) -> tuple[list[Chunk], np.ndarray]:
+    """Each manifest's chunks: fields, file names, arithmetic, ids and planned shard of every row. Returns the
+    well-formed chunks and how many times each tokenized row is stored."""
     chunks: list[Chunk] = []
     counts = np.zeros(tok.num_rows, dtype=np.int64)
     for s, (mpath, manifest) in sorted(manifests.items()):
@@ -636,7 +601,12 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
         for key, total in sums.items():
             if int(manifest[key]) != total:
                 problems.append(f"shard {s} ({mpath}): {key} {manifest[key]} but its chunks sum to {total}")
+    return chunks, counts
 
+
+def _check_coverage(counts: np.ndarray, chunks: list[Chunk], owner: np.ndarray, missing_shards: list[int],
+                    tok: TokenizedTrain, problems: list[str]) -> None:
+    """Every tokenized train row stored exactly once (rows of missing shards are reported with the shard)."""
     duplicated = np.flatnonzero(counts > 1)
     if duplicated.size:
         dup = set(duplicated[:MAX_LISTED].tolist())
@@ -657,7 +627,9 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
     if absent.size > MAX_LISTED:
         problems.append(f"... {absent.size} tokenized train samples are in no chunk")
 
-    # -- numeric sanity from the shards' statistics ------------------------------------------------
+
+def _check_stats(chunks: list[Chunk], tok: TokenizedTrain, problems: list[str]) -> list[Chunk]:
+    """Numeric sanity from the shards' own statistics; returns the chunks whose statistics are complete."""
     stat_chunks = []
     for chunk in chunks:
         stats, n_layers = chunk.entry["stats"], len(chunk.meta["layer_ids"])
@@ -671,8 +643,12 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
         if nonfinite or zero_rows or not np.isfinite(rms).all():
             problems.append(f"{chunk.where} ({tok.describe_rows(chunk.entry['rows'])}): {nonfinite} non-finite "
                             f"values, {zero_rows} all-zero rows, RMS {stats['rms']} (broken target features)")
+    return stat_chunks
 
-    # -- chunk files -------------------------------------------------------------------------------
+
+def _check_chunk_files(chunks: list[Chunk], tok: TokenizedTrain, verify_sha256: bool, threads: int,
+                       problems: list[str]) -> None:
+    """The chunk files themselves (headers; with ``verify_sha256`` every byte), ``threads`` at a time."""
     checkable = [c for c in chunks if c.meta["storage_dtype"] in STORAGE_DTYPES]
 
     def check_batch(batch: list[Chunk]) -> list[str]:
@@ -686,11 +662,10 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
             for found in pool.map(check_batch, batches):
                 problems.extend(found)
 
-    if problems:
-        raise MergeError(problems)
 
-    # -- the index ---------------------------------------------------------------------------------
-    base = Path(index_path).parent if index_path is not None else features_dir
+def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk], meta: dict[str, Any],
+                 num_shards: int, verify_sha256: bool, base: Path) -> dict[str, Any]:
+    """The ``draftsmith.index/1`` document: chunk paths relative to ``base``, totals, shared metadata, stats."""
     folders = {s: os.path.relpath(mpath.parent, base) for s, (mpath, _) in manifests.items()}
     index_chunks = [{"path": os.path.join(folders[c.shard], c.file), "shard": c.shard,
                      "sha256": c.entry["sha256"], "num_samples": int(c.entry["num_samples"]),
@@ -710,12 +685,74 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
                   "zero_rows": sum(_count(c.entry["stats"]["zero_rows"]) for c in stat_chunks)},
         "chunks": index_chunks,
     }
+    return index
+
+
+def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | os.PathLike],
+                   tokenized_path: str | os.PathLike, index_path: str | os.PathLike | None = None, *,
+                   verify_sha256: bool = False, threads: int = 1,
+                   logger: logging.Logger | None = None) -> dict[str, Any]:
+    """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
+
+    Args:
+        plan_path: ``results/features/plan.json`` (format ``draftsmith.plan/1``).
+        manifest_paths: every ``shard-{i}/manifest.json`` (format ``draftsmith.features/1``); chunk
+            files are found beside their manifest.
+        tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema
+            metadata are read.
+        index_path: where to write the index (atomically); ``None`` only returns it. Chunk paths in the
+            index are relative to this file's folder (``results/features``); with ``None``, relative
+            to the plan's folder.
+        verify_sha256: hash every chunk file and compare with the manifest (reads every byte), and
+            check the stored ``sample_index`` / ``offsets`` against the manifest and tokenized lengths.
+        threads: chunk files checked in parallel.
+        logger: where the summary and the per-layer table go (default ``draftsmith.merge``).
+
+    Returns:
+        The index (``draftsmith.index/1``): ``chunks`` (``path``, ``shard``, ``sha256``,
+        ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
+        ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
+        tokens), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards``, ``layer_stats`` (see
+        :func:`merge_layer_stats`) and ``stats`` (total non-finite values and zero rows).
+
+    Raises:
+        MergeError: any problem; the message lists each one with its shard, chunk and sample.
+        FileNotFoundError / ValueError: the plan or the tokenized set cannot be read.
+    """
+    logger = logger or log
+    plan_path = str(plan_path)
+    tok = read_tokenized_train(tokenized_path)
+    plan = read_json(plan_path)
+    problems, planned = _check_plan(plan, plan_path, tok)
+    num_shards = int(plan["num_shards"])
+    owner = np.full(tok.num_rows, -1, dtype=np.int64)  # planned shard of each row
+    for s, rows in planned.items():
+        rows_arr = np.asarray(rows, dtype=np.int64)
+        owner[rows_arr[(rows_arr >= 0) & (rows_arr < tok.num_rows)]] = s
+
+    manifests = _read_manifests(manifest_paths, num_shards, problems)
+    features_dir = Path(plan_path).parent
+    missing_shards = [s for s in range(num_shards) if s not in manifests]
+    for s in missing_shards:
+        problems.append(f"shard {s}: no manifest (expected {features_dir / f'shard-{s}' / 'manifest.json'}); "
+                        f"no chunk holds its planned {tok.describe_rows(planned.get(s, []))}")
+
+    meta = _check_shared_metadata(manifests, plan, plan_path, tok, problems)
+    chunks, counts = _check_chunks(manifests, owner, tok, problems)
+    _check_coverage(counts, chunks, owner, missing_shards, tok, problems)
+    stat_chunks = _check_stats(chunks, tok, problems)
+    _check_chunk_files(chunks, tok, verify_sha256, threads, problems)
+    if problems:
+        raise MergeError(problems)
+
+    base = Path(index_path).parent if index_path is not None else features_dir
+    index = _build_index(manifests, chunks, stat_chunks, meta, num_shards, verify_sha256, base)
     # Follows from the checks above; kept as the stage's contract, stated once more.
     if index["num_samples"] != tok.num_rows or index["num_tokens"] != int(tok.num_tokens.sum()):
         raise MergeError([f"totals {index['num_samples']} samples / {index['num_tokens']} tokens differ from "
                           f"{tok.path}'s {tok.num_rows} / {int(tok.num_tokens.sum())}"])
     logger.info("merged %d shards, %d chunks: %d samples, %d tokens, %.3f GB (%s, layers %s%s)",
-                num_shards, len(index_chunks), index["num_samples"], index["num_tokens"], index["bytes"] / 1e9,
+                num_shards, len(index["chunks"]), index["num_samples"], index["num_tokens"], index["bytes"] / 1e9,
                 meta["storage_dtype"], meta["layer_ids"], ", sha256 verified" if verify_sha256 else "")
     logger.info("per-layer statistics of the target features:\n%s", format_layer_stats(index))
     if index_path is not None:
