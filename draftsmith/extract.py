@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from draftsmith import fused
+from draftsmith.config import schema_defaults
 from draftsmith.features import (  # noqa: F401  (re-exported: the extract stage's file format)
     FEATURES_FORMAT,
     FP8_MAX,
@@ -442,6 +443,79 @@ def _shard_stats(records: list[dict], hidden: int, num_layers: int) -> dict:
             "zero_rows": sum(r["stats"]["zero_rows"] for r in records)}
 
 
+def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, target_cfg: dict
+                       ) -> tuple[dict, list[int], Tokenized]:
+    """The plan, this shard's rows and the tokenized set, checked against each other and the target.
+
+    Raises:
+        ValueError: another plan format, a shard outside the plan, a stale plan, a target of another shape,
+            token ids outside the target's vocabulary (file, row, field and position named).
+    """
+    plan = read_json(plan_path)
+    if plan.get("format") != PLAN_FORMAT:
+        raise ValueError(f"{plan_path}: format {plan.get('format')!r}, expected {PLAN_FORMAT!r}")
+    if not 0 <= shard < plan["num_shards"]:
+        raise ValueError(f"{plan_path}: shard {shard} outside 0..{plan['num_shards'] - 1}")
+    layer_ids, hidden, num_target_layers = plan["layer_ids"], plan["hidden_size"], plan["num_target_layers"]
+    rows = list(plan["shards"][shard]["rows"])
+
+    tok = read_tokenized(tokenized_path)
+    if len(tok.ids) != plan["tokenized_rows"] or int(tok.num_tokens.sum()) != plan["tokenized_tokens"]:
+        raise ValueError(f"{plan_path} is stale: it was made for {plan['tokenized_rows']} rows / "
+                         f"{plan['tokenized_tokens']} tokens but {tokenized_path} has {len(tok.ids)} rows / "
+                         f"{int(tok.num_tokens.sum())} tokens; rerun extract_plan")
+    nl, hs, vocab = target_dims(target_dir, trust_remote_code=target_cfg.get("trust_remote_code", False))
+    if (nl, hs) != (num_target_layers, hidden):
+        raise ValueError(f"{plan_path}: planned for L={num_target_layers}, H={hidden} but target "
+                         f"{target_dir} has L={nl}, H={hs}; rerun extract_plan")
+    tgt.validate_layer_ids(layer_ids, nl)
+    if rows:
+        span = np.concatenate([tok.input_ids[tok.offsets[r]:tok.offsets[r + 1]] for r in rows])
+        if span.min() < 0 or span.max() >= vocab:
+            for r in rows:
+                ids_r, _ = tok.row(r)
+                bad = np.nonzero((ids_r < 0) | (ids_r >= vocab))[0]
+                if bad.size:
+                    raise ValueError(f"{tokenized_path}: row {r} (id {tok.ids[r]}): field 'input_ids' "
+                                     f"position {int(bad[0])} holds {int(ids_r[bad[0]])}, outside the "
+                                     f"target vocabulary 0..{vocab - 1}")
+    return plan, rows, tok
+
+
+def _resume_chunks(folder: Path, shard: int, layout: str, chunks: list[_ChunkWork]) -> dict[int, dict]:
+    """Finished chunks kept from an earlier run of this layout (file, size and sha256 verified); partial
+    files, chunks of another layout and unverifiable ones are removed or redone."""
+    progress_path = folder / "progress.json"
+    records: dict[str, dict] = {}
+    if progress_path.exists():
+        prog = read_json(progress_path)
+        if prog.get("format") == PROGRESS_FORMAT and prog.get("layout") == layout:
+            records = {r["file"]: r for r in prog.get("chunks", [])}
+        else:
+            log.warning("shard %d: %s was made for another layout (plan, data, target or config "
+                        "changed): recomputing every chunk", shard, progress_path)
+    for tmp in folder.glob(".chunk-*.tmp*"):
+        log.warning("shard %d: removing partial file %s left by a killed job", shard, tmp.name)
+        tmp.unlink()
+    wanted = {chunk_name(c.index) for c in chunks}
+    for stale in folder.glob("chunk-*.safetensors"):
+        if stale.name not in wanted:
+            log.warning("shard %d: removing %s, not part of the current layout", shard, stale.name)
+            stale.unlink()
+    done: dict[int, dict] = {}
+    for c in chunks:
+        rec = records.get(chunk_name(c.index))
+        if rec is None:
+            continue
+        reason = _verify_record(folder, rec)
+        if reason is None and rec["rows"] == c.rows:
+            done[c.index] = rec
+        else:
+            log.warning("shard %d: %s will be redone: %s", shard, rec["file"], reason or "rows differ")
+
+    return done
+
+
 def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.PathLike,
                   target_dir: str | os.PathLike, manifest_path: str | os.PathLike, shard: int,
                   extract_cfg: dict, target_cfg: dict | None = None, model: nn.Module | None = None,
@@ -483,9 +557,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
             vocabulary -- naming file, row and field.
     """
     target_cfg = target_cfg or {}
-    cfg = {"token_budget": 16384, "chunk_tokens": 32768, "storage_dtype": "bfloat16",
-           "store_target_tokens": True, "require_fla": False, "disk_headroom": 1.05,
-           "padding_mask": True, "fuse": "auto", **(extract_cfg or {})}
+    cfg = {**schema_defaults("extract"), **(extract_cfg or {})}
     storage = cfg["storage_dtype"]
     if storage not in STORAGE_DTYPES:
         raise ValueError(f"extract.storage_dtype {storage!r} not in {list(STORAGE_DTYPES)}")
@@ -493,36 +565,9 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     manifest_path = Path(manifest_path)
     folder = manifest_path.parent
     folder.mkdir(parents=True, exist_ok=True)
-
-    plan = read_json(plan_path)
-    if plan.get("format") != PLAN_FORMAT:
-        raise ValueError(f"{plan_path}: format {plan.get('format')!r}, expected {PLAN_FORMAT!r}")
-    if not 0 <= shard < plan["num_shards"]:
-        raise ValueError(f"{plan_path}: shard {shard} outside 0..{plan['num_shards'] - 1}")
+    plan, rows, tok = _read_shard_inputs(plan_path, tokenized_path, target_dir, shard, target_cfg)
     layer_ids, hidden, num_target_layers = plan["layer_ids"], plan["hidden_size"], plan["num_target_layers"]
     n_layers = len(layer_ids)
-    rows = list(plan["shards"][shard]["rows"])
-
-    tok = read_tokenized(tokenized_path)
-    if len(tok.ids) != plan["tokenized_rows"] or int(tok.num_tokens.sum()) != plan["tokenized_tokens"]:
-        raise ValueError(f"{plan_path} is stale: it was made for {plan['tokenized_rows']} rows / "
-                         f"{plan['tokenized_tokens']} tokens but {tokenized_path} has {len(tok.ids)} rows / "
-                         f"{int(tok.num_tokens.sum())} tokens; rerun extract_plan")
-    nl, hs, vocab = target_dims(target_dir, trust_remote_code=target_cfg.get("trust_remote_code", False))
-    if (nl, hs) != (num_target_layers, hidden):
-        raise ValueError(f"{plan_path}: planned for L={num_target_layers}, H={hidden} but target "
-                         f"{target_dir} has L={nl}, H={hs}; rerun extract_plan")
-    tgt.validate_layer_ids(layer_ids, nl)
-    if rows:
-        span = np.concatenate([tok.input_ids[tok.offsets[r]:tok.offsets[r + 1]] for r in rows])
-        if span.min() < 0 or span.max() >= vocab:
-            for r in rows:
-                ids_r, _ = tok.row(r)
-                bad = np.nonzero((ids_r < 0) | (ids_r >= vocab))[0]
-                if bad.size:
-                    raise ValueError(f"{tokenized_path}: row {r} (id {tok.ids[r]}): field 'input_ids' "
-                                     f"position {int(bad[0])} holds {int(ids_r[bad[0]])}, outside the "
-                                     f"target vocabulary 0..{vocab - 1}")
 
     lengths = [int(tok.num_tokens[r]) for r in rows]
     batches = make_batches(rows, lengths, int(cfg["token_budget"]))
@@ -545,35 +590,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
                          padding_mask=bool(cfg["padding_mask"]), target=fingerprint, dtype=model_dtype,
                          content=content.hexdigest())
 
-    # --- resume: keep verified chunks, drop everything else
-    progress_path = folder / "progress.json"
-    records: dict[str, dict] = {}
-    if progress_path.exists():
-        prog = read_json(progress_path)
-        if prog.get("format") == PROGRESS_FORMAT and prog.get("layout") == layout:
-            records = {r["file"]: r for r in prog.get("chunks", [])}
-        else:
-            log.warning("shard %d: %s was made for another layout (plan, data, target or config "
-                        "changed): recomputing every chunk", shard, progress_path)
-    for tmp in folder.glob(".chunk-*.tmp*"):
-        log.warning("shard %d: removing partial file %s left by a killed job", shard, tmp.name)
-        tmp.unlink()
-    wanted = {chunk_name(c.index) for c in chunks}
-    for stale in folder.glob("chunk-*.safetensors"):
-        if stale.name not in wanted:
-            log.warning("shard %d: removing %s, not part of the current layout", shard, stale.name)
-            stale.unlink()
-    done: dict[int, dict] = {}
-    for c in chunks:
-        rec = records.get(chunk_name(c.index))
-        if rec is None:
-            continue
-        reason = _verify_record(folder, rec)
-        if reason is None and rec["rows"] == c.rows:
-            done[c.index] = rec
-        else:
-            log.warning("shard %d: %s will be redone: %s", shard, rec["file"], reason or "rows differ")
-
+    done = _resume_chunks(folder, shard, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
     shard_tokens = sum(lengths)
     total_proj = projected_bytes(shard_tokens, len(rows), n_layers, hidden, storage, want_tt, len(chunks))
