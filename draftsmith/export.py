@@ -22,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.io import read_json
-from draftsmith.modeling import EMBED_KEYS, DFlashDraftModel, weight_files
+from draftsmith.modeling import DFlashDraftModel
+from draftsmith.target import EMBED_KEYS, weight_files
 
 log = logging.getLogger("draftsmith.export")
 

@@ -54,6 +54,7 @@ from torch import nn
 
 from draftsmith import fused
 from draftsmith.config import schema_defaults
+from draftsmith.drafter_config import default_target_layer_ids
 from draftsmith.features import (  # noqa: F401  (re-exported: the extract stage's file format)
     FEATURES_FORMAT,
     FP8_MAX,
@@ -89,28 +90,6 @@ class DiskSpaceError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------------
 # layer ids, tokenized input, plan
-
-
-def _default_target_layer_ids_local(num_target_layers: int, num_features: int) -> list[int]:
-    if num_features == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
-
-
-def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """Official DFlash default target layer ids (z-lab ``dflash.model.build_target_layer_ids``).
-
-    ``num_features == 1`` -> ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (n - 1))`` for
-    i = 0..n-1 (L = target layers). Example: L = 64, n = 5 -> [1, 16, 31, 46, 61]. Delegates to
-    :func:`draftsmith.modeling.default_target_layer_ids` (the train stage's copy, which also rejects
-    duplicate ids) and uses the same formula locally if that module is not importable.
-    """
-    try:
-        from draftsmith.modeling import default_target_layer_ids as official
-    except ImportError:  # pragma: no cover - depends on the state of the repository
-        return _default_target_layer_ids_local(num_target_layers, num_features)
-    return official(num_target_layers, num_features)
 
 
 def resolve_layer_ids(drafter_cfg: dict | None, num_target_layers: int) -> list[int]:

@@ -15,13 +15,16 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
 import logging
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from draftsmith.io import check_model_folder, target_fingerprint  # noqa: F401 - re-exported
@@ -304,3 +307,80 @@ def use_grouped_sdpa(model: nn.Module) -> bool:
     AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(GROUPED_SDPA)
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The target's input embedding and LM head, read by key without loading the target (train, export)
+
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight", "model.model.embed_tokens.weight",
+              "embed_tokens.weight", "transformer.wte.weight")
+HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+
+def weight_files(target_dir: Path) -> dict[str, Path]:
+    """Map every tensor name of a target folder to its safetensors file (sharded or not)."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map") or {}
+        return {k: target_dir / v for k, v in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir}: no *.safetensors weights (only safetensors targets are read)")
+    out: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                out[key] = path
+    return out
+
+
+def load_target_embeddings_and_head(target_dir: str | os.PathLike, dtype: torch.dtype | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head weights, read by key without loading the target.
+
+    Handles plain causal LMs (``model.embed_tokens.weight``, ``lm_head.weight``), Qwen3.5 / 3.6 multimodal
+    checkpoints (``model.language_model.embed_tokens.weight``), and tied embeddings (no LM head tensor and
+    ``tie_word_embeddings`` true, or simply no head tensor: the embedding is the head).
+
+    Returns:
+        ``(embed_weight [V, H], lm_head_weight [V, H])`` in the stored dtype (or ``dtype``); the same tensor
+        object twice when tied.
+
+    Raises:
+        FileNotFoundError: no safetensors weights in the folder.
+        KeyError: no embedding tensor under any known name (the message lists the names tried).
+        ValueError: the head and embedding shapes disagree.
+    """
+    target_dir = Path(target_dir)
+    files = weight_files(target_dir)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files[key]), framework="pt") as fh:
+            t = fh.get_tensor(key)
+        return t.to(dtype) if dtype is not None else t
+
+    embed_key = next((k for k in EMBED_KEYS if k in files), None)
+    if embed_key is None:
+        cands = [k for k in files if k.endswith("embed_tokens.weight") and "visual" not in k and "mtp" not in k]
+        embed_key = cands[0] if len(cands) == 1 else None
+    if embed_key is None:
+        raise KeyError(f"{target_dir}: no input embedding tensor (tried {', '.join(EMBED_KEYS)})")
+    embed = read(embed_key)
+    head_key = next((k for k in HEAD_KEYS if k in files), None)
+    tied = False
+    config_path = target_dir / "config.json"
+    if config_path.is_file():
+        with open(config_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        tied = bool(cfg.get("tie_word_embeddings", (cfg.get("text_config") or {}).get("tie_word_embeddings", False)))
+    if head_key is None:
+        if not tied:
+            log.warning("%s: no LM head tensor although tie_word_embeddings is not set; using the input "
+                        "embedding as the head", target_dir)
+        return embed, embed
+    head = read(head_key)
+    if head.shape != embed.shape:
+        raise ValueError(f"{target_dir}: {head_key} {tuple(head.shape)} and {embed_key} {tuple(embed.shape)} differ")
+    return embed, head

@@ -114,7 +114,6 @@ def test_default_layer_ids_follow_the_official_formula():
     assert ex.default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert ex.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert ex.default_target_layer_ids(28, 1) == [14]
-    assert ex._default_target_layer_ids_local(64, 5) == [1, 16, 31, 46, 61]
     assert ex.resolve_layer_ids({"num_layers": 2, "target_layer_ids": None}, 30) == [1, 27]
     assert ex.resolve_layer_ids({"num_layers": 1, "num_target_features": 3}, 12) == [1, 5, 9]
     with pytest.raises(ValueError, match="target layer id 4 is outside 0..3"):
