@@ -527,12 +527,11 @@ def assemble_gguf(spec: EmbeddedTarget, wheel_paths: Sequence[Path], out: str | 
 
 
 def _torch_dtype(name: str):
-    import torch
+    from draftsmith.target import DTYPES  # imported here: building the DAG imports this module, not torch
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(dtypes)}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "float32"):

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from draftsmith.target import text_config
+
 ARCHITECTURE = "DFlashDraftModel"
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -110,7 +112,7 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
     Raises:
         ValueError: inconsistent layer types / sliding window, or ids out of range.
     """
-    cfg = getattr(target_config, "text_config", None) or target_config
+    cfg = text_config(target_config)
     num_target_layers = int(cfg.num_hidden_layers)
     for i in target_layer_ids:
         if not 0 <= int(i) < num_target_layers:

@@ -23,11 +23,10 @@ from safetensors import safe_open
 
 from draftsmith.io import read_json
 from draftsmith.modeling import DFlashDraftModel
-from draftsmith.target import EMBED_KEYS, weight_files
+from draftsmith.target import DTYPES, EMBED_KEYS, text_config, weight_files
 
 log = logging.getLogger("draftsmith.export")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ExportError(ValueError):
@@ -58,8 +57,7 @@ def check_against_target(config: dict[str, Any], target_dir: str | os.PathLike, 
             raise ExportError(f"{where}: dflash_config.{key} is not set explicitly; refusing to export a drafter "
                               f"whose serving engines would have to guess it (set drafter.{key} and retrain)")
     target_dir = Path(target_dir)
-    tcfg = AutoConfig.from_pretrained(target_dir)
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
+    tcfg = text_config(AutoConfig.from_pretrained(target_dir))
     L = int(tcfg.num_hidden_layers)
     ids = [int(i) for i in dflash["target_layer_ids"]]
     if any(not 0 <= i < L for i in ids):

@@ -29,7 +29,7 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.config import REMOVED_STOP_TOKENS
+from draftsmith.config import REMOVED_STOP_TOKENS, schema_defaults
 from draftsmith.evaluate.prompts import load_sets, render
 from draftsmith.evaluate.report import (
     lossless_check,
@@ -210,44 +210,43 @@ def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, ev
             token, a drafter that does not fit the target.
     """
     from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
-    from draftsmith.target import default_device, load_target, resolve_dtype
+    from draftsmith.target import default_device, load_target, resolve_dtype, text_config
     from draftsmith.tokenized import read_tokenized_metadata
 
     device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(target_cfg.get("dtype", "auto"), device)
+    dtype = resolve_dtype(target_cfg["dtype"], device)
     meta = read_tokenized_metadata(tokenized_eval)
     template_kwargs = meta["chat_template_kwargs"]
-    trust = bool(target_cfg.get("trust_remote_code", False))
+    trust = bool(target_cfg["trust_remote_code"])
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint != meta["tokenizer_fingerprint"]:
         raise ValueError(f"{tokenized_eval}: the training data was tokenized with another tokenizer / chat template "
                          f"(fingerprint {meta['tokenizer_fingerprint'][:12]}) than the target's in {target_dir} "
                          f"({fingerprint[:12]}); evaluation must render prompts exactly as training did")
-    if evaluate_cfg.get("stop_tokens"):
+    if evaluate_cfg["stop_tokens"]:
         raise ValueError(REMOVED_STOP_TOKENS)
     stops = stop_token_ids(tokenizer, target_dir, template_kwargs)  # the policy regenerate and tokenize use
     if not stops:
         raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
                          "name no eos_token_id and the chat template writes no end-of-turn token")
 
-    target = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
-                         attn_implementation=target_cfg.get("attn_implementation", "sdpa"), trust_remote_code=trust)
+    target = load_target(target_dir, dtype=target_cfg["dtype"], device=device,
+                         attn_implementation=target_cfg["attn_implementation"], trust_remote_code=trust)
     drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
     check_pair(drafter, target)
-    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg.get("block_size"))
-    lookup = PromptLookupProposer(int(evaluate_cfg.get("prompt_lookup_ngram", 3)),
-                                  int(evaluate_cfg.get("prompt_lookup_num_tokens") or dflash.max_drafts))
-    max_positions = int(getattr(getattr(target.config, "text_config", None) or target.config,
-                                "max_position_embeddings", 1 << 30))
-    max_prompt_tokens = int(evaluate_cfg.get("max_prompt_tokens") or max_positions)
+    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg["block_size"])
+    lookup = PromptLookupProposer(int(evaluate_cfg["prompt_lookup_ngram"]),
+                                  int(evaluate_cfg["prompt_lookup_num_tokens"] or dflash.max_drafts))
+    max_positions = int(getattr(text_config(target.config), "max_position_embeddings", 1 << 30))
+    max_prompt_tokens = int(evaluate_cfg["max_prompt_tokens"] or max_positions)
     static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
-    sampling = SamplingConfig(float(evaluate_cfg.get("temperature", 0.0)), float(evaluate_cfg.get("top_p", 1.0)),
-                              int(evaluate_cfg.get("top_k", 0)))
+    sampling = SamplingConfig(float(evaluate_cfg["temperature"]), float(evaluate_cfg["top_p"]),
+                              int(evaluate_cfg["top_k"]))
     return _Decoding(target=target, tokenizer=tokenizer, template_kwargs=template_kwargs,
                      tokenizer_fingerprint=fingerprint, stops=stops, dflash=dflash, lookup=lookup, static=static,
-                     sampling=sampling, seed=int(evaluate_cfg.get("seed", 0)),
-                     rollback=evaluate_cfg.get("rollback", "auto"), device=device, dtype=dtype,
+                     sampling=sampling, seed=int(evaluate_cfg["seed"]),
+                     rollback=evaluate_cfg["rollback"], device=device, dtype=dtype,
                      max_prompt_tokens=max_prompt_tokens, max_positions=max_positions)
 
 
@@ -365,13 +364,15 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     Raises:
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
     """
+    evaluate_cfg = {**schema_defaults("evaluate"), **evaluate_cfg}  # a library caller may pass a few keys
+    target_cfg = {**schema_defaults("target"), **target_cfg}
     decoding = _prepare_decoding(target_dir, drafter_dir, tokenized_eval, evaluate_cfg, target_cfg, device,
                                  drafter_implementation)
 
     def first_prompt_fits(conv, max_new: int) -> bool:
         return decoding.fits(len(decoding.render(list(conv.context) + conv.user_turns[0], conv.tools)), max_new)
 
-    sets = load_sets(curated_eval, evaluate_cfg.get("sets") or {},
+    sets = load_sets(curated_eval, evaluate_cfg["sets"] or {},
                      heldout_sources=[s["name"] for s in sources if s.get("split", "both") == "both"],
                      first_prompt_fits=first_prompt_fits)
     if not sets:
@@ -387,7 +388,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                 "max_prompt_tokens": decoding.max_prompt_tokens}
     partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
     bar = progress(sum(len(c.user_turns) for b in sets for c in b.conversations), "evaluate", unit="prompt",
-                   logger=log, interval=float(evaluate_cfg.get("progress_interval", 30)))
+                   logger=log, interval=float(evaluate_cfg["progress_interval"]))
     set_reports: dict[str, dict] = {}
     all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
     all_labels: list[str] = []
@@ -472,7 +473,7 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
     """
     from draftsmith.evaluate.static import StaticDrafter, StaticTarget, static_supported
 
-    mode = str(evaluate_cfg.get("static_cache", "auto")).lower()
+    mode = str(evaluate_cfg["static_cache"]).lower()
     if mode == "false" or (mode == "auto" and device.type != "cuda"):
         return None
     ok, why = static_supported(target)
@@ -482,7 +483,7 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
         log.info("static cache / CUDA graphs not used: %s", why)
         return None
     width = max(dflash.max_drafts, lookup.max_drafts) + 1
-    max_new = max((int(s.get("max_new_tokens", 0)) for s in (evaluate_cfg.get("sets") or {}).values()), default=0)
+    max_new = max((int(s.get("max_new_tokens", 0)) for s in (evaluate_cfg["sets"] or {}).values()), default=0)
     length = min(max_positions, max_prompt_tokens + max_new + width + 1)
     static = StaticTarget(target, length, layer_ids=dflash.layer_ids, cuda_graphs=device.type == "cuda",
                           verify_width=width)
