@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from draftsmith.io import json_list
+
 log = logging.getLogger("draftsmith.chat")
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -51,18 +53,10 @@ def parse_tools(tools: Any) -> list | None:
     Raises:
         InvalidConversation: (reason ``invalid_tools``) not JSON, or not a JSON list.
     """
-    if tools is None:
-        return None
-    if isinstance(tools, str):
-        if not tools.strip():
-            return None
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise InvalidConversation(DROP_INVALID_TOOLS, f"field tools: not valid JSON ({exc})") from None
-    if not isinstance(tools, list):
-        raise InvalidConversation(DROP_INVALID_TOOLS, f"field tools: expected a JSON list, got {type(tools).__name__}")
-    return tools or None
+    try:
+        return json_list(tools, "tools") or None
+    except ValueError as exc:
+        raise InvalidConversation(DROP_INVALID_TOOLS, str(exc)) from None
 
 
 def template_messages(messages: Sequence[dict]) -> list[dict]:

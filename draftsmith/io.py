@@ -66,6 +66,27 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
+def json_list(value: Any, field: str) -> list | None:
+    """A list given as itself or as a JSON string (a parquet column, a config value); ``None`` or a blank string
+    gives ``None``.
+
+    Raises:
+        ValueError: not valid JSON, or not a list (the message names ``field``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"field {field}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, list):
+        raise ValueError(f"field {field}: expected a JSON list, got {type(value).__name__}")
+    return value
+
+
 def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -7,6 +7,8 @@ import hashlib
 import json
 from typing import Any
 
+from draftsmith.io import json_list
+
 from .schema import DropRow
 
 # ----------------------------------------------------------------------------------------------
@@ -147,17 +149,12 @@ def normalize_tools(tools: Any) -> str | None:
     Raises:
         DropRow("invalid_tools"): not a list of function schemas with string names.
     """
+    try:
+        tools = json_list(tools, "tools")
+    except ValueError as exc:
+        raise DropRow("invalid_tools", str(exc)) from None
     if tools is None:
         return None
-    if isinstance(tools, str):
-        if not tools.strip():
-            return None
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise DropRow("invalid_tools", f"tools is not valid JSON ({exc.msg})") from None
-    if not isinstance(tools, list):
-        raise DropRow("invalid_tools", f"tools is {type(tools).__name__}, not a list")
     out = []
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict):
