@@ -6,6 +6,7 @@ loader; draftsmith.stages) from the config, which Snakemake does not rerun train
 """
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,13 @@ cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-p
        "--out", str(out_dir), "--threads", str(snakemake.threads),  # noqa: F821
        "--args", json.dumps({section: dict(values) for section, values in cfg.items()})]
 log.info("torchrun: %d process(es)", max(1, gpus))
-with open(snakemake.log[0], "a", encoding="utf-8") as log_file, \
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:  # noqa: F821
+# the training processes' lines go through the log file's own handler, so they and this script's lines share one
+# file position (a second handle on the file would overwrite one with the other)
+log_file = next(h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler))
+with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
     for line in proc.stdout:  # progress (rate, ETA) on the console and in the log
         sys.stderr.write(line)
-        log_file.write(line)
+        log_file.stream.write(line)
         log_file.flush()
 if proc.returncode:
     log.error("training failed (exit status %d); its output is above", proc.returncode)
