@@ -130,11 +130,6 @@ def stage_config(stage: str, params: Mapping, config: Mapping) -> Mapping[str, M
     return MappingProxyType({section: MappingProxyType(values) for section, values in merged.items()})
 
 
-def readers(section: str, key: str) -> set[str]:
-    """Stages with ``section.key`` among their output keys."""
-    return {stage for stage, sections in STAGE_KEYS.items() if key in sections.get(section, {}).get("output", ())}
-
-
 def affected(stages: set[str]) -> set[str]:
     """``stages`` and every stage downstream of them."""
     out, todo = set(), list(stages)
