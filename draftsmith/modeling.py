@@ -837,48 +837,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return model.eval()
 
 
-def num_parameters(config: Qwen3Config) -> int:
-    """Trainable parameters of a drafter with this config (fc, norms, layers), for FLOP counts."""
-    H = config.hidden_size
-    hd = config.head_dim
-    n_feat = len(draft_value(config, "target_layer_ids"))
-    attn = H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) + 2 * hd
-    mlp = 3 * H * config.intermediate_size
-    return n_feat * H * H + 2 * H + config.num_hidden_layers * (attn + mlp + 2 * H)
-
-
-def training_flops(config: Qwen3Config, *, ctx_tokens: int, block_tokens: int, head_tokens: int,
-                   attended_pairs: float) -> dict[str, float]:
-    """Model FLOPs of one training step (forward + backward), by part. Matmuls count 2 FLOPs per MAC.
-
-    * layers (trainable): ``6 * block_tokens * P_layer`` (forward 2, input grad 2, weight grad 2) plus the
-      ctx K/V projections ``6 * ctx_tokens * 2 * H * kv * hd`` per layer;
-    * fc: ``4 * ctx_tokens * n * H * H`` (forward + weight grad; its input, the target features, needs no grad);
-    * LM head (frozen: forward + input grad only): ``4 * head_tokens * H * V``;
-    * attention: ``4 * heads * hd * attended_pairs`` forward (QK and PV), x 3 with backward
-      (``attended_pairs`` = visible (query, key) pairs summed over queries, per layer total).
-
-    Returns:
-        dict of FLOPs per part and ``total``.
-    """
-    H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
-    L = config.num_hidden_layers
-    n_feat = len(draft_value(config, "target_layer_ids"))
-    per_layer = H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) \
-        + 3 * H * config.intermediate_size
-    out = {
-        "layers": 6.0 * block_tokens * per_layer * L + 6.0 * ctx_tokens * 2 * H * config.num_key_value_heads * hd * L,
-        "fc": 4.0 * ctx_tokens * n_feat * H * H,
-        "lm_head": 4.0 * head_tokens * H * V,
-        "attention": 3.0 * 4.0 * config.num_attention_heads * hd * attended_pairs,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
 __all__ = [
     "DFlashDraftModel", "DFlashAttention", "DFlashDecoderLayer", "PackedBatch", "DFlashTrainOutput",
     "default_target_layer_ids", "default_loss_gamma", "resolve_mask_token_id", "build_drafter_config",
     "drafter_config_dict", "load_target_embeddings_and_head", "sample_anchors", "block_targets", "slot_weights",
-    "dflash_mask_mod", "dense_mask", "inference_attention_mask", "training_flops", "num_parameters",
+    "dflash_mask_mod", "dense_mask", "inference_attention_mask",
 ]

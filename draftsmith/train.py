@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.config import schema_defaults
 from draftsmith.features import FeatureIndex, SampleRef  # noqa: F401  (SampleRef re-exported)
+from draftsmith.flops import step_flops
 from draftsmith.io import progress, read_json, sha256_file, write_json
 from draftsmith.modeling import (
     DFlashDraftModel,
@@ -692,13 +693,291 @@ def _log_heldout(writer, metrics: dict, step: int) -> None:
              " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))
 
 
-def _log_train(writer, summary: dict, step: int, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+def _log_train(writer, summary: dict, step: int, lr: float, grad_norm: float, rates: dict) -> None:
     if writer is not None:
         writer.add_scalar("train/loss", summary["loss"], step)
         writer.add_scalar("train/lr", lr, step)
         writer.add_scalar("train/grad_norm", grad_norm, step)
-        writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
+        writer.add_scalar("train/tokens_per_s", rates["window_tokens_per_s"], step)
+        writer.add_scalar("train/model_tflops_per_gpu", rates["model_tflops_per_gpu"], step)
         writer.add_scalar("train/accuracy_pos01", summary["accuracy_per_position"][0], step)
+
+
+@dataclass
+class _TrainItem:
+    """A packed training batch and its model FLOPs (:func:`draftsmith.flops.step_flops`, counted on the host by
+    the prefetch workers)."""
+
+    batch: PackedBatch
+    flops: float
+
+    def pin_memory(self) -> "_TrainItem":
+        return _TrainItem(self.batch.pin_memory(), self.flops)
+
+
+class Throughput:
+    """Context tokens and model FLOPs per second, summed over ranks: since the loop started, and over the
+    current window (the steps since the last log line; held-out evaluations and checkpoints are left out, so the
+    window rate is the training rate once compilation has warmed up).
+
+    The model FLOPs are :func:`draftsmith.flops.step_flops` (PaLM-style MFU: matmuls only, no recomputation);
+    ``model_tflops_per_gpu`` divided by the GPU's dense bf16 peak is the MFU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t_start = self.t_window = time.time()
+        self.tokens = self.window_tokens = 0
+        self.window_flops = 0.0
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.tokens += tokens
+        self.window_tokens += tokens
+        self.window_flops += flops
+
+    def skip(self) -> None:
+        """Start a new window now: the time since the last call is not training (evaluation, checkpoint)."""
+        self.t_window = time.time()
+        self.window_tokens, self.window_flops = 0, 0.0
+
+    def rates(self, world: int) -> dict[str, float]:
+        """``{"tokens_per_s", "window_tokens_per_s", "model_tflops_per_gpu"}`` over all ranks (a collective under
+        torch.distributed), then a new window."""
+        now = time.time()
+        sums = torch.tensor([self.tokens, self.window_tokens, self.window_flops], dtype=torch.float64,
+                            device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        tokens, window_tokens, window_flops = sums.tolist()
+        window_s = max(now - self.t_window, 1e-9)
+        out = {"tokens_per_s": tokens / max(now - self.t_start, 1e-9),
+               "window_tokens_per_s": window_tokens / window_s,
+               "model_tflops_per_gpu": window_flops / window_s / world / 1e12}
+        self.t_window, self.window_tokens, self.window_flops = now, 0, 0.0
+        return out
+
+
+def peak_memory_gib(device: torch.device) -> list[float] | None:
+    """Peak GPU memory allocated by torch on each rank (GiB, ``torch.cuda.max_memory_allocated``; rank order);
+    None on the CPU. A collective under torch.distributed."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], dtype=torch.float64, device=device)
+    if not dist.is_initialized():
+        return [float(peak)]
+    every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, peak)
+    return [round(float(t), 2) for t in every]
+
+
+@dataclass
+class _Data:
+    """What the features give the run: the index, the held-out split and the batch plan."""
+
+    index: FeatureIndex
+    lengths: list[int]
+    train_ids: list[int]
+    heldout_ids: list[int]
+    truncated: int
+    plan: BatchPlan
+    use_target_tokens: bool
+
+
+def _plan_data(index_path: str | os.PathLike, settings: dict, ranks: Dist) -> _Data:
+    """Open the features, split off the held-out samples and plan every step's rows (:class:`BatchPlan`).
+
+    Raises:
+        ValueError: too few samples for one optimizer step (named with the index path).
+    """
+    index = FeatureIndex(index_path)
+    use_target_tokens = settings["labels"] == "target" and index.has_target_token
+    if settings["labels"] == "target" and not index.has_target_token:
+        log.warning("train.labels = target but the features have no target_token: training on data tokens")
+    train_ids, heldout_ids = split_samples([s.row for s in index.samples], settings["eval_fraction"],
+                                           settings["seed"])
+    lengths = [s.num_tokens for s in index.samples]
+    row_tokens = int(settings["tokens_per_batch"])
+    truncated = sum(1 for i in train_ids if lengths[i] > row_tokens)
+    log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
+             len(index.samples), len(train_ids), len(heldout_ids), truncated, row_tokens)
+    try:
+        plan = BatchPlan(lengths, train_ids, row_tokens, seed=settings["seed"], world=ranks.world,
+                         grad_accum=settings["grad_accum"], epochs=settings["epochs"], max_steps=settings["max_steps"])
+    except ValueError as exc:
+        raise ValueError(f"{index_path}: {exc}") from None
+    return _Data(index, lengths, train_ids, heldout_ids, truncated, plan, use_target_tokens)
+
+
+class _TrainingRun:
+    """One training run: the frozen target embedding and head, the drafter, its optimizer and checkpoints, the
+    batches, and the loop's steps (:meth:`step`, :meth:`log_step`, :meth:`heldout_metrics`, :meth:`checkpoint`).
+    Built by :func:`train`, which reads top to bottom."""
+
+    def __init__(self, data: _Data, target_dir: Path, out_dir: Path, settings: dict, drafter_settings: dict,
+                 device: torch.device, ranks: Dist):
+        self.data, self.out_dir, self.settings, self.device, self.ranks = data, out_dir, settings, device, ranks
+        self.on_gpu = device.type == "cuda"
+        self.feature_dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        self.row_tokens = int(settings["tokens_per_batch"])
+        self.total_steps = data.plan.total_steps
+        self.warmup = int(round(settings["warmup_ratio"] * self.total_steps))
+
+        # the frozen target embedding and LM head (tied: one copy on the device), then the drafter
+        embed, head = load_target_embeddings_and_head(target_dir)
+        self.config = build_model_config(data.index, target_dir, drafter_settings, embed.shape[0])
+        tied = head is embed
+        self.embed = embed.to(device=device, dtype=self.feature_dtype)
+        self.head = self.embed if tied else head.to(device=device, dtype=self.feature_dtype)
+        self.block = self.config.dflash_config["block_size"]
+        self.gamma = float(settings["loss_gamma"] or default_loss_gamma(self.block))
+        torch.manual_seed(settings["seed"])
+        self.model = DFlashDraftModel(self.config).to(device)
+        self.model.train()
+        self.optimizer, self.params = _optimizer(self.model, settings, self.on_gpu)
+
+        # one checkpoint folder per run fingerprint: a rerun with the same configuration resumes; a changed one
+        # (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
+        self.fingerprint = run_fingerprint(drafter_config_dict(self.config), settings, data.index.meta, ranks.world)
+        self.ckpt_dir = out_dir / "checkpoints" / f"run-{self.fingerprint[:12]}"
+        others = sorted(p.name for p in self.ckpt_dir.parent.glob("run-*") if p != self.ckpt_dir) \
+            if self.ckpt_dir.parent.is_dir() else []
+        if others and ranks.main:
+            log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s",
+                     self.ckpt_dir.parent, ", ".join(others))
+        self.start_step, self.history = _resume(self.ckpt_dir, self.fingerprint, self.model, self.optimizer, device,
+                                                self.total_steps)
+        self.n_params = sum(p.numel() for p in self.params)
+        log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels "
+                 "%s; %d steps (%d per epoch, warmup %d), %d process(es) on %s", self.config.num_hidden_layers,
+                 self.config.hidden_size, self.n_params, self.n_params / 1e6, self.block, self.gamma,
+                 "target tokens" if data.use_target_tokens else "data tokens", self.total_steps,
+                 data.plan.steps_per_epoch[0], self.warmup, ranks.world, device)
+
+        # the step: DDP across ranks, compiled layers on a GPU, bf16 autocast
+        self.step_model: torch.nn.Module = _TrainStep(self.model)
+        if ranks.world > 1:
+            self.step_model = torch.nn.parallel.DistributedDataParallel(
+                self.step_model, device_ids=[device.index] if self.on_gpu else None)
+        self.chunk_bytes = int(settings["logits_chunk_mib"]) << 20
+        self.model.activation_checkpointing = bool(settings["activation_checkpointing"])
+        if settings["compile"] and self.on_gpu:
+            for layer in self.model.layers:
+                layer.compile()  # in place: state-dict names unchanged
+        if self.on_gpu:
+            _allow_recompiles()
+        self.heldout_rows = pack_rows(data.lengths, data.heldout_ids, self.row_tokens)[ranks.rank::ranks.world] \
+            if data.heldout_ids else []
+        self.writer = None
+        if ranks.main:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=self.start_step or None)
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu else torch.autocast("cpu", enabled=False)
+
+    # -- batches: packed rows; on a GPU a fixed row length and power-of-two anchor buckets, so compiled
+    # flex_attention sees few shapes
+    def batch_of(self, row: list[tuple[int, int]], seed: int) -> PackedBatch:
+        return make_batch(self.data.index, row, num_anchors=self.settings["num_anchors"], seed=seed,
+                          feature_dtype=self.feature_dtype,
+                          pad_tokens_to=-(-self.row_tokens // 128) * 128 if self.on_gpu else 1,
+                          pad_anchors_to=max(1, 128 // self.block) if self.on_gpu else 1,
+                          bucket_anchors=self.on_gpu, max_anchors_per_row=self.settings["max_anchors_per_row"],
+                          pin_memory=self.on_gpu)
+
+    def train_item(self, item: tuple[int, int, int]) -> _TrainItem:
+        """The batch of plan item ``(step, epoch, row)`` and its model FLOPs (runs on a prefetch worker)."""
+        _, epoch, r = item
+        batch = self.batch_of(self.data.plan.rows(epoch)[r], _seed_of(self.settings["seed"], "anchors", epoch, r))
+        return _TrainItem(batch, step_flops(self.model, batch, self.data.use_target_tokens))
+
+    def prefetch(self, items: list, make) -> Prefetcher:
+        return Prefetcher(items, make, depth=self.settings["prefetch"], pin=self.on_gpu,
+                          workers=self.settings["loader_workers"])
+
+    # -- one optimizer step: micro-batches (DDP all-reduces on the last one), clip, AdamW
+    def step(self, step: int, items: Iterator[_TrainItem], throughput: Throughput) -> tuple[Metrics, float, float]:
+        """Returns ``(metrics of the step's micro-batches, learning rate, gradient norm before clipping)``."""
+        settings, accum = self.settings, self.settings["grad_accum"]
+        lr = settings["lr"] * lr_factor(step, self.total_steps, self.warmup, settings["min_lr_ratio"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics = Metrics(self.block - 1, self.device)
+        for micro in range(accum):
+            item = next(items)
+            throughput.add(int((item.batch.doc_ids >= 0).sum()), item.flops)  # on the host: no wait for the GPU
+            batch = item.batch.to(self.device, non_blocking=True)
+            no_sync = self.ranks.world > 1 and micro < accum - 1
+            with self.step_model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
+                out = self.step_model(batch, self.embed, self.head, self.gamma, self.data.use_target_tokens,
+                                      settings["attention"], self.chunk_bytes)
+                (out.loss / accum).backward()
+            metrics.add(out)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, settings["grad_clip"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics, lr, float(grad_norm)
+
+    def log_step(self, done: int, metrics: Metrics, lr: float, grad_norm: float, throughput: Throughput,
+                 bar) -> dict[str, Any]:
+        """The training line of step ``done`` (loss, rates) to TensorBoard and the progress bar; returns it."""
+        metrics.all_reduce()
+        summary = metrics.summary()
+        rates = throughput.rates(self.ranks.world)
+        _log_train(self.writer, summary, done, lr, grad_norm, rates)
+        bar.set_postfix_str(f"loss {summary['loss']:.4f}, lr {lr:.2e}, {rates['window_tokens_per_s']:,.0f} ctx "
+                            f"tok/s, {rates['model_tflops_per_gpu']:.0f} TFLOP/s/GPU", refresh=False)
+        return {"step": done, "loss": summary["loss"], "lr": lr, "grad_norm": grad_norm, **rates}
+
+    def heldout_metrics(self, step: int) -> dict | None:
+        """Held-out loss, accuracies and τ (:func:`evaluate`) over every rank's share of the held-out rows."""
+        if not self.data.heldout_ids:
+            return None
+
+        def heldout_batch(j: int) -> PackedBatch:
+            return self.batch_of(self.heldout_rows[j], _seed_of(self.settings["seed"], "heldout", self.ranks.rank, j))
+
+        batches = self.prefetch(list(range(len(self.heldout_rows))), heldout_batch)
+        try:
+            metrics = evaluate(self.model, batches, self.embed, self.head, gamma=self.gamma,
+                               use_target_tokens=self.data.use_target_tokens, device=self.device,
+                               autocast=self.autocast, logits_chunk_bytes=self.chunk_bytes)
+        finally:
+            batches.close()
+        metrics["step"] = step
+        _log_heldout(self.writer, metrics, step)
+        return metrics
+
+    def checkpoint(self, step: int) -> None:
+        plan = self.data.plan
+        if self.ranks.main:
+            save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, {
+                "fingerprint": self.fingerprint, "total_steps": self.total_steps,
+                "data_position": {"step": step, "epoch": plan.locate(min(step, self.total_steps - 1))[0],
+                                  "micro_batches_per_step": plan.per_step},
+                "scheduler": {"warmup_steps": self.warmup, "total_steps": self.total_steps,
+                              "min_lr_ratio": self.settings["min_lr_ratio"],
+                              "lr": self.optimizer.param_groups[0]["lr"]},
+                "history": self.history}, keep=int(self.settings["keep_checkpoints"]))
+        _barrier()
+
+    def state(self, last: dict, final_eval: dict | None, peak: list[float] | None, wall_s: float) -> dict[str, Any]:
+        data = self.data
+        return {
+            "format": "draftsmith.trainer_state/1", "steps": self.total_steps,
+            "steps_per_epoch": data.plan.steps_per_epoch, "world_size": self.ranks.world, "device": str(self.device),
+            "samples": {"total": len(data.index.samples), "train": len(data.train_ids),
+                        "heldout": len(data.heldout_ids), "train_truncated": data.truncated},
+            "rows_skipped_at_epoch_ends": data.plan.skipped_rows, "tokens_per_batch": self.row_tokens,
+            "block_size": self.block, "gamma": self.gamma, "labels": "target" if data.use_target_tokens else "data",
+            "trainable_parameters": self.n_params, "last_train": last, "peak_memory_gib": peak,
+            "heldout": final_eval, "history": self.history, "fingerprint": self.fingerprint,
+            "resumed_from_step": self.start_step, "wall_s": wall_s,
+        }
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -709,9 +988,13 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     Writes ``<out_dir>/trained/{model.safetensors, config.json, trainer_state.json}`` (trainer_state last),
     checkpoints under ``<out_dir>/checkpoints/``, TensorBoard scalars under ``<out_dir>/tensorboard/``.
 
-    Steps: data (held-out split, batch plan) -> model (frozen target embedding and head, drafter, optimizer,
-    resume) -> batches (packed rows prefetched in pinned memory) -> the loop (learning rate, micro-batches,
-    clip, step, log, held-out evaluation, checkpoint) -> trained/ and trainer_state.json.
+    Steps: data (held-out split, batch plan: :func:`_plan_data`) -> the run (frozen target embedding and head,
+    drafter, optimizer, resume: :class:`_TrainingRun`) -> the loop (learning rate, micro-batches, clip, step;
+    log, held-out evaluation, checkpoint) -> trained/ and trainer_state.json.
+
+    The log line every ``train.log_every`` steps carries the loss, the learning rate, context tokens/s of all
+    ranks and model TFLOP/s per GPU (:class:`Throughput`); trainer_state.json keeps the last one
+    (``last_train``) and each rank's peak GPU memory (``peak_memory_gib``, GiB).
 
     Args:
         index_path: ``results/features/index.json``.
@@ -731,199 +1014,66 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     """
     t_start = time.time()
     settings = {**TRAIN_DEFAULTS, **(train_cfg or {})}
-    drafter_settings = {**DRAFTER_DEFAULTS, **(drafter_cfg or {})}
-    out_dir, target_dir = Path(out_dir), Path(target_dir)
     device, ranks = _setup_device(threads)
-    on_gpu = device.type == "cuda"
-    feature_dtype = torch.bfloat16 if on_gpu else torch.float32
-
-    # -- data ------------------------------------------------------------------------------------------------
-    index = FeatureIndex(index_path)
-    use_target_tokens = settings["labels"] == "target" and index.has_target_token
-    if settings["labels"] == "target" and not index.has_target_token:
-        log.warning("train.labels = target but the features have no target_token: training on data tokens")
-    train_ids, heldout_ids = split_samples([s.row for s in index.samples], settings["eval_fraction"],
-                                           settings["seed"])
-    lengths = [s.num_tokens for s in index.samples]
-    row_tokens = int(settings["tokens_per_batch"])
-    truncated = sum(1 for i in train_ids if lengths[i] > row_tokens)
-    log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
-             len(index.samples), len(train_ids), len(heldout_ids), truncated, row_tokens)
+    data = _plan_data(index_path, settings, ranks)
+    run = _TrainingRun(data, Path(target_dir), Path(out_dir), settings, {**DRAFTER_DEFAULTS, **(drafter_cfg or {})},
+                       device, ranks)
+    end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, stop_after_steps)
     try:
-        batch_plan = BatchPlan(lengths, train_ids, row_tokens, seed=settings["seed"], world=ranks.world,
-                               grad_accum=settings["grad_accum"], epochs=settings["epochs"],
-                               max_steps=settings["max_steps"])
-    except ValueError as exc:
-        raise ValueError(f"{index_path}: {exc}") from None
-    total_steps = batch_plan.total_steps
-    warmup = int(round(settings["warmup_ratio"] * total_steps))
+        last = _loop(run, end_step)
+        if end_step < run.total_steps:  # stopped early on purpose (tests): checkpoint written, no final outputs
+            return {"stopped_at": end_step, "total_steps": run.total_steps}
+        return _finish(run, last, time.time() - t_start)
+    finally:
+        run.close()
 
-    # -- model -----------------------------------------------------------------------------------------------
-    embed, head = load_target_embeddings_and_head(target_dir)
-    config = build_model_config(index, target_dir, drafter_settings, embed.shape[0])
-    tied = head is embed
-    embed = embed.to(device=device, dtype=feature_dtype)
-    head = embed if tied else head.to(device=device, dtype=feature_dtype)  # tied: one copy on the device
-    block = config.dflash_config["block_size"]
-    gamma = float(settings["loss_gamma"] or default_loss_gamma(block))
-    torch.manual_seed(settings["seed"])
-    model = DFlashDraftModel(config).to(device)
-    model.train()
-    optimizer, params = _optimizer(model, settings, on_gpu)
-    fingerprint = run_fingerprint(drafter_config_dict(config), settings, index.meta, ranks.world)
-    # one checkpoint folder per run fingerprint: a rerun with the same configuration resumes; a changed one
-    # (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
-    ckpt_dir = out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
-    others = sorted(p.name for p in ckpt_dir.parent.glob("run-*") if p != ckpt_dir) \
-        if ckpt_dir.parent.is_dir() else []
-    if others and ranks.main:
-        log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s", ckpt_dir.parent,
-                 ", ".join(others))
-    start_step, history = _resume(ckpt_dir, fingerprint, model, optimizer, device, total_steps)
-    n_params = sum(p.numel() for p in params)
-    log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels %s; "
-             "%d steps (%d per epoch, warmup %d), %d process(es) on %s",
-             config.num_hidden_layers, config.hidden_size, n_params, n_params / 1e6, block, gamma,
-             "target tokens" if use_target_tokens else "data tokens", total_steps, batch_plan.steps_per_epoch[0],
-             warmup, ranks.world, device)
 
-    step_model: torch.nn.Module = _TrainStep(model)
-    if ranks.world > 1:
-        step_model = torch.nn.parallel.DistributedDataParallel(step_model, device_ids=[device.index] if on_gpu
-                                                               else None)
-    chunk_bytes = int(settings["logits_chunk_mib"]) << 20
-    model.activation_checkpointing = bool(settings["activation_checkpointing"])
-    if settings["compile"] and on_gpu:
-        for layer in model.layers:
-            layer.compile()  # in place: state-dict names unchanged
-    if on_gpu:
-        _allow_recompiles()
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else \
-        (lambda: torch.autocast("cpu", enabled=False))
-
-    # -- batches: packed rows; on a GPU a fixed row length and power-of-two anchor buckets, so compiled
-    # flex_attention sees few shapes ---------------------------------------------------------------------------
-    def batch_of(row: list[tuple[int, int]], seed: int) -> PackedBatch:
-        return make_batch(index, row, num_anchors=settings["num_anchors"], seed=seed, feature_dtype=feature_dtype,
-                          pad_tokens_to=-(-row_tokens // 128) * 128 if on_gpu else 1,
-                          pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,
-                          max_anchors_per_row=settings["max_anchors_per_row"], pin_memory=on_gpu)
-
-    heldout_rows = pack_rows(lengths, heldout_ids, row_tokens)[ranks.rank::ranks.world] if heldout_ids else []
-    writer = None
-    if ranks.main:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step or None)
-
-    def heldout_metrics(step: int) -> dict | None:
-        if not heldout_ids:
-            return None
-        def heldout_batch(j: int) -> PackedBatch:
-            return batch_of(heldout_rows[j], _seed_of(settings["seed"], "heldout", ranks.rank, j))
-
-        batches = Prefetcher(list(range(len(heldout_rows))), heldout_batch, depth=settings["prefetch"], pin=on_gpu,
-                             workers=settings["loader_workers"])
-        try:
-            metrics = evaluate(model, batches, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
-                               device=device, autocast=autocast, logits_chunk_bytes=chunk_bytes)
-        finally:
-            batches.close()
-        metrics["step"] = step
-        _log_heldout(writer, metrics, step)
-        return metrics
-
-    def checkpoint(step: int) -> None:
-        if ranks.main:
-            save_checkpoint(ckpt_dir, step, model, optimizer, {
-                "fingerprint": fingerprint, "total_steps": total_steps,
-                "data_position": {"step": step, "epoch": batch_plan.locate(min(step, total_steps - 1))[0],
-                                  "micro_batches_per_step": batch_plan.per_step},
-                "scheduler": {"warmup_steps": warmup, "total_steps": total_steps,
-                              "min_lr_ratio": settings["min_lr_ratio"], "lr": optimizer.param_groups[0]["lr"]},
-                "history": history}, keep=int(settings["keep_checkpoints"]))
-        _barrier()
-
-    # -- the loop ---------------------------------------------------------------------------------------------
-    end_step = total_steps if stop_after_steps is None else min(total_steps, stop_after_steps)
-
-    def train_batch(item: tuple[int, int, int]) -> PackedBatch:
-        _, epoch, r = item
-        return batch_of(batch_plan.rows(epoch)[r], _seed_of(settings["seed"], "anchors", epoch, r))
-
-    prefetch = Prefetcher(list(batch_plan.items(start_step, end_step, ranks.rank)), train_batch,
-                          depth=settings["prefetch"], pin=on_gpu, workers=settings["loader_workers"])
-    batches = iter(prefetch)
-    bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not ranks.main,
-                   interval=float(settings["progress_interval"]))
-    accum = settings["grad_accum"]
-    tokens_seen, t_loop, last = 0, time.time(), {}
+def _loop(run: _TrainingRun, end_step: int) -> dict[str, Any]:
+    """Steps ``run.start_step .. end_step - 1``: step; every ``log_every`` a log line, every ``eval_every`` the
+    held-out metrics, every ``save_every`` (and at the end) a checkpoint. Returns the last log line's values."""
+    settings, ranks = run.settings, run.ranks
+    items = run.prefetch(list(run.data.plan.items(run.start_step, end_step, ranks.rank)), run.train_item)
+    bar = progress(run.total_steps, "train", unit="step", logger=log, initial=run.start_step,
+                   disable=not ranks.main, interval=float(settings["progress_interval"]))
+    throughput, last = Throughput(run.device), {}
     try:
-        for step in range(start_step, end_step):
-            lr = settings["lr"] * lr_factor(step, total_steps, warmup, settings["min_lr_ratio"])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            metrics = Metrics(block - 1, device)
-            for micro in range(accum):
-                batch = next(batches)
-                tokens_seen += int((batch.doc_ids >= 0).sum())  # on the host: no wait for the GPU
-                batch = batch.to(device, non_blocking=True)
-                no_sync = ranks.world > 1 and micro < accum - 1  # DDP all-reduces on the last micro-batch only
-                with step_model.no_sync() if no_sync else contextlib.nullcontext(), autocast():
-                    out = step_model(batch, embed, head, gamma, use_target_tokens, settings["attention"],
-                                     chunk_bytes)
-                    (out.loss / accum).backward()
-                metrics.add(out)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings["grad_clip"])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        batches = iter(items)
+        for step in range(run.start_step, end_step):
+            metrics, lr, grad_norm = run.step(step, batches, throughput)
             done = step + 1
             if done % settings["log_every"] == 0 or done == end_step:
-                metrics.all_reduce()
-                summary = metrics.summary()
-                tokens_per_s = tokens_seen * ranks.world / max(time.time() - t_loop, 1e-9)
-                last = {"step": done, "loss": summary["loss"], "lr": lr, "grad_norm": float(grad_norm),
-                        "tokens_per_s": tokens_per_s}
-                _log_train(writer, summary, done, lr, float(grad_norm), tokens_per_s)
-                bar.set_postfix_str(f"loss {summary['loss']:.4f}, lr {lr:.2e}, {tokens_per_s:,.0f} ctx tok/s",
-                                    refresh=False)
+                last = run.log_step(done, metrics, lr, grad_norm, throughput, bar)
             bar.update(1)
-            if done % settings["eval_every"] == 0 and done != total_steps:
-                heldout = heldout_metrics(done)
+            if done % settings["eval_every"] == 0 and done != run.total_steps:
+                heldout = run.heldout_metrics(done)
                 if heldout is not None:
-                    history.append(heldout)
+                    run.history.append(heldout)
+                throughput.skip()
             if done % settings["save_every"] == 0 or done == end_step:
-                checkpoint(done)
+                run.checkpoint(done)
+                throughput.skip()
     finally:
-        prefetch.close()
+        items.close()
         bar.close()
+    return last
 
-    if end_step < total_steps:  # stopped early on purpose (tests): checkpoint written, no final outputs
-        if writer is not None:
-            writer.close()
-        return {"stopped_at": end_step, "total_steps": total_steps}
 
-    # -- outputs ----------------------------------------------------------------------------------------------
-    final_eval = heldout_metrics(total_steps)
+def _finish(run: _TrainingRun, last: dict, wall_s: float) -> dict[str, Any]:
+    """The final held-out metrics, peak memory per rank, ``trained/`` (weights, config) and trainer_state.json
+    (written last); returns the state."""
+    final_eval = run.heldout_metrics(run.total_steps)
     if final_eval is not None:
-        history.append(final_eval)
-    state = {
-        "format": "draftsmith.trainer_state/1", "steps": total_steps, "steps_per_epoch": batch_plan.steps_per_epoch,
-        "world_size": ranks.world, "device": str(device),
-        "samples": {"total": len(index.samples), "train": len(train_ids), "heldout": len(heldout_ids),
-                    "train_truncated": truncated},
-        "rows_skipped_at_epoch_ends": batch_plan.skipped_rows, "tokens_per_batch": row_tokens, "block_size": block,
-        "gamma": gamma, "labels": "target" if use_target_tokens else "data", "trainable_parameters": n_params,
-        "last_train": last, "heldout": final_eval, "history": history, "fingerprint": fingerprint,
-        "resumed_from_step": start_step, "wall_s": time.time() - t_start,
-    }
-    if ranks.main:
-        trained = out_dir / "trained"
-        model.save_pretrained(trained)
+        run.history.append(final_eval)
+    peak = peak_memory_gib(run.device)
+    if peak is not None and run.ranks.main:
+        log.info("peak GPU memory per rank: %s GiB", ", ".join(f"{p:.1f}" for p in peak))
+    state = run.state(last, final_eval, peak, wall_s)
+    if run.ranks.main:
+        trained = run.out_dir / "trained"
+        run.model.save_pretrained(trained)
         write_json(trained / "trainer_state.json", state)
         log.info("wrote %s (held-out tau_expected %s)", trained,
                  f"{final_eval['tau_expected']:.3f}" if final_eval else "n/a")
-    if writer is not None:
-        writer.close()
     _barrier()
     return state
 

@@ -33,8 +33,8 @@ from draftsmith.modeling import (
     resolve_mask_token_id,
     sample_anchors,
     slot_weights,
-    training_flops,
 )
+from draftsmith.flops import attended_pairs, step_flops, training_flops
 from tiny import tiny_target
 
 MASK = 3
@@ -387,6 +387,31 @@ def test_training_flops_match_the_flop_counter(target):
         out.loss.backward()
     mm = sum(v for k, v in counter.get_flop_counts()["Global"].items() if "mm" in str(k) and "bmm" not in str(k))
     assert want["total"] == mm
+
+
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 6)])
+def test_attended_pairs_count_the_dense_mask(target, layer_types, window):
+    """The attention term of MFU counts exactly the (query, key) pairs the DFlash mask lets through, per layer:
+    the interval count equals the dense mask's sum (sliding and full layers, padding blocks included)."""
+    from draftsmith.modeling import dense_mask
+
+    model = make_drafter(target, layer_types=layer_types, sliding_window=window)
+    batch = packed_batch(anchors=[2, 9, 12, 20, 24, 27, 33], target_tokens=True)
+    batch.anchor_valid[0, -1] = False  # a padding block sees only itself
+    anchor_doc = torch.where(batch.anchor_valid, torch.gather(batch.doc_ids, 1, batch.anchors),
+                             torch.full_like(batch.anchors, -2))
+    S, QA = batch.input_ids.shape[1], batch.anchors.shape[1] * model.block_size
+    want = 0
+    for layer in model.layers:
+        c, w = layer.self_attn.mask_key
+        mod = dflash_mask_mod(batch.doc_ids, batch.anchors, anchor_doc, model.block_size, is_causal=c,
+                              sliding_window=w)
+        mask = dense_mask(mod, 1, QA, S + QA, torch.device("cpu"))
+        want += int(mask.sum())
+    assert attended_pairs(model, batch) == want
+    _, valid = block_targets(batch, model.block_size, True)
+    assert step_flops(model, batch, True) == training_flops(
+        model.config, ctx_tokens=S, block_tokens=QA, head_tokens=int(valid.sum()), attended_pairs=want)["total"]
 
 
 def _random_packing(S, docs, pad_blocks, seed, num_anchors=20):

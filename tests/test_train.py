@@ -319,6 +319,9 @@ def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "trained" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["steps"] == 4
+    last = state["last_train"]
+    assert last["step"] == 4 and last["window_tokens_per_s"] > 0 and last["model_tflops_per_gpu"] > 0
+    assert state["peak_memory_gib"] is None  # CPU
     assert len(list((tmp_path / "checkpoints").glob("run-*/step-00000004/state.json"))) == 1
     cfg = json.loads((tmp_path / "trained" / "config.json").read_text())
     assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 4}
@@ -410,3 +413,24 @@ def test_prefetcher_keeps_the_order_with_several_workers_and_reraises():
             got.append(x)
     pf.close()
     assert got == list(range(37))
+
+
+def test_throughput_windows_leave_out_evaluation_and_count_flops(monkeypatch):
+    """Window rates cover only the steps since the last log line or skip (held-out evaluation, checkpoint); the
+    overall rate covers everything since the loop started; model TFLOP/s are per GPU."""
+    from draftsmith import train as train_module
+
+    clock = iter([100.0, 102.0, 110.0, 111.0, 112.0])
+    monkeypatch.setattr(train_module.time, "time", lambda: next(clock))
+    t = train_module.Throughput(torch.device("cpu"))  # t = 100
+    t.add(1000, 4e12)
+    first = t.rates(world=2)  # t = 102: 1000 tokens in 2 s
+    assert first == {"tokens_per_s": 500.0, "window_tokens_per_s": 500.0, "model_tflops_per_gpu": 1.0}
+    t.skip()  # t = 110: an 8 s evaluation is not training
+    t.add(300, 1e12)
+    t.add(300, 1e12)
+    second = t.rates(world=2)  # t = 111: 600 tokens in 1 s of training; 1600 tokens in 11 s overall
+    assert second["window_tokens_per_s"] == pytest.approx(600.0)
+    assert second["tokens_per_s"] == pytest.approx(1600 / 11)
+    assert second["model_tflops_per_gpu"] == pytest.approx(1.0)
+    assert t.rates(world=1)["window_tokens_per_s"] == 0.0  # t = 112: an empty window
