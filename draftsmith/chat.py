@@ -99,11 +99,11 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
                             f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON ({exc})") from None
                 elif args is None:
                     args = {}
-                tc: dict[str, Any] = {"type": call.get("type") or "function",
-                                      "function": {"name": fn.get("name"), "arguments": args}}
+                tool_call: dict[str, Any] = {"type": call.get("type") or "function",
+                                             "function": {"name": fn.get("name"), "arguments": args}}
                 if call.get("id") is not None:
-                    tc["id"] = call["id"]
-                msg["tool_calls"].append(tc)
+                    tool_call["id"] = call["id"]
+                msg["tool_calls"].append(tool_call)
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 msg[key] = m[key]

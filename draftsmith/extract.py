@@ -71,8 +71,19 @@ from draftsmith.features import (  # noqa: F401  (re-exported: the extract stage
     write_safetensors,
 )
 from draftsmith.tokenized import TOKENIZED_META, Tokenized, read_tokenized  # noqa: F401  (re-exported)
-from draftsmith import target as tgt
 from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
+from draftsmith.target import (
+    LayerCapture,
+    check_model_folder,
+    default_device,
+    fla_available,
+    is_hybrid,
+    load_target,
+    resolve_dtype,
+    target_fingerprint,
+    text_config,
+    validate_layer_ids,
+)
 
 log = logging.getLogger("draftsmith.extract")
 
@@ -107,7 +118,7 @@ def resolve_layer_ids(drafter_cfg: dict | None, num_target_layers: int) -> list[
         ids = default_target_layer_ids(num_target_layers, int(n))
         log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s",
                  num_target_layers, int(n), ids)
-    return tgt.validate_layer_ids(list(ids), num_target_layers)
+    return validate_layer_ids(list(ids), num_target_layers)
 
 
 def balance_shards(num_tokens: list[int] | np.ndarray, num_shards: int) -> list[list[int]]:
@@ -135,8 +146,8 @@ def target_dims(target_dir: str | os.PathLike, *, trust_remote_code: bool = Fals
     """``(num_target_layers L, hidden_size H, vocab_size V)`` from the target's config.json only."""
     from transformers import AutoConfig
 
-    folder = tgt.check_model_folder(target_dir)
-    cfg = tgt.text_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+    folder = check_model_folder(target_dir)
+    cfg = text_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
     return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)
 
 
@@ -317,9 +328,9 @@ class FeatureExtractor:
         self.lm_head = model.get_output_embeddings() if target_tokens else None
         if target_tokens and self.lm_head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings: cannot compute target tokens")
-        self.capture = tgt.LayerCapture(model, self.layer_ids, stop_after_deepest=not target_tokens)
+        self.capture = LayerCapture(model, self.layer_ids, stop_after_deepest=not target_tokens)
         self.device = next(model.parameters()).device
-        cfg = tgt.text_config(model.config)
+        cfg = text_config(model.config)
         self.hidden = int(cfg.hidden_size)
         self.vocab = int(cfg.vocab_size)
         pad = pad_token_id if pad_token_id is not None else getattr(cfg, "pad_token_id", None)
@@ -447,7 +458,7 @@ def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, target
     if (nl, hs) != (num_target_layers, hidden):
         raise ValueError(f"{plan_path}: planned for L={num_target_layers}, H={hidden} but target "
                          f"{target_dir} has L={nl}, H={hs}; rerun extract_plan")
-    tgt.validate_layer_ids(layer_ids, nl)
+    validate_layer_ids(layer_ids, nl)
     if rows:
         span = np.concatenate([tok.input_ids[tok.offsets[r]:tok.offsets[r + 1]] for r in rows])
         if span.min() < 0 or span.max() >= vocab:
@@ -545,98 +556,130 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     folder = manifest_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     plan, rows, tok = _read_shard_inputs(plan_path, tokenized_path, target_dir, shard, target_cfg)
-    layer_ids, hidden, num_target_layers = plan["layer_ids"], plan["hidden_size"], plan["num_target_layers"]
-    n_layers = len(layer_ids)
-
+    layer_ids, hidden = plan["layer_ids"], plan["hidden_size"]
     lengths = [int(tok.num_tokens[r]) for r in rows]
     batches = make_batches(rows, lengths, int(cfg["token_budget"]))
-    chunks = []
-    for j, bs in enumerate(make_chunks(batches, int(cfg["chunk_tokens"]))):
-        crow = [r for b in bs for r in b.rows]
-        chunks.append(_ChunkWork(j, bs, crow, [tok.ids[r] for r in crow], sum(b.real_tokens for b in bs)))
+    chunks = _chunk_work(batches, tok, int(cfg["chunk_tokens"]))
 
-    fingerprint = tgt.target_fingerprint(target_dir)
-    model_dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else \
-        str(tgt.resolve_dtype(target_cfg.get("dtype", "auto"),
-                              device or tgt.default_device())).replace("torch.", "")
-    content = hashlib.sha256()
-    for r in rows:
-        ids_r, lm_r = tok.row(r)
-        content.update(ids_r.tobytes())
-        content.update(lm_r.tobytes())
+    fingerprint = target_fingerprint(target_dir)
+    model_dtype = str(next(model.parameters()).dtype) if model is not None else \
+        str(resolve_dtype(target_cfg.get("dtype", "auto"), device or default_device()))
     layout = _layout_key(chunks=[[c.rows, c.ids, [list(b.rows) for b in c.batches]] for c in chunks],
                          layer_ids=layer_ids, storage=storage, target_token=want_tt,
-                         padding_mask=bool(cfg["padding_mask"]), target=fingerprint, dtype=model_dtype,
-                         content=content.hexdigest())
-
+                         padding_mask=bool(cfg["padding_mask"]), target=fingerprint,
+                         dtype=model_dtype.replace("torch.", ""), content=_content_hash(tok, rows))
     done = _resume_chunks(folder, shard, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
-    shard_tokens = sum(lengths)
-    total_proj = projected_bytes(shard_tokens, len(rows), n_layers, hidden, storage, want_tt, len(chunks))
-    remaining = projected_bytes(sum(c.num_tokens for c in todo), sum(len(c.rows) for c in todo),
-                                n_layers, hidden, storage, want_tt, len(todo))
-    free = free_disk_bytes(folder)
-    log.info("shard %d: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
-             "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write, %.3f GB free",
-             shard, len(rows), shard_tokens, len(batches), len(chunks), len(done), total_proj / 1e9,
-             bytes_per_token(n_layers, hidden, storage, want_tt), n_layers, hidden, storage,
-             " + target tokens" if want_tt else "", remaining / 1e9, free / 1e9)
-    if todo and free < remaining * float(cfg["disk_headroom"]):
-        raise DiskSpaceError(
-            f"shard {shard}: {remaining / 1e9:.3f} GB still to write x headroom "
-            f"{cfg['disk_headroom']} = {remaining * float(cfg['disk_headroom']) / 1e9:.3f} GB, but only "
-            f"{free / 1e9:.3f} GB free under {folder}")
+    _check_disk(folder, shard, rows, lengths, batches, chunks, todo, len(layer_ids), hidden, storage, want_tt,
+                float(cfg["disk_headroom"]))
 
     common = {
         "shard": shard, "num_shards": plan["num_shards"], "layer_ids": layer_ids,
-        "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden, "num_target_layers": num_target_layers,
+        "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden, "num_target_layers": plan["num_target_layers"],
         "storage_dtype": storage, "has_target_token": want_tt, "target_fingerprint": fingerprint,
         "tokenizer_fingerprint": tok.metadata.get("draftsmith.tokenizer_fingerprint"),
         "chat_template_kwargs": tok.metadata.get("draftsmith.chat_template_kwargs") or {},
     }
     if common["tokenizer_fingerprint"] is None:
         log.warning("%s has no draftsmith.tokenizer_fingerprint metadata: recorded as null", tokenized_path)
-
     if todo:
-        own_model = model is None
-        if own_model:
-            model = tgt.load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
-                                    attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
-                                    trust_remote_code=target_cfg.get("trust_remote_code", False),
-                                    require_fla=bool(cfg["require_fla"]))
-        elif tgt.is_hybrid(model.config) and not tgt.fla_available():
-            msg = "hybrid Gated DeltaNet target without flash-linear-attention: torch fallback (slow)"
-            if cfg["require_fla"]:
-                raise RuntimeError(msg)
-            log.warning("!" * 20 + " " + msg)
-        runner = _ShardRunner(model, folder, shard, layer_ids, tok, storage, want_tt,
-                              bool(cfg["padding_mask"]), layout, done, on_chunk, common)
-        fuse = fused.resolve_fuse(cfg["fuse"], next(model.parameters()).device)
-        with fused.fused_target(model, enabled=fuse) as fuse_report:
-            runner.run(todo, len(chunks))
-        if run_stats is not None:
-            run_stats.update(forwards=runner.extractor.forward_calls, compute_s=runner.compute_seconds,
-                             write_s=runner.write_seconds, wait_s=runner.wait_seconds,
-                             host_alloc_s=runner.alloc_seconds, chunks_done=len(todo), fused=fuse_report)
-        if own_model:
-            del model
+        _compute_chunks(todo, len(chunks), model, target_dir, target_cfg, cfg, device, folder, shard, tok, layout,
+                        done, on_chunk, common, run_stats)
+    return _write_manifest(manifest_path, common, [done[c.index] for c in chunks], rows, sum(lengths))
 
-    records_out = [done[c.index] for c in chunks]
+
+def _chunk_work(batches: list, tok: Tokenized, chunk_tokens: int) -> list[_ChunkWork]:
+    """The shard's chunks: consecutive forward batches of about ``chunk_tokens`` tokens, with their rows' ids."""
+    chunks = []
+    for j, chunk_batches in enumerate(make_chunks(batches, chunk_tokens)):
+        chunk_rows = [r for b in chunk_batches for r in b.rows]
+        chunks.append(_ChunkWork(j, chunk_batches, chunk_rows, [tok.ids[r] for r in chunk_rows],
+                                 sum(b.real_tokens for b in chunk_batches)))
+    return chunks
+
+
+def _content_hash(tok: Tokenized, rows: list[int]) -> str:
+    """sha256 over the shard's rows' token ids and loss masks (part of the chunk layout key)."""
+    content = hashlib.sha256()
+    for r in rows:
+        ids_r, loss_mask_r = tok.row(r)
+        content.update(ids_r.tobytes())
+        content.update(loss_mask_r.tobytes())
+    return content.hexdigest()
+
+
+def _check_disk(folder: Path, shard: int, rows: list[int], lengths: list[int], batches: list,
+                chunks: list[_ChunkWork], todo: list[_ChunkWork], n_layers: int, hidden: int, storage: str,
+                want_tt: bool, headroom: float) -> None:
+    """Log the shard's projected size and refuse to start when the bytes still to write do not fit.
+
+    Raises:
+        DiskSpaceError: free disk < remaining projected bytes x ``headroom``.
+    """
+    total = projected_bytes(sum(lengths), len(rows), n_layers, hidden, storage, want_tt, len(chunks))
+    remaining = projected_bytes(sum(c.num_tokens for c in todo), sum(len(c.rows) for c in todo),
+                                n_layers, hidden, storage, want_tt, len(todo))
+    free = free_disk_bytes(folder)
+    log.info("shard %d: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
+             "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write, %.3f GB free",
+             shard, len(rows), sum(lengths), len(batches), len(chunks), len(chunks) - len(todo), total / 1e9,
+             bytes_per_token(n_layers, hidden, storage, want_tt), n_layers, hidden, storage,
+             " + target tokens" if want_tt else "", remaining / 1e9, free / 1e9)
+    if todo and free < remaining * headroom:
+        raise DiskSpaceError(
+            f"shard {shard}: {remaining / 1e9:.3f} GB still to write x headroom {headroom} = "
+            f"{remaining * headroom / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free under {folder}")
+
+
+def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | None, target_dir, target_cfg: dict,
+                    cfg: dict, device, folder: Path, shard: int, tok: Tokenized, layout: str, done: dict,
+                    on_chunk, common: dict, run_stats: dict | None) -> None:
+    """Load the target (unless given), then compute and write the chunks still to do (:class:`_ShardRunner`);
+    ``done`` gains their records."""
+    own_model = model is None
+    if own_model:
+        model = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
+                            attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
+                            trust_remote_code=target_cfg.get("trust_remote_code", False),
+                            require_fla=bool(cfg["require_fla"]))
+    elif is_hybrid(model.config) and not fla_available():
+        msg = "hybrid Gated DeltaNet target without flash-linear-attention: torch fallback (slow)"
+        if cfg["require_fla"]:
+            raise RuntimeError(msg)
+        log.warning("!" * 20 + " " + msg)
+    runner = _ShardRunner(model, folder, shard, common["layer_ids"], tok, common["storage_dtype"],
+                          common["has_target_token"], bool(cfg["padding_mask"]), layout, done, on_chunk, common)
+    fuse = fused.resolve_fuse(cfg["fuse"], next(model.parameters()).device)
+    with fused.fused_target(model, enabled=fuse) as fuse_report:
+        runner.run(todo, num_chunks)
+    if run_stats is not None:
+        run_stats.update(forwards=runner.extractor.forward_calls, compute_s=runner.compute_seconds,
+                         write_s=runner.write_seconds, wait_s=runner.wait_seconds,
+                         host_alloc_s=runner.alloc_seconds, chunks_done=len(todo), fused=fuse_report)
+
+
+def _write_manifest(manifest_path: Path, common: dict, records: list[dict], rows: list[int],
+                    shard_tokens: int) -> dict:
+    """The shard's manifest (counts checked against the plan), written atomically; returns it.
+
+    Raises:
+        RuntimeError: the chunks' counts differ from the plan's (a bug, never bad input).
+    """
     manifest = {
         "format": FEATURES_FORMAT, **common,
-        "num_samples": sum(r["num_samples"] for r in records_out),
-        "num_tokens": sum(r["num_tokens"] for r in records_out),
-        "bytes": sum(r["bytes"] for r in records_out),
-        "chunks": records_out,
-        "stats": _shard_stats(records_out, hidden, n_layers),
+        "num_samples": sum(r["num_samples"] for r in records),
+        "num_tokens": sum(r["num_tokens"] for r in records),
+        "bytes": sum(r["bytes"] for r in records),
+        "chunks": records,
+        "stats": _shard_stats(records, common["hidden_size"], len(common["layer_ids"])),
     }
     if manifest["num_samples"] != len(rows) or manifest["num_tokens"] != shard_tokens:
-        raise RuntimeError(f"shard {shard}: manifest counts {manifest['num_samples']} samples / "
+        raise RuntimeError(f"shard {common['shard']}: manifest counts {manifest['num_samples']} samples / "
                            f"{manifest['num_tokens']} tokens != plan {len(rows)} / {shard_tokens}")
     write_json(manifest_path, manifest)
     log.info("shard %d: manifest %s: %d samples, %d tokens, %.3f GB in %d chunks; per-layer RMS %s",
-             shard, manifest_path, manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e9,
-             len(records_out), [round(x, 4) for x in manifest["stats"]["rms"]])
+             common["shard"], manifest_path, manifest["num_samples"], manifest["num_tokens"],
+             manifest["bytes"] / 1e9, len(records), [round(x, 4) for x in manifest["stats"]["rms"]])
     return manifest
 
 
@@ -702,7 +745,7 @@ class _ShardRunner:
             f"produced broken hidden states; refusing to store them")
 
     def run(self, todo: list[_ChunkWork], num_chunks: int) -> None:
-        width = self.n_layers * int(tgt.text_config(self.model.config).hidden_size)
+        width = self.n_layers * int(text_config(self.model.config).hidden_size)
         cap = max(c.num_tokens for c in todo)
         t0 = time.perf_counter()
         self.buffers = [self._host(cap, width)] + ([self._host(cap, width)] if len(todo) > 1 else [])

@@ -567,10 +567,11 @@ def _sampling_text(s: SamplingConfig) -> str:
 def _rollback_text(target, rollback: str) -> str:
     from draftsmith.evaluate.cache import TargetCache
 
-    with TargetCache(target, rollback) as tc:
-        if not tc.recurrent:
+    with TargetCache(target, rollback) as cache:
+        if not cache.recurrent:
             return "crop (attention-only target)"
-        return f"snapshot + re-run accepted tokens through the {'recurrent mixers' if tc.mode == 'mixer' else 'target'}"
+        rerun = "recurrent mixers" if cache.mode == "mixer" else "target"
+        return f"snapshot + re-run accepted tokens through the {rerun}"
 
 
 def _version(name: str) -> str:
