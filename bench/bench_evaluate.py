@@ -36,7 +36,8 @@ import time
 import torch
 
 from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
-from draftsmith.modeling import DFlashDraftModel, build_drafter_config
+from draftsmith.modeling import DFlashDraftModel
+from draftsmith.drafter_config import build_drafter_config
 
 PRESETS = {
     # tests/tiny.py-sized hybrid

@@ -92,6 +92,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftsmith import extract as ex  # noqa: E402
+from draftsmith.features import chunk_hidden_states, load_chunk  # noqa: E402
 from draftsmith.fused import fused_target  # noqa: E402
 from draftsmith.io import write_json  # noqa: E402
 from draftsmith.target import decoder_layers, fla_available, text_config  # noqa: E402
@@ -421,9 +422,9 @@ def main(argv=None) -> int:
             flops = flops_tt if man["has_target_token"] else flops_feat
             nbytes = man["bytes"]
             if naive_first is not None and v in ("tt", "tt-eager", "tt-nomask", "fp8"):
-                chunk = ex.load_chunk(out.parent / man["chunks"][0]["file"])
+                chunk = load_chunk(out.parent / man["chunks"][0]["file"])
                 n0 = naive_first[0].shape[0]
-                got = ex.chunk_hidden_states(chunk)[:n0]
+                got = chunk_hidden_states(chunk)[:n0]
                 ref = naive_first[0].float()
                 diff = (got - ref).abs().max().item()
                 same_tt = (chunk["target_token"][:n0] == naive_first[1]).float().mean().item()

@@ -55,22 +55,18 @@ from torch import nn
 from draftsmith import fused
 from draftsmith.config import schema_defaults
 from draftsmith.drafter_config import default_target_layer_ids
-from draftsmith.features import (  # noqa: F401  (re-exported: the extract stage's file format)
+from draftsmith.features import (
     FEATURES_FORMAT,
-    FP8_MAX,
     LAYER_SEMANTICS,
     PLAN_FORMAT,
     PROGRESS_FORMAT,
     STORAGE_DTYPES,
-    chunk_hidden_states,
-    dequantize_fp8,
-    load_chunk,
     quantize_fp8,
     row_absmax,
     storage_torch_dtype,
     write_safetensors,
 )
-from draftsmith.tokenized import TOKENIZED_META, Tokenized, read_tokenized  # noqa: F401  (re-exported)
+from draftsmith.tokenized import Tokenized, read_tokenized
 from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
 from draftsmith.target import (
     LayerCapture,
@@ -80,10 +76,10 @@ from draftsmith.target import (
     is_hybrid,
     load_target,
     resolve_dtype,
-    target_fingerprint,
     text_config,
     validate_layer_ids,
 )
+from draftsmith.io import target_fingerprint
 
 log = logging.getLogger("draftsmith.extract")
 

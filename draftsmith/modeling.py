@@ -49,22 +49,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from draftsmith.drafter_config import (  # noqa: F401  (re-exported: the drafter's public names)
-    ARCHITECTURE,
-    FULL,
-    SLIDING,
-    TOP_LEVEL_WEIGHTS,
-    build_drafter_config,
-    default_loss_gamma,
-    default_target_layer_ids,
+from draftsmith.drafter_config import (
     draft_value,
     drafter_config_dict,
     layer_is_causal,
     layer_window,
-    resolve_mask_token_id,
 )
 from draftsmith.io import atomic_path
-from draftsmith.target import EMBED_KEYS, HEAD_KEYS, load_target_embeddings_and_head, weight_files  # noqa: F401
 
 log = logging.getLogger("draftsmith.modeling")
 
@@ -839,7 +830,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
 __all__ = [
     "DFlashDraftModel", "DFlashAttention", "DFlashDecoderLayer", "PackedBatch", "DFlashTrainOutput",
-    "default_target_layer_ids", "default_loss_gamma", "resolve_mask_token_id", "build_drafter_config",
-    "drafter_config_dict", "load_target_embeddings_and_head", "sample_anchors", "block_targets", "slot_weights",
+    "sample_anchors", "block_targets", "slot_weights",
     "dflash_mask_mod", "dense_mask", "inference_attention_mask",
 ]

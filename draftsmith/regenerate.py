@@ -56,8 +56,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from draftsmith.target import (cache_kwargs, static_supported, target_fingerprint, use_grouped_sdpa,
-                               without_cudnn_attention)
+from draftsmith.target import cache_kwargs, static_supported, use_grouped_sdpa, without_cudnn_attention
+from draftsmith.io import target_fingerprint
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.chat import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
                              tokenizer_fingerprint)

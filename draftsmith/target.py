@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from draftsmith.io import check_model_folder, target_fingerprint  # noqa: F401 - re-exported
+from draftsmith.io import check_model_folder
 
 log = logging.getLogger("draftsmith.target")
 

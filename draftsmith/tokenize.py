@@ -60,20 +60,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draftsmith.chat import (  # noqa: F401  (re-exported: the tokenize stage's public names)
-    ROLES,
-    RESERVED_TEMPLATE_KWARGS,
-    DROP_INVALID_MESSAGES,
-    DROP_INVALID_TOOLS,
-    DROP_INVALID_TOOL_ARGUMENTS,
-    TemplateError,
+from draftsmith.chat import (
     InvalidConversation,
     parse_tools,
     template_messages,
     check_template_kwargs,
     render_text,
     encode,
-    render_prompt,
     check_generation_prompt,
     tokenizer_fingerprint,
     special_token_ids,
@@ -83,12 +76,8 @@ from draftsmith.chat import (  # noqa: F401  (re-exported: the tokenize stage's 
     load_tokenizer,
 )
 from draftsmith.io import atomic_path, write_json
-from draftsmith.tokenized import (  # noqa: F401  (re-exported)
-    META_CHAT_TEMPLATE_KWARGS,
-    META_MAX_LENGTH,
-    META_TOKENIZER_FINGERPRINT,
+from draftsmith.tokenized import (
     TOKENIZED_SCHEMA,
-    read_tokenized_metadata,
     tokenized_metadata,
 )
 

@@ -42,20 +42,18 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from draftsmith.config import schema_defaults
-from draftsmith.features import FeatureIndex, SampleRef  # noqa: F401  (SampleRef re-exported)
+from draftsmith.features import FeatureIndex
 from draftsmith.flops import step_flops
 from draftsmith.io import progress, read_json, sha256_file, write_json
-from draftsmith.modeling import (
-    DFlashDraftModel,
-    PackedBatch,
+from draftsmith.drafter_config import (
     build_drafter_config,
     default_loss_gamma,
     default_target_layer_ids,
     drafter_config_dict,
-    load_target_embeddings_and_head,
     resolve_mask_token_id,
-    sample_anchors,
 )
+from draftsmith.modeling import DFlashDraftModel, PackedBatch, sample_anchors
+from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.stages import STAGE_KEYS
 
 log = logging.getLogger("draftsmith.train")

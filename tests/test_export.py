@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.export import ExportError, export_drafter
-from draftsmith.modeling import DFlashDraftModel, build_drafter_config
+from draftsmith.modeling import DFlashDraftModel
+from draftsmith.drafter_config import build_drafter_config
 from test_modeling import official  # noqa: F401 - the official z-lab dflash.model fixture
 from tiny import tiny_target
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from draftsmith import extract as ex
+from draftsmith.features import chunk_hidden_states, dequantize_fp8, load_chunk
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.target import decoder_layers
 from tiny import VOCAB, tiny_target
@@ -88,9 +89,9 @@ def run_shard(tmp: Path, target: Path, *, out: str = "features", shard: int = 0,
 def stored_samples(folder: Path, manifest: dict):
     """Yield (row, hidden [n, F] float32, tensors of the sample) for every stored sample."""
     for rec in manifest["chunks"]:
-        t = ex.load_chunk(folder / rec["file"])
+        t = load_chunk(folder / rec["file"])
         assert t["sample_index"].tolist() == rec["rows"]
-        hidden = ex.chunk_hidden_states(t)
+        hidden = chunk_hidden_states(t)
         off = t["offsets"].tolist()
         for s, row in enumerate(rec["rows"]):
             sl = slice(off[s], off[s + 1])
@@ -383,7 +384,7 @@ def test_fp8_round_trip_error_is_bounded():
     x[:, 10] *= 50  # an outlier channel, as real hidden states have
     q, scales = ex.quantize_fp8(x, 3)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (512, 3) and scales.dtype == torch.float32
-    y = ex.dequantize_fp8(q, scales)
+    y = dequantize_fp8(q, scales)
     err = (y - x).abs()
     bound = torch.maximum(2 ** -4 * x.abs(), 2 ** -10 * scales.repeat_interleave(256, dim=1))
     assert bool((err <= bound * (1 + 1e-6)).all())

@@ -402,6 +402,7 @@ def test_merges_the_real_extract_stage_output(tmp_path):
     """Contract between stages: shards written by draftsmith.extract (tiny float32 llama target, 2 shards,
     several chunks each) merge, and the merged RMS equals the RMS of the stored features."""
     from draftsmith import extract
+    from draftsmith.features import chunk_hidden_states, load_chunk
     from tiny import tiny_target
 
     target = tmp_path / "target"
@@ -423,7 +424,7 @@ def test_merges_the_real_extract_stage_output(tmp_path):
                            tmp_path / "features" / "index.json", verify_sha256=True)
     assert index["num_samples"] == len(lengths) and index["num_tokens"] == sum(lengths)
     assert len(index["chunks"]) > 2 and index["layer_ids"] == [1, 3] and index["has_target_token"]
-    stored = torch.cat([extract.chunk_hidden_states(extract.load_chunk(tmp_path / "features" / c["path"]))
+    stored = torch.cat([chunk_hidden_states(load_chunk(tmp_path / "features" / c["path"]))
                         for c in index["chunks"]])
     truth = stored.reshape(sum(lengths), 2, -1).pow(2).mean(dim=(0, 2)).sqrt()
     got = torch.tensor([row["rms"] for row in index["layer_stats"]], dtype=torch.float32)

@@ -23,17 +23,19 @@ from draftsmith.modeling import (
     DFlashDraftModel,
     PackedBatch,
     block_targets,
-    build_drafter_config,
-    default_loss_gamma,
-    default_target_layer_ids,
     dflash_block_mask,
     dflash_mask_mod,
     head_cross_entropy,
-    load_target_embeddings_and_head,
-    resolve_mask_token_id,
     sample_anchors,
     slot_weights,
 )
+from draftsmith.drafter_config import (
+    build_drafter_config,
+    default_loss_gamma,
+    default_target_layer_ids,
+    resolve_mask_token_id,
+)
+from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.flops import attended_pairs, step_flops, training_flops
 from tiny import tiny_target
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draftsmith import regenerate as rg
-from draftsmith.tokenize import render_prompt
+from draftsmith.chat import render_prompt
 from tiny import CURATED, tiny_target, tiny_tokenizer
 
 

@@ -24,6 +24,7 @@ import torch
 
 from draftsmith import regenerate as rg
 from draftsmith import tokenize as tk
+from draftsmith.chat import render_prompt
 from draftsmith.evaluate import PromptLookupProposer, run_evaluate, speculative_generate, target_generate
 from tiny import CURATED, tiny_llama3_tokenizer, tiny_target, tiny_tokenizer
 
@@ -64,7 +65,7 @@ def target_dir(tmp_path_factory, model, tok):
 @pytest.fixture(scope="module")
 def free_answer(model, tok):
     """The target's greedy continuation of QUESTION's serving prompt with no stop at all (16 tokens)."""
-    prompt = tk.render_prompt(tok, [msg("user", QUESTION)])
+    prompt = render_prompt(tok, [msg("user", QUESTION)])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                              pad_token_id=EOS)
@@ -142,7 +143,8 @@ def test_evaluate_decodes_to_the_same_end_of_turn(model, tok, target_dir, free_a
     spec = speculative_generate(model, PromptLookupProposer(3, 3), prompt, max_new_tokens=16, stop_token_ids=stops)
     assert spec.tokens == ref.tokens and spec.stopped
     # the stage: the held-out prompt is answered with the regenerated answer's tokens plus <|eot_id|>
-    from draftsmith.modeling import DFlashDraftModel, build_drafter_config
+    from draftsmith.modeling import DFlashDraftModel
+    from draftsmith.drafter_config import build_drafter_config
     from draftsmith.tokenize import tokenized_metadata, tokenizer_fingerprint
 
     cfg = build_drafter_config(model.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],

@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from draftsmith import tokenize as tk
+from draftsmith.chat import TemplateError, render_prompt
+from draftsmith.tokenized import read_tokenized_metadata
 from tiny import CURATED, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +120,7 @@ def check_row_is_serving_prompt_plus_answer(tok, row, messages, j, answer_text, 
     """The training render of turn j == serving prompt of turn j + reference answer tokens, and the mask
     over the answer is 1 through its end-of-turn token and 0 on the template's trailing newline after it.
     ``answer_text`` must end with the end-of-turn token plus one newline (all three templates do)."""
-    prompt = tk.render_prompt(tok, messages[:j], tools, kwargs)
+    prompt = render_prompt(tok, messages[:j], tools, kwargs)
     ref = tok.apply_chat_template(tk.template_messages(messages[:j]), tools=tk.parse_tools(tools),
                                   add_generation_prompt=True, tokenize=True, return_dict=False, **(kwargs or {}))
     assert prompt == list(ref)
@@ -276,13 +278,13 @@ def test_golden_qwen3_thinking_reasoning_in_history(qwen3_dir):
 def test_template_without_generation_prompt_fails_clearly():
     tok = tiny_tokenizer(chat_template="{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
                                        "{% endfor %}")
-    with pytest.raises(tk.TemplateError, match="has no generation prompt"):
+    with pytest.raises(TemplateError, match="has no generation prompt"):
         tk.check_generation_prompt(tok)
     tok.chat_template = None
-    with pytest.raises(tk.TemplateError, match="has no chat template"):
+    with pytest.raises(TemplateError, match="has no chat template"):
         tk.check_generation_prompt(tok)
-    with pytest.raises(tk.TemplateError, match="has no chat template"):
-        tk.render_prompt(tok, [msg("user", "hi")])
+    with pytest.raises(TemplateError, match="has no chat template"):
+        render_prompt(tok, [msg("user", "hi")])
 
 
 def test_template_without_generation_prompt_fails_the_stage(tmp_path):
@@ -291,7 +293,7 @@ def test_template_without_generation_prompt_fails_the_stage(tmp_path):
     rows = [conv("a", [msg("user", "hi"), msg("assistant", "hello there")])]
     write_curated(tmp_path / "train.parquet", rows)
     write_curated(tmp_path / "eval.parquet", rows)
-    with pytest.raises(tk.TemplateError, match="no generation prompt"):
+    with pytest.raises(TemplateError, match="no generation prompt"):
         tk.run(train_in=tmp_path / "train.parquet", eval_in=tmp_path / "eval.parquet", target_dir=tmp_path / "target",
                train_out=tmp_path / "t.parquet", eval_out=tmp_path / "e.parquet", report_out=tmp_path / "r.json")
     assert not (tmp_path / "t.parquet").exists()
@@ -457,7 +459,7 @@ def test_stage_counts_every_drop_and_reconciles(stage_dirs, caplog):
            "evaluate asks them as prompts" in caplog.text
     assert not [r for r in caplog.records if "eval.parquet" in r.getMessage() and "dropped" in r.getMessage()]
 
-    meta = tk.read_tokenized_metadata(stage_dirs / "out" / "train.parquet")
+    meta = read_tokenized_metadata(stage_dirs / "out" / "train.parquet")
     tok = tk.load_tokenizer(stage_dirs / "target")
     assert meta == {"chat_template_kwargs": {}, "tokenizer_fingerprint": tk.tokenizer_fingerprint(tok),
                     "max_length": 64}
@@ -469,7 +471,7 @@ def test_stage_drop_mode_and_kwargs_metadata(stage_dirs):
     r = report["splits"]["train"]["rows"]
     assert r["dropped_by_reason"] == {"empty_answer": 2, "over_max_length": 1}
     assert r["dropped_tokens_by_reason"]["over_max_length"] > 64 and r["truncated"] == 0
-    meta = tk.read_tokenized_metadata(stage_dirs / "out" / "eval.parquet")
+    meta = read_tokenized_metadata(stage_dirs / "out" / "eval.parquet")
     assert meta["chat_template_kwargs"] == {"enable_thinking": False}
 
 

@@ -40,7 +40,7 @@ from draftsmith.evaluate.report import (
     summarize,
 )
 from draftsmith.evaluate.sampling import SamplingConfig
-from draftsmith.target import target_fingerprint
+from draftsmith.io import target_fingerprint
 from draftsmith.io import progress, read_json, sha256_file, write_json, write_text
 
 log = logging.getLogger("draftsmith.evaluate")
