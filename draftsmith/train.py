@@ -829,7 +829,8 @@ class _TrainingRun:
         self.block = self.config.dflash_config["block_size"]
         self.gamma = float(settings["loss_gamma"] or default_loss_gamma(self.block))
         torch.manual_seed(settings["seed"])
-        self.model = DFlashDraftModel(self.config).to(device)
+        with torch.device(device):  # initialised where it trains: a 27B target's 1.7 B-parameter drafter took 31 s
+            self.model = DFlashDraftModel(self.config)  # on one CPU thread before moving
         self.model.train()
         self.optimizer, self.params = _optimizer(self.model, settings, self.on_gpu)
 
@@ -894,8 +895,10 @@ class _TrainingRun:
                           workers=self.settings["loader_workers"])
 
     # -- one optimizer step: micro-batches (DDP all-reduces on the last one), clip, AdamW
-    def step(self, step: int, items: Iterator[_TrainItem], throughput: Throughput) -> tuple[Metrics, float, float]:
-        """Returns ``(metrics of the step's micro-batches, learning rate, gradient norm before clipping)``."""
+    def step(self, step: int, items: Iterator[_TrainItem], throughput: Throughput
+             ) -> tuple[Metrics, float, torch.Tensor]:
+        """Returns ``(metrics of the step's micro-batches, learning rate, gradient norm before clipping)``; the
+        norm stays a device tensor (reading it would wait for the GPU every step)."""
         settings, accum = self.settings, self.settings["grad_accum"]
         lr = settings["lr"] * lr_factor(step, self.total_steps, self.warmup, settings["min_lr_ratio"])
         for group in self.optimizer.param_groups:
@@ -914,11 +917,12 @@ class _TrainingRun:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, settings["grad_clip"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return metrics, lr, float(grad_norm)
+        return metrics, lr, grad_norm
 
-    def log_step(self, done: int, metrics: Metrics, lr: float, grad_norm: float, throughput: Throughput,
+    def log_step(self, done: int, metrics: Metrics, lr: float, grad_norm: torch.Tensor, throughput: Throughput,
                  bar) -> dict[str, Any]:
         """The training line of step ``done`` (loss, rates) to TensorBoard and the progress bar; returns it."""
+        grad_norm = float(grad_norm)
         metrics.all_reduce()
         summary = metrics.summary()
         rates = throughput.rates(self.ranks.world)
