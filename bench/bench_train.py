@@ -25,7 +25,25 @@ step time / the bf16 peak of an 8192^3 matmul measured in the same run) and peak
     python bench/bench_train.py --shape smollm2-135m --config config/gpu-proof.yaml
     python bench/bench_train.py --tiny                 # CPU debug, tiny shapes
     python bench/bench_train.py --e2e-only [--compile-loop]   # draftsmith.train.train on synthetic features
-    python bench/bench_train.py --ddp 2                # scripts/train.py under torchrun, 2 processes vs 1
+    python bench/bench_train.py --ddp 2 --shape qwen3.5-27b --config config/gpu-node.yaml --out $OUT   # 2 x H200
+    python bench/bench_train.py --tiny --ddp 2 --out /tmp/ddpbench   # the same on the CPU (gloo), tiny shape
+
+``--ddp N``: DDP scaling of the real trainer. Writes a target folder (the shape's config.json, e.g. Qwen3.5-27B's
+hybrid one; model.safetensors with only the random bf16 embedding and LM head) and ``--ddp-tokens`` tokens of
+random bf16 features in the trainer's format (safetensors chunks of ~256 MB + index.json; 51,200 bytes per token
+at qwen3.5-27b, 180,000 tokens = 9.2 GB by default) whose documents have the ShareGPT lengths, cut at the
+config's ``tokenize.max_length`` (prompt 30% unsupervised, answer supervised); then runs ``python -m
+torch.distributed.run --standalone --nproc-per-node N -m draftsmith.train`` and the same with 1 process, with the
+config's train / drafter sections (sizes, compile, loader) and the shape's drafter, ``--ddp-steps`` steps, no
+held-out evaluation, no checkpoint before the last step. Prints (and writes to ``<out>/ddp.json``, trainer output
+to ``<out>/ddp-train-N.log``) per process count: context tokens/s of all ranks over the last ``--ddp-log-every``
+steps (after the compile warm-up), per GPU, model TFLOP/s per GPU and MFU against the bf16 matmul peak measured
+first, peak memory per rank; and the scaling ratio tokens/s(N) / tokens/s(1). Time on 2 H200s (an estimate):
+~25 s for the matmul peak, the 5 GB target folder and the features; then per run ~15-30 s of start-up (torchrun,
+imports, 5 GB of embedding / LM head, the 1.7 B-parameter drafter initialised on the CPU), 30-90 s of compile
+warm-up (the second run finds the first one's inductor cache), 30 steps of ~1 s, 20-50 s for the trainer's final
+checkpoint (fp32 weights + AdamW moments, 21 GB, hashed and fsynced; on /dev/shm when it has room) and trained/:
+about 4.5-5.5 minutes in all.
 
 Figures measured on an H200: docs/gpu-proof/README.md (with the exact commands).
 """
@@ -34,8 +52,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,16 +64,14 @@ import torch
 import yaml
 from transformers import Qwen3Config
 
-from draftsmith.modeling import (
-    DFlashDraftModel,
-    block_targets,
-    build_drafter_config,
-    default_loss_gamma,
-    dflash_mask_mod,
-    dflash_visible_intervals,
-    training_flops,
-)
+from draftsmith.drafter_config import build_drafter_config, default_loss_gamma
+from draftsmith.modeling import DFlashDraftModel, block_targets, dflash_mask_mod, dflash_visible_intervals
 from draftsmith.train import pack_documents
+
+try:  # the FLOPs formula lives in draftsmith.flops (draftsmith.modeling before)
+    from draftsmith.flops import training_flops
+except ImportError:
+    from draftsmith.modeling import training_flops
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -89,12 +107,18 @@ def matmul_peak(device, n: int, iters: int) -> float:
     return 2 * n ** 3 / times[len(times) // 2]
 
 
+def merged_sections(config: str | None) -> dict:
+    """The train / drafter / tokenize sections of a config file merged over config.yaml's (as ``--configfile``
+    does: keys of the file replace config.yaml's)."""
+    base = yaml.safe_load((REPO / "config.yaml").read_text())
+    over = (yaml.safe_load(Path(config).read_text()) if config else None) or {}
+    return {k: {**(base.get(k) or {}), **(over.get(k) or {})} for k in ("train", "drafter", "tokenize")}
+
+
 def load_sizes(config: str | None, tiny: bool) -> dict:
     """train / drafter sizes of a config file merged over config.yaml (as ``--configfile`` does)."""
-    base = yaml.safe_load((REPO / "config.yaml").read_text())
-    over = yaml.safe_load(Path(config).read_text()) if config else {}
-    train = {**base.get("train", {}), **over.get("train", {})}
-    drafter = {**base.get("drafter", {}), **over.get("drafter", {})}
+    sections = merged_sections(config)
+    train, drafter = sections["train"], sections["drafter"]
     sizes = {"tokens_per_batch": train.get("tokens_per_batch", 8192), "num_anchors": train.get("num_anchors", 512),
              "max_anchors_per_row": train.get("max_anchors_per_row"),
              "activation_checkpointing": bool(train.get("activation_checkpointing", False)),
@@ -312,32 +336,477 @@ def run_e2e(workdir: Path, steps: int = 40, compile_layers: bool = False) -> dic
             "trained": sorted(p.name for p in (workdir / "out" / "trained").iterdir())}
 
 
-def run_ddp(workdir: Path, nproc: int, steps: int = 40, compile_layers: bool = False) -> dict:
-    """``torchrun --nproc-per-node nproc scripts/train.py`` (the train rule's command; NCCL on CUDA) on
-    :func:`write_synthetic` features, then the same with one process; returns both trainer states' figures.
-    Each rank takes its own rows, so a step of N processes sees N times the rows of a step of one."""
-    import subprocess
+# ---------------------------------------------------------------------------------------------------------------
+# --ddp N: DDP scaling of the real trainer (python -m draftsmith.train under torchrun), N processes vs 1
+# ---------------------------------------------------------------------------------------------------------------
 
-    index, tdir = write_synthetic(workdir)
-    cfg = synthetic_cfg(steps, compile_layers)
-    res = {}
-    for n in (nproc, 1):
-        out = workdir / f"out-{n}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               str(Path(__file__).resolve().parents[1] / "scripts" / "train.py"), "--index", str(index),
-               "--target", str(tdir), "--out", str(out), "--args", json.dumps(cfg)]
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t
-        if proc.returncode != 0:
-            res[f"procs_{n}"] = {"returncode": proc.returncode, "log_tail": (proc.stdout + proc.stderr)[-3000:]}
-            continue
-        state = json.loads((out / "trained" / "trainer_state.json").read_text())
-        res[f"procs_{n}"] = {"wall_s": wall, "steps": state["steps"], "world": state.get("world_size"),
-                             "heldout_first": state["history"][0]["loss"] if state["history"] else None,
-                             "heldout_final": state["heldout"]["loss"], "last_train": state["last_train"],
-                             "log_tail": (proc.stdout + proc.stderr)[-800:]}
-    return res
+DDP_CHUNK_BYTES = 256 << 20  # hidden_states bytes per feature chunk file
+
+
+def target_config(shape_name: str, shape: dict):
+    """The target's HF config at the shape (the drafter takes width, vocabulary, norm eps, activation, positions
+    and RoPE from it): Qwen3.5-27B's hybrid text config for ``qwen3.5-27b`` (bench_extract.QWEN35_27B, the dims
+    bench/make_random_target.py builds: 3 Gated DeltaNet : 1 full-attention layer), the same layout at the tiny
+    sizes for ``tiny``, a Qwen3 config of the shape's sizes for ``smollm2-135m``."""
+    if shape_name not in ("qwen3.5-27b", "tiny"):
+        return Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                           intermediate_size=shape["intermediate"], num_hidden_layers=shape["target_layers"],
+                           num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                           head_dim=shape["head_dim"], max_position_embeddings=262144)
+    from transformers import Qwen3_5TextConfig
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_extract import QWEN35_27B, TINY
+
+    dims = dict(QWEN35_27B) if shape_name == "qwen3.5-27b" else dict(
+        TINY, vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["target_layers"])
+    assert (dims["hidden_size"], dims["num_hidden_layers"], dims["vocab_size"]) == \
+        (shape["hidden"], shape["target_layers"], shape["vocab"]), (shape_name, dims)
+    n = dims["num_hidden_layers"]
+    return Qwen3_5TextConfig(**dims, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                          for i in range(n)])
+
+
+def ddp_document_lengths(sizes: dict, max_length: int, tiny: bool) -> list[int]:
+    """ShareGPT document lengths (bench/data/sharegpt-lengths.json) as the pipeline would store them: cut at
+    ``tokenize.max_length`` (its ``overflow: truncate``), at least 16 tokens; with ``tiny`` scaled by
+    tokens_per_batch / 16384 first, so tiny rows still pack several documents."""
+    scale = sizes["tokens_per_batch"] / 16384 if tiny else 1.0
+    return [min(max(int(n * scale), 16), max_length) for n in document_lengths()]
+
+
+def random_rows(n: int, width: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """``[n, width]`` bf16 CPU tensor of N(0, 1) values: drawn on the GPU when there is one (GBs of CPU randn are
+    slow); on the CPU a random block of 256 rows repeated."""
+    if device.type == "cuda":
+        return torch.randn(n, width, device=device, dtype=torch.bfloat16, generator=gen).cpu()
+    block = torch.randn(min(n, 256), width, generator=gen).to(torch.bfloat16)
+    return block.repeat(-(-n // block.shape[0]), 1)[:n].contiguous()
+
+
+def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: list[int], num_tokens: int, seed: int,
+                       device: torch.device) -> tuple[Path, Path, dict]:
+    """The trainer's inputs at the real shape: a target folder and features in the format of draftsmith.features.
+
+    * ``target/``: ``config.json`` (:func:`target_config`) and ``model.safetensors`` holding only
+      ``model.embed_tokens.weight`` and ``lm_head.weight`` ``[V, H]`` bf16 ~ N(0, 0.02) (drawn on ``device``); no
+      tokenizer (the drafter section sets ``mask_token_id``).
+    * ``features/``: ``index.json`` (``draftsmith.index/1``, as :class:`draftsmith.features.FeatureIndex` reads it)
+      and ``shard-0/chunk-XXXXX.safetensors`` of ~256 MB of features each: ``hidden_states`` ``[T, n_taps * H]``
+      bf16 random, ``input_ids`` ``[T]`` int32, ``loss_mask`` ``[T]`` int8 (the first 30% of each document 0 =
+      prompt, the rest 1 = supervised answer), ``offsets`` ``[docs + 1]`` int64, ``sample_index`` ``[docs]``
+      int64, ``target_token`` ``[T]`` int32 (the input ids shifted by one within the document).
+
+    Documents take consecutive entries of ``lengths`` from a seeded start (cycled) until ``num_tokens`` tokens
+    (the last document may overshoot). Chunks are written by 4 threads while the next ones are drawn.
+
+    Returns:
+        ``(index.json, target folder, summary)``: summary has documents, tokens, bytes, seconds.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import save_file
+
+    from draftsmith.features import INDEX_FORMAT, LAYER_SEMANTICS, write_safetensors
+
+    t0 = time.perf_counter()
+    H, V, taps = shape["hidden"], shape["vocab"], shape["layer_ids"]
+    width = len(taps) * H
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tdir, fdir = workdir / "target", workdir / "features"
+    (fdir / "shard-0").mkdir(parents=True, exist_ok=True)
+    tdir.mkdir(parents=True, exist_ok=True)
+    target_config(shape_name, shape).to_json_file(str(tdir / "config.json"))
+
+    def matrix() -> torch.Tensor:
+        if device.type == "cuda":
+            return (torch.randn(V, H, device=device, dtype=torch.bfloat16, generator=gen) * 0.02).cpu()
+        return (torch.randn(V, H, generator=gen) * 0.02).to(torch.bfloat16)
+
+    save_file({"model.embed_tokens.weight": matrix(), "lm_head.weight": matrix()}, str(tdir / "model.safetensors"))
+    t_target = time.perf_counter() - t0
+
+    g = torch.Generator().manual_seed(seed)
+    i = int(torch.randint(0, len(lengths), (1,), generator=g))
+    docs: list[int] = []
+    while sum(docs) < num_tokens:
+        docs.append(lengths[i % len(lengths)])
+        i += 1
+    per_chunk = max(1, DDP_CHUNK_BYTES // (2 * width))  # tokens of hidden_states per chunk, about
+    groups, cur = [], []
+    for n in docs:
+        cur.append(n)
+        if sum(cur) >= per_chunk:
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+
+    chunks, pending, row = [], [], 0
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for c, lens in enumerate(groups):
+            T = sum(lens)
+            ids = torch.randint(0, V - 1, (T,), generator=g, dtype=torch.int32)
+            mask = torch.ones(T, dtype=torch.int8)
+            target = torch.empty_like(ids)
+            offsets = [0]
+            for n in lens:
+                o = offsets[-1]
+                mask[o:o + int(0.3 * n)] = 0
+                target[o:o + n] = torch.roll(ids[o:o + n], -1)
+                offsets.append(o + n)
+            name = f"shard-0/chunk-{c:05d}.safetensors"
+            tensors = {"hidden_states": random_rows(T, width, device, gen), "input_ids": ids, "loss_mask": mask,
+                       "offsets": torch.tensor(offsets, dtype=torch.int64),
+                       "sample_index": torch.arange(row, row + len(lens), dtype=torch.int64), "target_token": target}
+            pending.append((c, pool.submit(write_safetensors, fdir / name, tensors)))
+            chunks.append({"path": name, "shard": 0, "num_samples": len(lens), "num_tokens": T,
+                           "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                           "rows": list(range(row, row + len(lens)))})
+            row += len(lens)
+            while len(pending) >= 8 or (pending and c == len(groups) - 1):  # bounds the chunks held in memory
+                done, fut = pending.pop(0)
+                chunks[done]["sha256"] = fut.result()
+    (fdir / "index.json").write_text(json.dumps({
+        "format": INDEX_FORMAT, "num_shards": 1, "num_samples": row, "num_tokens": sum(docs),
+        "bytes": sum(c["bytes"] for c in chunks), "layer_ids": taps, "layer_semantics": LAYER_SEMANTICS,
+        "hidden_size": H, "num_target_layers": shape["target_layers"], "storage_dtype": "bfloat16",
+        "has_target_token": True, "target_fingerprint": f"bench-random-{shape_name}",
+        "tokenizer_fingerprint": "bench-random", "chunks": chunks}, indent=1))
+    summary = {"documents": row, "tokens": sum(docs), "mean_document_tokens": sum(docs) / row,
+               "max_document_tokens": max(docs), "chunks": len(chunks), "feature_bytes": 2 * width * sum(docs),
+               "bytes_per_token": 2 * width, "target_s": t_target, "total_s": time.perf_counter() - t0}
+    return fdir / "index.json", tdir, summary
+
+
+def ddp_trainer_args(sections: dict, shape: dict, sizes: dict, steps: int, log_every: int) -> dict:
+    """``--args`` of ``python -m draftsmith.train``: the config's train section (merged over config.yaml) with the
+    sizes benchmarked, ``max_steps`` = ``steps``, ``log_every`` (the timing window: the trainer reports the rate
+    of the last window, after the compile warm-up), no held-out samples (``eval_fraction`` 0: no evaluation, whose
+    eval-mode forward would recompile the layers) and no checkpoint before the last step (the trainer always
+    writes one at the end); the drafter section of :func:`build_model` (the shape's heads, MLP, layer types and
+    taps, an explicit ``mask_token_id``: the target folder has no tokenizer)."""
+    n = shape["layers"] if shape["sliding"] else (sizes["layers"] or shape["layers"])
+    never = 10 * steps + 1000
+    train = dict(sections["train"], max_steps=steps, log_every=log_every, eval_every=never, save_every=never,
+                 eval_fraction=0.0, progress_interval=10, tokens_per_batch=sizes["tokens_per_batch"],
+                 num_anchors=sizes["num_anchors"], max_anchors_per_row=sizes["max_anchors_per_row"],
+                 activation_checkpointing=sizes["activation_checkpointing"], compile=sizes["compile"])
+    drafter = dict(sections["drafter"], num_layers=n, block_size=sizes["block"], target_layer_ids=shape["layer_ids"],
+                   num_target_features=len(shape["layer_ids"]), mask_token_id=shape["vocab"] - 1,
+                   num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                   head_dim=shape["head_dim"], intermediate_size=shape["intermediate"],
+                   layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"]) if shape["sliding"] else None,
+                   sliding_window=shape["window"] if shape["sliding"] else None)
+    return {"train": train, "drafter": drafter}
+
+
+def bench_flops_per_token(index_path: Path, tdir: Path, cfg: dict, on_gpu: bool, rows: int = 2) -> dict:
+    """Model FLOPs per context token by this script's formula (:func:`step_flops`) on ``rows`` packed rows of the
+    written features, built as the trainer builds them (``make_batch``; on a GPU rows padded to a multiple of 128
+    and power-of-two anchor buckets); the drafter is built on the meta device (no memory). A cross-check of the
+    trainer's own ``model_tflops_per_gpu`` and the MFU fallback when the trainer does not report it."""
+    from draftsmith.features import FeatureIndex
+    from draftsmith.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS, build_model_config, make_batch, pack_rows
+
+    train, drafter = {**TRAIN_DEFAULTS, **cfg["train"]}, {**DRAFTER_DEFAULTS, **cfg["drafter"]}
+    index = FeatureIndex(index_path)
+    config = build_model_config(index, tdir, drafter, embedding_rows(tdir))
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    cap, block = int(train["tokens_per_batch"]), int(drafter["block_size"])
+    lengths = [s.num_tokens for s in index.samples]
+    flops, ctx = 0.0, 0
+    for r, row in enumerate(pack_rows(lengths, list(range(len(lengths))), cap)[:rows]):
+        batch = make_batch(index, row, num_anchors=train["num_anchors"], seed=r, feature_dtype=torch.bfloat16,
+                           pad_tokens_to=-(-cap // 128) * 128 if on_gpu else 1,
+                           pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,
+                           max_anchors_per_row=train["max_anchors_per_row"])
+        flops += step_flops(model, batch)
+        ctx += int((batch.doc_ids >= 0).sum())
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"flops_per_ctx_token": flops / ctx, "rows": rows, "ctx_tokens_per_row": ctx / rows,
+            "trainable_parameters": params}
+
+
+def embedding_rows(tdir: Path) -> int:
+    """Rows of the target folder's embedding (read from the safetensors header, not the tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(str(tdir / "model.safetensors"), framework="pt") as fh:
+        return int(fh.get_slice("model.embed_tokens.weight").get_shape()[0])
+
+
+class GpuMemoryPoll:
+    """The largest ``nvidia-smi`` memory.used (MiB) of each GPU while it runs, polled every ``interval`` s: a
+    cross-check of the trainer's ``peak_memory_gib`` (it includes the CUDA contexts and the caching allocator's
+    reserve, this process's context on GPU 0 too). Empty where nvidia-smi is absent."""
+
+    def __init__(self, interval: float = 1.0):
+        import shutil
+        import threading
+
+        self.peak: dict[int, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(interval,), daemon=True) \
+            if shutil.which("nvidia-smi") else None
+        if self.thread:
+            self.thread.start()
+
+    def _run(self, interval: float) -> None:
+        import subprocess
+
+        while not self.stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                for line in out.strip().splitlines():
+                    gpu, used = (int(x) for x in line.split(","))
+                    self.peak[gpu] = max(self.peak.get(gpu, 0), used)
+            except Exception:  # noqa: BLE001 - a cross-check only
+                return
+            self.stop.wait(interval)
+
+    def close(self) -> dict[int, int]:
+        self.stop.set()
+        if self.thread:
+            self.thread.join(timeout=15)
+        return dict(sorted(self.peak.items()))
+
+
+def trainer_scratch(choice: str, workdir: Path, trainable_params: int | None) -> tuple[Path, bool]:
+    """Where the trainer runs write their outputs: the trainer always ends with a checkpoint (fp32 weights and two
+    AdamW moments, sha256-hashed and fsynced: 21 GB at qwen3.5-27b) and ``trained/`` (fp32 weights), ~16 bytes per
+    trainable parameter, deleted after each run. ``auto``: a new folder in /dev/shm when it has room for 1.5
+    times that (no disk flush: tens of seconds less per run at the 27B shape), else ``workdir``; else the folder
+    given. Returns ``(folder, whether it is a new temporary folder)``."""
+    import shutil
+
+    if choice != "auto":
+        return Path(choice), False
+    shm = Path("/dev/shm")
+    if trainable_params and shm.is_dir() and os.access(shm, os.W_OK) \
+            and shutil.disk_usage(shm).free > 1.5 * 16 * trainable_params:
+        return Path(tempfile.mkdtemp(prefix="bench-ddp-train-", dir=shm)), True
+    return workdir, False
+
+
+def run_trainer(nproc: int, index: Path, tdir: Path, out_dir: Path, cfg: dict, *, threads: int, log_path: Path,
+                timeout: float, say) -> dict:
+    """``python -m torch.distributed.run --standalone --nproc-per-node nproc -m draftsmith.train`` (NCCL on CUDA,
+    gloo on the CPU), its console output echoed (prefixed ``[N]``) and written to ``log_path``; killed (its
+    process group) after ``timeout`` s. Returns returncode, wall_s, the trainer state (None on failure), the output
+    tail and the nvidia-smi peaks."""
+    import collections
+    import signal
+    import subprocess
+    import threading
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "draftsmith.train", "--index", str(index), "--target", str(tdir), "--out", str(out_dir),
+           "--threads", str(threads), "--args", json.dumps(cfg)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    say(f"{nproc} process(es): " + " ".join(cmd[:12]) + " ... --args <json>")
+    tail: collections.deque = collections.deque(maxlen=200)
+    poll = GpuMemoryPoll()
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+
+    def pump() -> None:
+        with open(log_path, "w", buffering=1) as log:
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line)
+                print(f"  [{nproc}] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        say(f"{nproc} process(es): still running after {timeout:.0f} s; killing its process group {proc.pid}")
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=20)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        rc = -9
+    wall = time.perf_counter() - t
+    reader.join(timeout=10)
+    state_path = out_dir / "trained" / "trainer_state.json"
+    state = json.loads(state_path.read_text()) if rc == 0 and state_path.is_file() else None
+    return {"returncode": rc, "wall_s": wall, "state": state, "log_tail": "".join(tail)[-4000:],
+            "nvidia_smi_peak_mib": poll.close()}
+
+
+def ddp_figures(run: dict, nproc: int, peak: float | None, flops_per_token: float | None) -> dict:
+    """The figures of one trainer run from its trainer_state.json (fields read defensively: older trainers lack
+    the window rate, the FLOPs rate and the peak memory)."""
+    state = run["state"] or {}
+    last = state.get("last_train") or {}
+    rate = last.get("window_tokens_per_s")
+    tflops = last.get("model_tflops_per_gpu")
+    est = rate / nproc * flops_per_token / 1e12 if rate and flops_per_token else None
+    loss = last.get("loss")
+    fig = {"nproc": nproc, "returncode": run["returncode"], "wall_s": run["wall_s"],
+           "trainer_wall_s": state.get("wall_s"), "steps": state.get("steps"), "world_size": state.get("world_size"),
+           "rate_source": "window_tokens_per_s" if rate is not None else "tokens_per_s (whole run, incl. warm-up)",
+           "ctx_tokens_per_s": rate if rate is not None else last.get("tokens_per_s"),
+           "model_tflops_per_gpu": tflops, "tflops_per_gpu_bench_formula": est,
+           "peak_memory_gib": state.get("peak_memory_gib"), "nvidia_smi_peak_mib": run["nvidia_smi_peak_mib"],
+           "loss": loss, "loss_finite": loss is not None and math.isfinite(loss), "last_train": last}
+    if fig["ctx_tokens_per_s"] is not None:
+        fig["ctx_tokens_per_s_per_gpu"] = fig["ctx_tokens_per_s"] / nproc
+    fig["mfu"] = tflops * 1e12 / peak if tflops is not None and peak else None
+    fig["mfu_bench_formula"] = est * 1e12 / peak if est is not None and peak else None
+    return fig
+
+
+def run_ddp(args, say) -> int:
+    """``--ddp N``: the real trainer at the shape, with the config's sizes, on N processes and then on 1, on the
+    same features (:func:`write_ddp_features`); prints and writes ``<out>/ddp.json``: per process count steps,
+    context tokens/s of all ranks over the last log window (after the compile warm-up), per GPU, model TFLOP/s per
+    GPU and MFU (against the bf16 matmul peak measured here first), peak memory per rank; and the scaling ratio
+    tokens/s(N) / tokens/s(1). Returns 0 when both runs finished with a finite loss."""
+    import shutil
+
+    import transformers
+
+    out = Path(args.out)
+    shape_name = "tiny" if args.tiny else args.shape
+    shape, sizes = SHAPES[shape_name], load_sizes(args.config, args.tiny)
+    sections = merged_sections(args.config)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if on_gpu and args.ddp > gpus:
+        say(f"--ddp {args.ddp} needs {args.ddp} GPUs; this machine has {gpus}")
+        return 2
+    steps = args.ddp_steps
+    tokens = args.ddp_tokens or (16_000 if args.tiny else 180_000)
+    max_length = int(sizes["tokens_per_batch"] if args.tiny else sections["tokenize"].get("max_length", 32768))
+    threads = os.cpu_count() or 1
+    res: dict = {"info": {"device": f"{gpus} x {torch.cuda.get_device_name()}" if on_gpu else "cpu",
+                          "torch": torch.__version__, "transformers": transformers.__version__, "shape": shape_name,
+                          "config": args.config, "sizes": sizes, "nproc": args.ddp, "steps": steps,
+                          "log_every": args.ddp_log_every, "threads": threads}, "runs": {}}
+
+    def save() -> None:
+        (out / "ddp.json").write_text(json.dumps(res, indent=1, default=str))
+
+    say(json.dumps(res["info"]))
+    if on_gpu:  # how the GPUs are linked decides the gradient all-reduce's cost
+        import subprocess
+        try:
+            res["info"]["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                                     timeout=30).stdout
+            say("nvidia-smi topo -m:\n" + res["info"]["topology"].rstrip())
+        except (OSError, subprocess.SubprocessError) as exc:
+            res["info"]["topology"] = f"n/a ({exc})"
+    peak = None
+    if on_gpu:
+        peak = matmul_peak(device, 8192, 10)
+        torch.cuda.empty_cache()
+        say(f"matmul peak: {peak / 1e12:.1f} TFLOP/s (8192^3 bf16)")
+    res["matmul_peak_flops"] = peak
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-ddp-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch_root, scratch_tmp = workdir, False
+    try:
+        lengths = ddp_document_lengths(sizes, max_length, args.tiny)
+        say(f"writing the target folder and ~{tokens:,} tokens of features at the {shape_name} shape "
+            f"({len(shape['layer_ids'])} x {shape['hidden']} bf16 per token) to {workdir}")
+        index, tdir, feats = write_ddp_features(workdir, shape_name, shape, lengths, tokens, args.seed, device)
+        res["features"] = dict(feats, max_length=max_length, workdir=str(workdir))
+        if on_gpu:
+            torch.cuda.empty_cache()
+        say(f"features: {feats['documents']} documents, {feats['tokens']:,} tokens (mean "
+            f"{feats['mean_document_tokens']:.0f}, max {feats['max_document_tokens']}, cut at tokenize.max_length "
+            f"{max_length}), {feats['chunks']} chunks, {feats['feature_bytes'] / 1e9:.2f} GB in "
+            f"{feats['total_s']:.1f} s (target folder {feats['target_s']:.1f} s)")
+        cfg = ddp_trainer_args(sections, shape, sizes, steps, args.ddp_log_every)
+        res["trainer_args"] = cfg
+        try:
+            est = bench_flops_per_token(index, tdir, cfg, on_gpu)
+            say(f"bench formula: {est['flops_per_ctx_token']:.4g} FLOP per context token "
+                f"({est['ctx_tokens_per_row']:.0f} context tokens per row; drafter "
+                f"{est['trainable_parameters'] / 1e6:,.1f} M trainable parameters)")
+        except Exception:  # noqa: BLE001 - a cross-check only
+            est = {"error": traceback.format_exc()[-1500:]}
+            say("bench FLOPs estimate failed: " + est["error"].strip().splitlines()[-1])
+        res["bench_flops"] = est
+        scratch_root, scratch_tmp = trainer_scratch(args.scratch, workdir, est.get("trainable_parameters"))
+        res["info"]["trainer_outputs"] = str(scratch_root)
+        save()
+        ok = True
+        for n in dict.fromkeys((args.ddp, 1)):  # N processes, then 1 (once for --ddp 1)
+            scratch = scratch_root / f"train-{n}"
+            shutil.rmtree(scratch, ignore_errors=True)
+            run = run_trainer(n, index, tdir, scratch, cfg, threads=threads, log_path=out / f"ddp-train-{n}.log",
+                              timeout=args.ddp_timeout, say=say)
+            fig = ddp_figures(run, n, peak, est.get("flops_per_ctx_token"))
+            res["runs"][str(n)] = fig
+            if run["state"] is not None:
+                (out / f"ddp-trainer_state-{n}.json").write_text(json.dumps(run["state"], indent=1))
+            else:
+                fig["log_tail"] = run["log_tail"]
+            shutil.rmtree(scratch, ignore_errors=True)  # the final checkpoint: GBs at the 27B shape
+            save()
+            if run["state"] is None or not fig["loss_finite"]:
+                ok = False
+                say(f"{n} process(es) FAILED (exit {run['returncode']}, loss {fig['loss']}); output tail:\n"
+                    + run["log_tail"][-3000:])
+            else:
+                say(f"{n} process(es): " + ddp_line(fig))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if scratch_tmp:
+            shutil.rmtree(scratch_root, ignore_errors=True)
+    runs = res["runs"]
+    a, b = (runs.get(str(n), {}).get("ctx_tokens_per_s") for n in (args.ddp, 1))
+    res["scaling"] = a / b if a and b else None
+    save()
+    say(f"summary: {shape_name}, {sizes['tokens_per_batch']} tokens per row, {sizes['num_anchors']} anchors per "
+        f"document, max {sizes['max_anchors_per_row']} per row, block {sizes['block']}, compile {sizes['compile']}; "
+        f"{steps} steps per run, rate over the last {args.ddp_log_every}")
+    print("procs steps  wall s   ctx tok/s  tok/s/GPU  TFLOP/s/GPU (bench)  MFU (bench)      loss  "
+          "peak GiB per rank (nvidia-smi per GPU)")
+    for fig in runs.values():
+        print(ddp_line(fig, table=True))
+    ratio = f"{res['scaling']:.3f}x" if res["scaling"] else "n/a"
+    print(f"scaling {args.ddp} vs 1 process(es): {ratio} tokens/s (issue 18: >= 1.8x at >= 40% MFU); matmul peak "
+          + (f"{peak / 1e12:.1f} TFLOP/s" if peak else "n/a (CPU)") + f"; figures in {out / 'ddp.json'}", flush=True)
+    return 0 if ok else 1
+
+
+def ddp_line(fig: dict, table: bool = False) -> str:
+    """One run's figures on one line (``table``: the columns of the summary table)."""
+    def num(x, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    mem = fig["peak_memory_gib"]
+    mem = "n/a" if not mem else "/".join(f"{m:.1f}" for m in mem)
+    smi = "/".join(f"{v / 1024:.1f}" for v in fig["nvidia_smi_peak_mib"].values()) or "n/a"
+    if table:
+        tflops = f"{num(fig['model_tflops_per_gpu'], '.4g')} ({num(fig['tflops_per_gpu_bench_formula'], '.4g')})"
+        mfu = f"{num(fig['mfu'], '.1%')} ({num(fig['mfu_bench_formula'], '.1%')})"
+        return (f"{fig['nproc']:5d} {num(fig['steps'], '5d'):>5s} {fig['wall_s']:7.1f} "
+                f"{num(fig['ctx_tokens_per_s'], ',.0f'):>11s} {num(fig.get('ctx_tokens_per_s_per_gpu'), ',.0f'):>10s}  "
+                f"{tflops:>19s}  {mfu:>15s} {num(fig['loss'], '.4f'):>9s}  {mem} ({smi})")
+    return (f"{num(fig['steps'], 'd')} steps in {fig['wall_s']:.0f} s; {num(fig['ctx_tokens_per_s'], ',.0f')} ctx "
+            f"tok/s ({fig['rate_source']}), {num(fig.get('ctx_tokens_per_s_per_gpu'), ',.0f')} per GPU; "
+            f"{num(fig['model_tflops_per_gpu'], '.4g')} TFLOP/s per GPU (bench formula "
+            f"{num(fig['tflops_per_gpu_bench_formula'], '.4g')}), MFU {num(fig['mfu'], '.1%')} (bench formula "
+            f"{num(fig['mfu_bench_formula'], '.1%')}); loss {num(fig['loss'], '.4f')}; peak {mem} GiB per rank "
+            f"(nvidia-smi {smi} GiB per GPU)")
 
 
 def main() -> int:
@@ -351,10 +820,24 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--compile-loop", action="store_true",
-                    help="--e2e-only / --ddp: train with train.compile (torch.compile of the drafter layers)")
+                    help="--e2e-only: train with train.compile (torch.compile of the drafter layers)")
     ap.add_argument("--e2e-only", action="store_true", help="only run draftsmith.train.train on synthetic features")
     ap.add_argument("--ddp", type=int, default=0, metavar="N",
-                    help="only run scripts/train.py under torchrun with N processes (and 1) on synthetic features")
+                    help="only measure DDP scaling: python -m draftsmith.train under torchrun with N processes, "
+                         "then 1, at the shape and the config's sizes on ShareGPT-length random features")
+    ap.add_argument("--ddp-steps", type=int, default=30, help="--ddp: optimizer steps per trainer run")
+    ap.add_argument("--ddp-log-every", type=int, default=5,
+                    help="--ddp: train.log_every; tokens/s are those of the last window of this many steps")
+    ap.add_argument("--ddp-tokens", type=int, default=None,
+                    help="--ddp: feature tokens written (default 180,000: 9.2 GB at qwen3.5-27b; 16,000 with --tiny)")
+    ap.add_argument("--ddp-timeout", type=float, default=300, help="--ddp: seconds before a trainer run is killed")
+    ap.add_argument("--workdir", default=None,
+                    help="--ddp: folder for the target folder, features and trainer outputs (kept); default a "
+                         "temporary folder, deleted at the end")
+    ap.add_argument("--scratch", default="auto",
+                    help="--ddp: folder for the trainer outputs (deleted after each run); auto = /dev/shm when it "
+                         "has room, else the workdir")
+    ap.add_argument("--seed", type=int, default=0, help="--ddp: seed of the documents and feature values")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.json and progress.log")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -370,18 +853,10 @@ def main() -> int:
     def elapsed() -> float:
         return time.perf_counter() - t_start
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.ddp:
-        import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            res = run_ddp(Path(tmp), args.ddp, compile_layers=args.compile_loop)
-        (out / "ddp.json").write_text(json.dumps(res, indent=1))
-        for k, r in res.items():
-            say(f"{k}: " + json.dumps({a: b for a, b in r.items() if a != "log_tail"}))
-            say(f"{k} log tail:\n{r.get('log_tail', '')}")
-        return 0
+        return run_ddp(args, say)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if args.e2e_only:
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             res = run_e2e(Path(tmp), compile_layers=args.compile_loop)
         (out / "e2e.json").write_text(json.dumps(res, indent=1))
