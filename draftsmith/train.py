@@ -542,7 +542,10 @@ def setup_distributed(device_type: str) -> Dist:
     """Initialise torch.distributed from torchrun's environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        if device_type == "cuda":  # bound to this rank's GPU: barriers and collectives know their device
+            dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+        else:
+            dist.init_process_group("gloo")
     if dist.is_initialized():
         return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     return Dist()
@@ -855,8 +858,10 @@ class _TrainingRun:
         # the step: DDP across ranks, compiled layers on a GPU, bf16 autocast
         self.step_model: torch.nn.Module = _TrainStep(self.model)
         if ranks.world > 1:
+            # gradients as views into DDP's all-reduce buckets: no second copy of them (measured at a 27B target's
+            # drafter on 2 H200s without it: 79.5 GiB per rank against 62.2 GiB in one process)
             self.step_model = torch.nn.parallel.DistributedDataParallel(
-                self.step_model, device_ids=[device.index] if self.on_gpu else None)
+                self.step_model, device_ids=[device.index] if self.on_gpu else None, gradient_as_bucket_view=True)
         self.chunk_bytes = int(settings["logits_chunk_mib"]) << 20
         self.model.activation_checkpointing = bool(settings["activation_checkpointing"])
         if settings["compile"] and self.on_gpu:
