@@ -183,8 +183,9 @@ def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,
              plan["tokenized_rows"], plan["tokenized_tokens"], num_shards, min(loads), max(loads),
              layer_ids)
     if extract_cfg is not None:
-        storage = extract_cfg.get("storage_dtype", "bfloat16")
-        want_tt = bool(extract_cfg.get("store_target_tokens", True))
+        extract_cfg = {**schema_defaults("extract"), **extract_cfg}
+        storage = extract_cfg["storage_dtype"]
+        want_tt = bool(extract_cfg["store_target_tokens"])
         total = projected_bytes(plan["tokenized_tokens"], plan["tokenized_rows"], len(layer_ids), hidden,
                                 storage, want_tt)
         free = free_disk_bytes(Path(tokenized_path).resolve().parent)
@@ -450,7 +451,7 @@ def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, target
         raise ValueError(f"{plan_path} is stale: it was made for {plan['tokenized_rows']} rows / "
                          f"{plan['tokenized_tokens']} tokens but {tokenized_path} has {len(tok.ids)} rows / "
                          f"{int(tok.num_tokens.sum())} tokens; rerun extract_plan")
-    nl, hs, vocab = target_dims(target_dir, trust_remote_code=target_cfg.get("trust_remote_code", False))
+    nl, hs, vocab = target_dims(target_dir, trust_remote_code=target_cfg["trust_remote_code"])
     if (nl, hs) != (num_target_layers, hidden):
         raise ValueError(f"{plan_path}: planned for L={num_target_layers}, H={hidden} but target "
                          f"{target_dir} has L={nl}, H={hs}; rerun extract_plan")
@@ -542,7 +543,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         ValueError: a stale plan (tokenized rows changed), bad tokenized input, token ids outside the
             vocabulary -- naming file, row and field.
     """
-    target_cfg = target_cfg or {}
+    target_cfg = {**schema_defaults("target"), **(target_cfg or {})}
     cfg = {**schema_defaults("extract"), **(extract_cfg or {})}
     storage = cfg["storage_dtype"]
     if storage not in STORAGE_DTYPES:
@@ -559,7 +560,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
 
     fingerprint = target_fingerprint(target_dir)
     model_dtype = str(next(model.parameters()).dtype) if model is not None else \
-        str(resolve_dtype(target_cfg.get("dtype", "auto"), device or default_device()))
+        str(resolve_dtype(target_cfg["dtype"], device or default_device()))
     layout = _layout_key(chunks=[[c.rows, c.ids, [list(b.rows) for b in c.batches]] for c in chunks],
                          layer_ids=layer_ids, storage=storage, target_token=want_tt,
                          padding_mask=bool(cfg["padding_mask"]), target=fingerprint,
@@ -634,9 +635,9 @@ def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | 
     ``done`` gains their records."""
     own_model = model is None
     if own_model:
-        model = load_target(target_dir, dtype=target_cfg.get("dtype", "auto"), device=device,
-                            attn_implementation=target_cfg.get("attn_implementation", "sdpa"),
-                            trust_remote_code=target_cfg.get("trust_remote_code", False),
+        model = load_target(target_dir, dtype=target_cfg["dtype"], device=device,
+                            attn_implementation=target_cfg["attn_implementation"],
+                            trust_remote_code=target_cfg["trust_remote_code"],
                             require_fla=bool(cfg["require_fla"]))
     elif is_hybrid(model.config) and not fla_available():
         msg = "hybrid Gated DeltaNet target without flash-linear-attention: torch fallback (slow)"

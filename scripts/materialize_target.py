@@ -21,6 +21,6 @@ folder = assets.materialize_target(
     dest=snakemake.output[0],  # noqa: F821
     index_url=cfg.get("index_url"),
     wheelhouse=cfg.get("wheelhouse"),
-    dtype=cfg.get("target_dtype", "float32"),
+    dtype=cfg["target_dtype"],
 )
 log.info("target ready in %s", folder)
