@@ -159,21 +159,58 @@ def acquire(n: int, *, pool: list[str] | None = None, poll_s: float = 0.2,
         time.sleep(poll_s)
 
 
-def lease_gpus(n: int, *, logger: logging.Logger | None = None) -> list[str]:
+#: Where the workflow's GPU jobs record their leases (relative to the working directory): one line when a job
+#: gets its devices, one when it releases them, so a run's log shows which GPU ran which job and when.
+LEASE_LOG = "logs/gpu-leases.tsv"
+_LEASE_LOG_HEADER = "time_utc\tevent\tjob\tgpus\thost\tpid\tseconds\n"
+
+
+def record_lease(path: str | os.PathLike, event: str, job: str, devices: list[str], seconds: float) -> None:
+    """Append one line to the lease log ``path`` (TSV with a header; created with its folder): ``event`` is
+    ``leased`` (``seconds`` = time waited for free devices) or ``released`` (``seconds`` = time held). One
+    ``O_APPEND`` write per line, so concurrent jobs on the node never interleave within a line."""
+    import socket
+    from datetime import datetime, timezone
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    line = "\t".join([datetime.now(timezone.utc).isoformat(timespec="milliseconds"), event, job,
+                      ",".join(devices) or "cpu", socket.gethostname(), str(os.getpid()), f"{seconds:.1f}"]) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        if os.fstat(fd).st_size == 0:
+            os.write(fd, _LEASE_LOG_HEADER.encode())
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None = None,
+               record: str | os.PathLike | None = None) -> list[str]:
     """Lease ``n`` GPUs for the rest of this process and export ``CUDA_VISIBLE_DEVICES``.
 
     Call before anything initialises CUDA. Returns the device ids (``[]`` on a CPU-only machine,
-    after logging a warning: the job then runs on the CPU).
+    after logging a warning: the job then runs on the CPU). With ``record`` (the workflow passes
+    :data:`LEASE_LOG`), the lease and its release at process exit are appended there under ``job``'s name
+    (:func:`record_lease`; a killed process leaves no release line).
     """
     logger = logger or log
+    t0 = time.monotonic()
     lease = acquire(n)
+    waited = time.monotonic() - t0
     _HELD.append(lease)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(lease.devices)
     if n > 0 and not lease.devices:
         logger.warning("no GPU found (CUDA_VISIBLE_DEVICES unset and no nvidia-smi devices): "
                        "this GPU job runs on the CPU")
     else:
-        logger.info("leased GPU(s) %s", ",".join(lease.devices) or "none")
+        logger.info("leased GPU(s) %s after waiting %.1f s", ",".join(lease.devices) or "none", waited)
+    if record is not None and n > 0:
+        import atexit
+
+        name, record = job or os.path.basename(sys.argv[0]), os.path.abspath(record)
+        record_lease(record, "leased", name, lease.devices, waited)
+        held_from = time.monotonic()
+        atexit.register(lambda: record_lease(record, "released", name, lease.devices, time.monotonic() - held_from))
     return lease.devices
 
 

@@ -4,13 +4,13 @@ import os
 
 import torch
 
-from draftsmith.gpu import lease_gpus
+from draftsmith.gpu import LEASE_LOG, lease_gpus
 from draftsmith.io import setup_logging
 from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake injects it)
 cfg = stage_config("evaluate", snakemake.params.settings, snakemake.config)  # noqa: F821
-lease_gpus(snakemake.resources.gpu, logger=log)  # noqa: F821
+lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG)  # noqa: F821
 torch.set_num_threads(snakemake.threads)  # noqa: F821
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -10,9 +10,10 @@ from draftsmith.stages import stage_config
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 cfg = stage_config("extract_shard", snakemake.params.settings, snakemake.config)  # noqa: F821
 
-from draftsmith.gpu import lease_gpus  # noqa: E402
+from draftsmith.gpu import LEASE_LOG, lease_gpus  # noqa: E402
 
-lease_gpus(int(snakemake.resources.gpu), logger=log)  # noqa: F821  (sets CUDA_VISIBLE_DEVICES)
+lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",  # noqa: F821
+           record=LEASE_LOG)  # sets CUDA_VISIBLE_DEVICES
 
 import torch  # noqa: E402
 

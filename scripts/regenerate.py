@@ -4,12 +4,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from draftsmith.gpu import lease_gpus  # noqa: E402
+from draftsmith.gpu import LEASE_LOG, lease_gpus  # noqa: E402
 from draftsmith.io import setup_logging  # noqa: E402
 from draftsmith.stages import stage_config  # noqa: E402
 
 log = setup_logging(snakemake.log[0])  # noqa: F821
-devices = lease_gpus(snakemake.resources.gpu, logger=log)  # noqa: F821  (before torch touches CUDA)
+devices = lease_gpus(snakemake.resources.gpu, logger=log, job="regenerate", record=LEASE_LOG)  # noqa: F821
 
 import torch  # noqa: E402
 

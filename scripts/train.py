@@ -11,14 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.gpu import lease_gpus
+from draftsmith.gpu import LEASE_LOG, lease_gpus
 from draftsmith.io import setup_logging
 from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 cfg = stage_config("train", snakemake.params.settings, snakemake.config)  # noqa: F821
 gpus = int(snakemake.resources.gpu)  # noqa: F821
-lease_gpus(gpus, logger=log)  # exports CUDA_VISIBLE_DEVICES; this process holds the lease while training runs
+lease_gpus(gpus, logger=log, job="train", record=LEASE_LOG)  # exports CUDA_VISIBLE_DEVICES; held while training runs
 out_dir = Path(snakemake.output.state).parent.parent  # noqa: F821  (results/drafter)
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(max(1, gpus)),
        "-m", "draftsmith.train", "--index", snakemake.input.index, "--target", snakemake.input.target,  # noqa: F821

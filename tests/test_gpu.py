@@ -139,3 +139,46 @@ def test_in_process_lease_sets_visible_devices(tmp_path, monkeypatch):
         for lease in gpu._HELD:
             lease.release()
         gpu._HELD.clear()
+
+
+# A job as the workflow's scripts run it: an in-process lease recorded in the lease log.
+RECORDED_JOB = r"""
+import sys, time
+from draftsmith.gpu import lease_gpus
+lease_gpus(1, job=sys.argv[2], record=sys.argv[1])
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_lease_log_shows_which_gpu_ran_which_job_and_when(tmp_path):
+    """Three one-GPU jobs on a pool of two: each line names its job and device; the first two hold distinct
+    devices at the same time, the third waits for one of them; every lease has its release."""
+    import csv
+    from datetime import datetime
+
+    env = _env(tmp_path, "0,1")
+    log_path = tmp_path / "logs" / "gpu-leases.tsv"
+    procs = []
+    for i, hold in enumerate([3.0, 3.0, 0.2]):
+        if i == 2:  # the third job starts once the first two hold their GPUs
+            deadline = time.time() + 30
+            while (not log_path.exists() or log_path.read_text().count("\tleased\t") < 2) and time.time() < deadline:
+                time.sleep(0.05)
+        procs.append(subprocess.Popen([PY, "-c", RECORDED_JOB, str(log_path), f"extract_shard {i}", str(hold)],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    with open(log_path) as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    assert len(rows) == 6 and {r["event"] for r in rows} == {"leased", "released"}
+    span = {}
+    for r in rows:
+        t = datetime.fromisoformat(r["time_utc"]).timestamp()
+        span.setdefault(r["job"], {"gpus": r["gpus"]})[r["event"]] = t
+        assert span[r["job"]]["gpus"] == r["gpus"] and r["gpus"] in ("0", "1")
+    a, b, c = span["extract_shard 0"], span["extract_shard 1"], span["extract_shard 2"]
+    assert a["gpus"] != b["gpus"]
+    assert max(a["leased"], b["leased"]) < min(a["released"], b["released"])  # both GPUs busy at once
+    assert c["leased"] >= min(a["released"], b["released"]) - 0.05  # the third job waited for a free GPU
+    waited = float(next(r["seconds"] for r in rows if r["job"] == "extract_shard 2" and r["event"] == "leased"))
+    assert waited > 0.5
