@@ -214,6 +214,20 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
     return lease.devices
 
 
+def log_peak_memory(logger: logging.Logger | None = None) -> dict[str, float]:
+    """Log (and return, GiB by device) the peak GPU memory torch allocated in this process on each visible
+    device (``torch.cuda.max_memory_allocated``) and that device's total. Nothing when torch never used CUDA
+    here (torch is not imported by this module: the lease runs before it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    peaks = {f"cuda:{i}": torch.cuda.max_memory_allocated(i) / 2 ** 30 for i in range(torch.cuda.device_count())}
+    totals = [torch.cuda.get_device_properties(i).total_memory / 2 ** 30 for i in range(torch.cuda.device_count())]
+    (logger or log).info("peak GPU memory: %s", ", ".join(f"{d} {p:.1f} GiB of {t:.0f}"
+                                                         for (d, p), t in zip(peaks.items(), totals)))
+    return peaks
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m draftsmith.gpu --gpus N -- CMD ...``: lease N GPUs, then exec CMD holding them."""
     parser = argparse.ArgumentParser(prog="python -m draftsmith.gpu", description=main.__doc__)

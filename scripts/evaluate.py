@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from draftsmith.gpu import LEASE_LOG, lease_gpus
+from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 from draftsmith.stages import stage_config
 
@@ -37,3 +37,4 @@ o = report["overall"]
 log.info("evaluate done: %d prompts, DFlash τ %s speedup %s; prompt lookup τ %s speedup %s (report.md)",
          o["prompts"], _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
          _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"))
+log_peak_memory(log)

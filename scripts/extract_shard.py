@@ -10,7 +10,7 @@ from draftsmith.stages import stage_config
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 cfg = stage_config("extract_shard", snakemake.params.settings, snakemake.config)  # noqa: F821
 
-from draftsmith.gpu import LEASE_LOG, lease_gpus  # noqa: E402
+from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory  # noqa: E402
 
 lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",  # noqa: F821
            record=LEASE_LOG)  # sets CUDA_VISIBLE_DEVICES
@@ -31,3 +31,4 @@ extract_shard(
     target_cfg=cfg["target"],
     device="cuda" if torch.cuda.is_available() else "cpu",
 )
+log_peak_memory(log)

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from draftsmith.gpu import LEASE_LOG, lease_gpus  # noqa: E402
+from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory  # noqa: E402
 from draftsmith.io import setup_logging  # noqa: E402
 from draftsmith.stages import stage_config  # noqa: E402
 
@@ -36,3 +36,4 @@ run(
     chunk_size=cfg["chunk_size"],
     device="cuda" if torch.cuda.is_available() else "cpu",
 )
+log_peak_memory(log)
