@@ -956,9 +956,12 @@ class _TrainingRun:
         return metrics
 
     def checkpoint(self, step: int) -> None:
+        """Rank 0 writes the checkpoint of ``step`` (:func:`save_checkpoint`; its size and time logged), then
+        every rank waits for it."""
         plan = self.data.plan
         if self.ranks.main:
-            save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, {
+            t0 = time.time()
+            path = save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, {
                 "fingerprint": self.fingerprint, "total_steps": self.total_steps,
                 "data_position": {"step": step, "epoch": plan.locate(min(step, self.total_steps - 1))[0],
                                   "micro_batches_per_step": plan.per_step},
@@ -966,6 +969,8 @@ class _TrainingRun:
                               "min_lr_ratio": self.settings["min_lr_ratio"],
                               "lr": self.optimizer.param_groups[0]["lr"]},
                 "history": self.history}, keep=int(self.settings["keep_checkpoints"]))
+            size = sum(f.stat().st_size for f in path.iterdir())
+            log.info("checkpoint %s: %.2f GB in %.1f s", path, size / 1e9, time.time() - t0)
         _barrier()
 
     def state(self, last: dict, final_eval: dict | None, peak: list[float] | None, wall_s: float) -> dict[str, Any]:
