@@ -59,6 +59,7 @@ import torch
 from draftsmith.target import cache_kwargs, static_supported, use_grouped_sdpa, without_cudnn_attention
 from draftsmith.io import target_fingerprint
 from draftsmith.io import atomic_path, progress, sha256_file
+from draftsmith.config import schema_defaults
 from draftsmith.chat import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
                              tokenizer_fingerprint)
 
@@ -92,7 +93,11 @@ class _Conv:
     copy: int = 0                       # answer number k (num_answers > 1); rows of k >= 1 get id "<id>@<k>"
 
 
-@dataclass
+#: The ``regenerate`` section's defaults, from the schema (the one place they live).
+_DEFAULTS = schema_defaults("regenerate")
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     """Settings of one regenerate run.
 
@@ -120,16 +125,16 @@ class GenerationSettings:
             raise ValueError(f"num_answers={self.num_answers} with greedy decoding (temperature 0) would repeat "
                              "the same answer: set a temperature > 0")
 
-    max_new_tokens: int = 256
-    batch_size: int = 16
+    max_new_tokens: int = _DEFAULTS["max_new_tokens"]
+    batch_size: int = _DEFAULTS["batch_size"]
     max_prompt_tokens: int | None = None
-    max_turns: int | None = None
+    max_turns: int | None = _DEFAULTS["max_turns"]
     chat_template_kwargs: dict = field(default_factory=dict)
-    engine: str = "auto"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    num_answers: int = 1
-    seed: int = 0
+    engine: str = _DEFAULTS["engine"]
+    temperature: float = _DEFAULTS["temperature"]
+    top_p: float = _DEFAULTS["top_p"]
+    num_answers: int = _DEFAULTS["num_answers"]
+    seed: int = _DEFAULTS["seed"]
 
 
 ENGINES = ("auto", "static", "generate", "continuous", "vllm")
