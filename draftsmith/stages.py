@@ -107,14 +107,39 @@ def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
     return value
 
 
+#: Mappings whose key order is part of the output (the report lists the evaluation sets in config order):
+#: :func:`rule_params` keeps their order and canonicalises their values only.
+ORDERED_MAPPINGS = {("evaluate", "sets")}
+
+
+def canonical(value: Any) -> Any:
+    """``value`` with every mapping's keys in sorted order, recursively (lists keep their order).
+
+    Snakemake reruns a job whose params' text differs from the last run's, and a dict's text follows its key
+    order: without this, the same config written with keys in another order (a source's ``name`` / ``path`` /
+    ``adapter`` swapped) would rerun the whole pipeline.
+    """
+    if isinstance(value, Mapping):
+        return {key: canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
 def rule_params(config: Mapping, stage: str) -> dict[str, dict[str, Any]]:
-    """The ``params`` of ``stage``'s rule: ``{section: {key: value}}`` of its output keys only.
+    """The ``params`` of ``stage``'s rule: ``{section: {key: value}}`` of its output keys only, each value in
+    :func:`canonical` form (:data:`ORDERED_MAPPINGS` keep their own order).
 
     Raises:
         KeyError: an unknown stage, or a key missing from the (schema-validated) config.
     """
-    return {section: {key: _effective(config, stage, section, key) for key in keys}
-            for section, keys in _keys(stage, "output").items()}
+    def value(section: str, key: str) -> Any:
+        v = _effective(config, stage, section, key)
+        if (section, key) in ORDERED_MAPPINGS and isinstance(v, Mapping):
+            return {name: canonical(item) for name, item in v.items()}
+        return canonical(v)
+
+    return {section: {key: value(section, key) for key in keys} for section, keys in _keys(stage, "output").items()}
 
 
 def stage_config(stage: str, params: Mapping, config: Mapping) -> Mapping[str, Mapping[str, Any]]:

@@ -5,7 +5,7 @@ import os
 
 from snakemake.logging import logger
 
-from draftsmith.stages import rule_params, stage_config
+from draftsmith.stages import canonical, rule_params, stage_config
 
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"

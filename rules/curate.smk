@@ -20,7 +20,7 @@ rule curate:
         "benchmarks/curate/curate.tsv"
     params:
         settings=rule_params(config, "curate"),
-        sources=[dict(s, local_path=source_path(s)) for s in config["data"]["sources"]],
+        sources=canonical([dict(s, local_path=source_path(s)) for s in config["data"]["sources"]]),
     conda:
         "../envs/draftsmith.yaml"
     script:

@@ -31,7 +31,7 @@ rule evaluate:
         "benchmarks/evaluate/evaluate.tsv"
     params:
         settings=rule_params(config, "evaluate"),
-        sources=config["data"]["sources"],
+        sources=canonical(config["data"]["sources"]),
     threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],

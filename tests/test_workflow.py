@@ -401,6 +401,30 @@ def test_changing_a_training_parameter_reruns_only_train_export_evaluate(finishe
     assert planned_jobs(proc.stdout + proc.stderr) == expect
 
 
+def test_the_same_config_with_its_keys_in_another_order_reruns_nothing(finished_run):
+    """Every mapping of config.yaml written with its keys reversed (a data source as {split, adapter, path, name}),
+    the evaluation sets kept in their order (the report lists them so): the same configuration, nothing to do."""
+    work, last, _ = finished_run
+    target = "all" if last == STAGES[-1][0] else dict(STAGES)[last]
+
+    def reverse(value, path=()):
+        if isinstance(value, dict):
+            keys = list(value) if path == ("evaluate", "sets") else list(reversed(value))
+            return {k: reverse(value[k], path + (k,)) for k in keys}
+        if isinstance(value, list):
+            return [reverse(v, path) for v in value]
+        return value
+
+    original = (work / "config.yaml").read_text()
+    (work / "config.yaml").write_text(yaml.safe_dump(reverse(yaml.safe_load(original)), sort_keys=False))
+    try:
+        proc = snakemake(work, "-n", target)
+    finally:
+        (work / "config.yaml").write_text(original)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert planned_jobs(proc.stdout + proc.stderr) == {}, (proc.stdout + proc.stderr)[-4000:]
+
+
 # keys whose change reshapes the DAG (paths, inputs) rather than a stage's params: checked by other tests
 STRUCTURAL_KEYS = {("target", "model"), ("data", "sources")}
 
