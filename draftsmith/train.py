@@ -932,8 +932,9 @@ class _TrainingRun:
         summary = metrics.summary()
         rates = throughput.rates(self.ranks.world)
         _log_train(self.writer, summary, done, lr, grad_norm, rates)
+        flops = f", {rates['model_tflops_per_gpu']:.0f} TFLOP/s/GPU" if self.on_gpu else ""
         bar.set_postfix_str(f"loss {summary['loss']:.4f}, lr {lr:.2e}, {rates['window_tokens_per_s']:,.0f} ctx "
-                            f"tok/s, {rates['model_tflops_per_gpu']:.0f} TFLOP/s/GPU", refresh=False)
+                            f"tok/s{flops}", refresh=False)
         return {"step": done, "loss": summary["loss"], "lr": lr, "grad_norm": grad_norm, **rates}
 
     def heldout_metrics(self, step: int) -> dict | None:
