@@ -108,11 +108,14 @@ def matmul_peak(device, n: int, iters: int) -> float:
 
 
 def merged_sections(config: str | None) -> dict:
-    """The train / drafter / tokenize sections of a config file merged over config.yaml's (as ``--configfile``
-    does: keys of the file replace config.yaml's)."""
+    """The train / drafter / tokenize sections of a config file merged over config.yaml's over the schema's
+    defaults (as the workflow sees them: ``--configfile`` keys replace config.yaml's, validation fills the rest)."""
+    from draftsmith.config import schema_defaults
+
     base = yaml.safe_load((REPO / "config.yaml").read_text())
     over = (yaml.safe_load(Path(config).read_text()) if config else None) or {}
-    return {k: {**(base.get(k) or {}), **(over.get(k) or {})} for k in ("train", "drafter", "tokenize")}
+    return {k: {**schema_defaults(k), **(base.get(k) or {}), **(over.get(k) or {})}
+            for k in ("train", "drafter", "tokenize")}
 
 
 def load_sizes(config: str | None, tiny: bool) -> dict:
@@ -502,6 +505,27 @@ def ddp_trainer_args(sections: dict, shape: dict, sizes: dict, steps: int, log_e
     return {"train": train, "drafter": drafter}
 
 
+def epoch_window(index_path: Path, train: dict, nproc: int, epochs: int) -> tuple[int, int]:
+    """``(log_every, total steps)`` for a run of ``2 * epochs + 1`` epochs on ``nproc`` processes whose last log
+    window is exactly its last ``epochs`` epochs (the first ``epochs + 1`` hold the compile warm-up).
+
+    The trainer packs an epoch's rows independently of the process count (:class:`draftsmith.train.BatchPlan`:
+    rows of epoch ``e`` depend on the seed and ``e`` only), so runs on 1 and N processes measured over the same
+    epochs train on the same rows: their tokens/s compare the same work (a window of a few steps compared
+    different rows: rows differ in documents and anchors)."""
+    from draftsmith.features import FeatureIndex
+    from draftsmith.train import BatchPlan, split_samples
+
+    index = FeatureIndex(index_path)
+    train_ids, _ = split_samples([s.row for s in index.samples], float(train["eval_fraction"]), int(train["seed"]))
+    plan = BatchPlan([s.num_tokens for s in index.samples], train_ids, int(train["tokens_per_batch"]),
+                     seed=int(train["seed"]), world=nproc, grad_accum=int(train["grad_accum"]), epochs=2 * epochs + 1)
+    warm = sum(plan.steps_per_epoch[:epochs + 1])
+    if plan.total_steps - warm > warm:
+        raise ValueError(f"epochs of uneven length {plan.steps_per_epoch}: the last window would not be whole epochs")
+    return warm, plan.total_steps
+
+
 def bench_flops_per_token(index_path: Path, tdir: Path, cfg: dict, on_gpu: bool, rows: int = 2) -> dict:
     """Model FLOPs per context token by this script's formula (:func:`step_flops`) on ``rows`` packed rows of the
     written features, built as the trainer builds them (``make_batch``; on a GPU rows padded to a multiple of 128
@@ -749,8 +773,14 @@ def run_ddp(args, say) -> int:
         for n in dict.fromkeys((args.ddp, 1)):  # N processes, then 1 (once for --ddp 1)
             scratch = scratch_root / f"train-{n}"
             shutil.rmtree(scratch, ignore_errors=True)
-            run = run_trainer(n, index, tdir, scratch, cfg, threads=threads, log_path=out / f"ddp-train-{n}.log",
-                              timeout=args.ddp_timeout, say=say)
+            run_cfg = cfg
+            if args.ddp_epochs:  # the same rows in both runs' windows: whole epochs
+                log_every, total = epoch_window(index, cfg["train"], n, args.ddp_epochs)
+                run_cfg = {**cfg, "train": {**cfg["train"], "max_steps": total, "log_every": log_every}}
+                say(f"{n} process(es): {total} steps, rate over steps {log_every + 1}-{total} (the last "
+                    f"{args.ddp_epochs} epoch(s))")
+            run = run_trainer(n, index, tdir, scratch, run_cfg, threads=threads,
+                              log_path=out / f"ddp-train-{n}.log", timeout=args.ddp_timeout, say=say)
             fig = ddp_figures(run, n, peak, est.get("flops_per_ctx_token"))
             res["runs"][str(n)] = fig
             if run["state"] is not None:
@@ -776,7 +806,8 @@ def run_ddp(args, say) -> int:
     save()
     say(f"summary: {shape_name}, {sizes['tokens_per_batch']} tokens per row, {sizes['num_anchors']} anchors per "
         f"document, max {sizes['max_anchors_per_row']} per row, block {sizes['block']}, compile {sizes['compile']}; "
-        f"{steps} steps per run, rate over the last {args.ddp_log_every}")
+        + (f"rate over the last {args.ddp_epochs} of {2 * args.ddp_epochs + 1} epochs per run" if args.ddp_epochs
+           else f"{steps} steps per run, rate over the last {args.ddp_log_every}"))
     print("procs steps  wall s   ctx tok/s  tok/s/GPU  TFLOP/s/GPU (bench)  MFU (bench)      loss  "
           "peak GiB per rank (nvidia-smi per GPU)")
     for fig in runs.values():
@@ -825,6 +856,9 @@ def main() -> int:
     ap.add_argument("--ddp", type=int, default=0, metavar="N",
                     help="only measure DDP scaling: python -m draftsmith.train under torchrun with N processes, "
                          "then 1, at the shape and the config's sizes on ShareGPT-length random features")
+    ap.add_argument("--ddp-epochs", type=int, default=1,
+                    help="--ddp: rate over this many whole epochs after as many + 1 warm-up epochs, the same rows "
+                         "for every process count (0: use --ddp-steps / --ddp-log-every instead)")
     ap.add_argument("--ddp-steps", type=int, default=30, help="--ddp: optimizer steps per trainer run")
     ap.add_argument("--ddp-log-every", type=int, default=5,
                     help="--ddp: train.log_every; tokens/s are those of the last window of this many steps")
