@@ -55,8 +55,16 @@ from typing import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from draftsmith.target import cache_kwargs, static_supported, use_grouped_sdpa, without_cudnn_attention
+from draftsmith.target import (
+    cache_kwargs,
+    is_hybrid,
+    static_supported,
+    text_config,
+    use_grouped_sdpa,
+    without_cudnn_attention,
+)
 from draftsmith.io import target_fingerprint
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.config import schema_defaults
@@ -140,16 +148,33 @@ class GenerationSettings:
 ENGINES = ("auto", "static", "generate", "continuous", "vllm")
 
 
+def static_engine_supported(model) -> tuple[bool, str]:
+    """``(ok, why not)``: whether :class:`StaticBatchEngine` can decode ``model``: attention-only targets
+    (:func:`draftsmith.target.static_supported`), and hybrid targets whose layers are full attention and Gated
+    DeltaNet (``linear_attention``): greedy generation never rolls back, so the recurrent layers' fixed-size
+    states (transformers' ``StaticCache`` keeps them at static addresses) serve a CUDA-graph decode step as well.
+    Sliding-window layers are not supported."""
+    ok, why = static_supported(model)
+    if ok:
+        return ok, why
+    cfg = text_config(model.config)
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if is_hybrid(model.config) and types <= {"full_attention", "linear_attention"}:
+        return True, ""
+    return False, why
+
+
 def resolve_engine(name: str, model) -> str:
     """The engine ``auto`` means for ``model``: ``static`` (static KV cache, CUDA-graph decode steps) on a CUDA
-    device for attention-only targets; HF ``generate`` otherwise (the CPU, where graphs do not exist, and hybrid
-    recurrent or sliding-window targets, which a static cache's length counter cannot serve).
+    device for the targets it supports (:func:`static_engine_supported`: attention-only and Gated DeltaNet
+    hybrids); HF ``generate`` otherwise (the CPU, where graphs do not exist, and sliding-window targets).
     ``continuous`` (transformers' continuous batching) is never chosen automatically: on an H200 with
-    transformers 5.17 it wrote 1.18x the tokens/s of ``generate`` on the same prompts (bench_regenerate)."""
+    transformers 5.17 it wrote 1.18x the tokens/s of ``generate`` on the same prompts (bench_regenerate); it
+    does not run linear-attention layers."""
     if name != "auto":
         return name
     device = next(model.parameters()).device
-    return "static" if device.type == "cuda" and static_supported(model)[0] else "generate"
+    return "static" if device.type == "cuda" and static_engine_supported(model)[0] else "generate"
 
 
 def _split_stop(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -193,6 +218,25 @@ class GenerateEngine:
         return out  # type: ignore[return-value]
 
 
+def _snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(live tensor, copy)`` of every piece of a ``StaticCache`` a decode step advances in place: attention
+    layers' length counters, recurrent layers' conv and recurrent states (K/V slots past the counter are masked,
+    so they need no copy)."""
+    saved = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                saved += [(t, t.clone()) for t in states.values() if t is not None]
+        elif hasattr(layer, "cumulative_length"):
+            saved.append((layer.cumulative_length, layer.cumulative_length.clone()))
+    return saved
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for live, copy in saved:
+        live.copy_(copy)
+
+
 class StaticBatchEngine:
     """Batched greedy (or sampled) decoding on a static KV cache, each decode step a replayed CUDA graph.
 
@@ -206,7 +250,10 @@ class StaticBatchEngine:
     step of a (rows, cache length) shape is captured once as a CUDA graph and replayed: a small target's decode
     step is hundreds of short kernels, launch-bound from Python (HF ``generate`` kept an H200 16% busy). Rows
     that have stopped keep decoding until every row of the batch has (checked every ``check_every`` steps).
-    Attention-only targets only (:func:`draftsmith.target.static_supported`).
+    Hybrid targets (Gated DeltaNet + full attention, :func:`static_engine_supported`): the recurrent layers' conv
+    and recurrent states live in the same ``StaticCache`` (fixed size, static addresses), reset for every batch;
+    their padding is masked by a 2-D mask (left-padded positions contribute nothing to the state, as with HF
+    ``generate``), and the decode-step capture puts the states back after its warm-up and capture forwards.
     """
 
     name = "static"
@@ -214,9 +261,10 @@ class StaticBatchEngine:
     def __init__(self, model, *, pad_id: int, stop_ids: Sequence[int], batch_size: int, max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, cuda_graphs: bool = True, check_every: int = 16,
                  prefill_tokens: int = 32768):
-        ok, why = static_supported(model)
+        ok, why = static_engine_supported(model)
         if not ok:
             raise ValueError(f"regenerate engine static cannot run {type(model).__name__}: {why}")
+        self.hybrid = is_hybrid(model.config)
         self.model, self.pad_id, self.batch_size, self.max_new = model, pad_id, batch_size, max_new_tokens
         self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         self.temperature, self.top_p, self.check_every = temperature, top_p, check_every
@@ -225,6 +273,7 @@ class StaticBatchEngine:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph = None  # (key, cache, graph, buffers)
+        self.graphs_captured = self.graph_failures = 0  # decode-step CUDA graphs captured / fallen back to eager
         use_grouped_sdpa(model)  # masked GQA without copying the cache per layer and step
 
     def _mask(self, pad: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -236,7 +285,11 @@ class StaticBatchEngine:
 
     def _forward(self, cache, ids, pad, q_pos, length, logits_to_keep=0):
         positions = (q_pos - pad[:, None]).clamp_min(0)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._mask(pad, q_pos, length),
+        mask = self._mask(pad, q_pos, length)
+        if self.hybrid:  # per layer type: the attention layers' 4-D mask; the recurrent layers' 2-D padding mask
+            padding = (q_pos >= pad[:, None]).to(self.dtype) if ids.shape[1] > 1 else None  # decode: no padding
+            mask = {"full_attention": mask, "linear_attention": padding}
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                          use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(self.model, cache))
         return out.logits[:, -1]
 
@@ -266,8 +319,10 @@ class StaticBatchEngine:
         pad_buf = torch.zeros(rows, dtype=torch.long, device=self.device)
         state = {"graph": None, "logits": None, "failed": not self.cuda_graphs}
 
+        counter = next(i for i, layer in enumerate(cache.layers) if hasattr(layer, "cumulative_length"))
+
         def current(c):  # the shared cache index of this step (every row's prompt ends at the same index)
-            return c.layers[0].cumulative_length.reshape(1, 1).expand(rows, 1)
+            return c.layers[counter].cumulative_length.reshape(1, 1).expand(rows, 1)
 
         def eager(ids, pad):
             return self._forward(cache, ids[:, None], pad, current(cache), length)
@@ -278,28 +333,29 @@ class StaticBatchEngine:
             ids_buf[:, 0].copy_(ids)
             pad_buf.copy_(pad)
             if state["graph"] is None:
+                saved = _snapshot(cache)  # warm-ups and capture run the step: the cache goes back after each
                 try:
                     side = torch.cuda.Stream(self.device)
                     side.wait_stream(torch.cuda.current_stream(self.device))
-                    start = [layer.cumulative_length.clone() for layer in cache.layers]
                     with torch.cuda.stream(side):
-                        for _ in range(2):  # warm-ups, then the cache index goes back
+                        for _ in range(2):  # warm-ups
                             self._forward(cache, ids_buf, pad_buf, current(cache), length)
-                            for layer, s0 in zip(cache.layers, start):
-                                layer.cumulative_length.copy_(s0)
+                            _restore(saved)
                     torch.cuda.current_stream(self.device).wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         state["logits"] = self._forward(cache, ids_buf, pad_buf, current(cache), length)
-                    for layer, s0 in zip(cache.layers, start):  # capture advanced the index: undo
-                        layer.cumulative_length.copy_(s0)
                     state["graph"] = graph
                 except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly
                     log.warning("CUDA graph capture of the decode step failed (%s: %s): decoding eagerly",
                                 type(exc).__name__, exc)
                     state["failed"] = True
+                    self.graph_failures += 1
                     torch.cuda.synchronize(self.device)
+                    _restore(saved)
                     return eager(ids, pad)
+                _restore(saved)
+                self.graphs_captured += 1
             state["graph"].replay()
             return state["logits"]
 
@@ -326,7 +382,9 @@ class StaticBatchEngine:
             pad = torch.tensor([width - len(prompts[i]) for i in idx], dtype=torch.long, device=self.device)
             cache, step = self._decoder(len(idx), length)
             for layer in cache.layers:
-                if getattr(layer, "is_initialized", False):
+                if isinstance(layer, LinearAttentionCacheLayerMixin):
+                    layer.reset()  # zero conv / recurrent states, next forward is a prefill
+                elif getattr(layer, "is_initialized", False):
                     layer.cumulative_length.zero_()
             step_len = max(1, self.prefill_tokens // len(idx))  # the prefill in slices of the sequence
             for c in range(0, width, step_len):
