@@ -746,6 +746,8 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "max_turns": s.max_turns,
         "chat_template_kwargs": regenerator.kwargs, "stop_token_ids": regenerator.stop_ids,
         "target_fingerprint": target_key, "engine": regenerator.engine.name,
+        "cuda_graphs": ({"captured": regenerator.engine.graphs_captured, "failed": regenerator.engine.graph_failures}
+                        if hasattr(regenerator.engine, "graphs_captured") else None),
         "temperature": s.temperature, "top_p": s.top_p, "num_answers": s.num_answers, "seed": s.seed,
         "counts": dict(sorted(total.items())),
         "seconds": round(time.perf_counter() - t0, 3),
