@@ -921,7 +921,9 @@ class _TrainingRun:
             metrics.add(out)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, settings["grad_clip"])
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # under DDP the gradients are views into its buckets: zeroed in place, they stay views (set to None, each
+        # backward would allocate them again and DDP copy them into its buckets)
+        self.optimizer.zero_grad(set_to_none=self.ranks.world == 1)
         return metrics, lr, grad_norm
 
     def log_step(self, done: int, metrics: Metrics, lr: float, grad_norm: torch.Tensor, throughput: Throughput,
