@@ -327,6 +327,23 @@ def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 4}
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_torchrun_ddp_nccl_two_gpus(qwen3_setup, tmp_path):
+    """The rule's shape on two GPUs: NCCL bound to each rank's GPU, gradients as views into DDP's buckets; both
+    ranks report their peak memory and the step rates."""
+    args = {"train": dict(TINY_TRAIN, max_steps=6, tokens_per_batch=64, eval_fraction=0.15, log_every=3),
+            "drafter": TINY_DRAFTER, "target": {}}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "draftsmith.train", "--index", str(qwen3_setup["index"]), "--target",
+           str(qwen3_setup["target_dir"]), "--out", str(tmp_path), "--args", json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((tmp_path / "trained" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["steps"] == 6
+    assert len(state["peak_memory_gib"]) == 2 and all(p > 0 for p in state["peak_memory_gib"])
+    assert state["last_train"]["model_tflops_per_gpu"] > 0 and math.isfinite(state["last_train"]["loss"])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # overfit gate: near-zero loss, then real speculative decoding with the official package
 # ------------------------------------------------------------------------------------------------------------
