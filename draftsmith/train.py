@@ -736,9 +736,10 @@ class Throughput:
         self.window_tokens += tokens
         self.window_flops += flops
 
-    def skip(self) -> None:
-        """Start a new window now: the time since the last call is not training (evaluation, checkpoint)."""
-        self.t_window = time.time()
+    def skip(self, now: float | None = None) -> None:
+        """Start a new window (now, or at ``now``): the time since the last call is not training (evaluation,
+        checkpoint)."""
+        self.t_window = time.time() if now is None else now
         self.window_tokens, self.window_flops = 0, 0.0
 
     def rates(self, world: int) -> dict[str, float]:
@@ -754,7 +755,7 @@ class Throughput:
         out = {"tokens_per_s": tokens / max(now - self.t_start, 1e-9),
                "window_tokens_per_s": window_tokens / window_s,
                "model_tflops_per_gpu": window_flops / window_s / world / 1e12}
-        self.t_window, self.window_tokens, self.window_flops = now, 0, 0.0
+        self.skip(now)
         return out
 
 
@@ -764,10 +765,10 @@ def peak_memory_gib(device: torch.device) -> list[float] | None:
     if device.type != "cuda":
         return None
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], dtype=torch.float64, device=device)
-    if not dist.is_initialized():
-        return [float(peak)]
-    every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, peak)
+    every = [peak]
+    if dist.is_initialized():
+        every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, peak)
     return [round(float(t), 2) for t in every]
 
 
