@@ -175,10 +175,12 @@ def record_lease(path: str | os.PathLike, event: str, job: str, devices: list[st
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     line = "\t".join([datetime.now(timezone.utc).isoformat(timespec="milliseconds"), event, job,
                       ",".join(devices) or "cpu", socket.gethostname(), str(os.getpid()), f"{seconds:.1f}"]) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:  # the job that creates the file writes the header (O_EXCL: exactly one of several starting at once)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666)
+        line = _LEASE_LOG_HEADER + line
+    except FileExistsError:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
     try:
-        if os.fstat(fd).st_size == 0:
-            os.write(fd, _LEASE_LOG_HEADER.encode())
         os.write(fd, line.encode())
     finally:
         os.close(fd)
