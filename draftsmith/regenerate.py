@@ -227,7 +227,7 @@ def _snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for states in (layer.conv_states, layer.recurrent_states):
                 saved += [(t, t.clone()) for t in states.values() if t is not None]
-        elif hasattr(layer, "cumulative_length"):
+        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             saved.append((layer.cumulative_length, layer.cumulative_length.clone()))
     return saved
 
