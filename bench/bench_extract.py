@@ -109,14 +109,21 @@ TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_
             max_position_embeddings=32768, tie_word_embeddings=False)
 
 
-def build_target(dims: dict, device: str, dtype: torch.dtype):
-    """A random-weight Qwen3.5 text target (3 linear-attention layers then 1 full-attention layer)."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+def qwen35_config(dims: dict):
+    """The Qwen3.5 text config of ``dims`` (3 linear-attention layers then 1 full-attention layer)."""
+    from transformers import Qwen3_5TextConfig
 
     n = dims["num_hidden_layers"]
-    cfg = Qwen3_5TextConfig(**dims, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                            layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
-                                         for i in range(n)])
+    return Qwen3_5TextConfig(**dims, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                                          for i in range(n)])
+
+
+def build_target(dims: dict, device: str, dtype: torch.dtype):
+    """A random-weight Qwen3.5 text target of :func:`qwen35_config`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = qwen35_config(dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")

@@ -356,19 +356,14 @@ def target_config(shape_name: str, shape: dict):
                            intermediate_size=shape["intermediate"], num_hidden_layers=shape["target_layers"],
                            num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                            head_dim=shape["head_dim"], max_position_embeddings=262144)
-    from transformers import Qwen3_5TextConfig
-
     sys.path.insert(0, str(REPO / "bench"))
-    from bench_extract import QWEN35_27B, TINY
+    from bench_extract import QWEN35_27B, TINY, qwen35_config
 
     dims = dict(QWEN35_27B) if shape_name == "qwen3.5-27b" else dict(
         TINY, vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["target_layers"])
     assert (dims["hidden_size"], dims["num_hidden_layers"], dims["vocab_size"]) == \
         (shape["hidden"], shape["target_layers"], shape["vocab"]), (shape_name, dims)
-    n = dims["num_hidden_layers"]
-    return Qwen3_5TextConfig(**dims, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                          for i in range(n)])
+    return qwen35_config(dims)
 
 
 def ddp_document_lengths(sizes: dict, max_length: int, tiny: bool) -> list[int]:
