@@ -263,3 +263,28 @@ def test_rule_params_hold_output_keys_and_stage_config_adds_runtime_ones():
     assert rule_params(cfg2, "extract_plan")["drafter"] == {"target_layer_ids": None, "num_target_features": 3}
     with pytest.raises(KeyError, match="unknown stage"):
         rule_params(config, "tokenise")
+
+
+def test_gpu_node_drafter_is_the_published_27b_shape():
+    """config/gpu-node.yaml over config.yaml (as Snakemake merges --configfile) gives the drafter the benchmarks
+    measure: 5 layers, one tap per layer at [1, 16, 31, 46, 61] of a 64-layer target, four sliding layers and a
+    full one. (It once inherited config.yaml's 3 taps: the rehearsal on 2 x H200 tapped [1, 31, 61].)"""
+    from snakemake.utils import update_config
+
+    from draftsmith.drafter_config import build_drafter_config
+    from draftsmith.extract import resolve_layer_ids
+
+    merged = yaml.safe_load((REPO / "config.yaml").read_text())
+    update_config(merged, yaml.safe_load((REPO / "config" / "gpu-node.yaml").read_text()))
+    drafter = merged["drafter"]
+    ids = resolve_layer_ids(drafter, 64)
+    assert ids == [1, 16, 31, 46, 61]
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(hidden_size=64, num_hidden_layers=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=256)
+    cfg = build_drafter_config(target, num_layers=drafter["num_layers"], block_size=drafter["block_size"],
+                               target_layer_ids=ids, mask_token_id=255, layer_types=drafter["layer_types"],
+                               sliding_window=drafter["sliding_window"])
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
+    assert cfg.dflash_config["block_size"] == 16 and cfg.dflash_config["target_layer_ids"] == ids
