@@ -759,12 +759,62 @@ class Throughput:
         return out
 
 
-def peak_memory_gib(device: torch.device) -> list[float] | None:
-    """Peak GPU memory allocated by torch on each rank (GiB, ``torch.cuda.max_memory_allocated``; rank order);
+class StepMemory:
+    """GPU memory of each phase of one optimizer step: what the step starts with and, per phase, the peak
+    allocated during it and what stays allocated after it (GiB, torch's caching-allocator counters).
+
+    The phases are ``forward`` / ``backward`` per micro-batch (``forward.1``, ... when ``grad_accum`` > 1), then
+    ``clip`` (gradient norm), ``optimizer`` (AdamW step) and ``zero_grad``. Reading the counters needs no GPU
+    sync: allocations are made when the host enqueues the kernels. Each phase resets the allocator's peak, so
+    the whole run's peak is carried in :attr:`run_peak` (bytes) and :func:`peak_memory_gib` takes it as a floor.
+    Written to trainer_state.json as ``memory_by_phase_gib`` (rank 0's); the question it answers: where DDP's
+    extra memory over one process sits (17 GiB per rank at the 27B shape, docs/rehearsal-x2/README.md).
+
+    Args:
+        allocated, peak, reset: the counters (default ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` /
+            ``reset_peak_memory_stats`` of ``device``), replaceable for tests.
+    """
+
+    def __init__(self, device: torch.device | None = None, *, allocated=None, peak=None, reset=None):
+        self.allocated = allocated or (lambda: torch.cuda.memory_allocated(device))
+        self.peak = peak or (lambda: torch.cuda.max_memory_allocated(device))
+        self.reset = reset or (lambda: torch.cuda.reset_peak_memory_stats(device))
+        self.run_peak = 0
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def start(self) -> None:
+        """Before the step: records what is allocated (weights, optimizer state, DDP buckets) and resets the peak."""
+        self.run_peak = max(self.run_peak, self.peak())
+        self.phases = {"start": {"allocated_gib": round(self.allocated() / 2 ** 30, 2)}}
+        self.reset()
+
+    def mark(self, phase: str) -> None:
+        """At the end of ``phase``: its peak and what it left allocated; resets the peak for the next phase."""
+        peak = self.peak()
+        self.run_peak = max(self.run_peak, peak)
+        name, k = phase, 1
+        while name in self.phases:
+            k += 1
+            name = f"{phase}.{k}"
+        self.phases[name] = {"peak_gib": round(peak / 2 ** 30, 2), "after_gib": round(self.allocated() / 2 ** 30, 2)}
+        self.reset()
+
+    def summary(self) -> str:
+        """One log line: ``start 30.1; forward peak 60.2 -> 58.0; ...`` (GiB)."""
+        parts = [f"start {self.phases['start']['allocated_gib']:.1f}"] if "start" in self.phases else []
+        parts += [f"{k} peak {v['peak_gib']:.1f} -> {v['after_gib']:.1f}" for k, v in self.phases.items()
+                  if k != "start"]
+        return "; ".join(parts) + " GiB"
+
+
+def peak_memory_gib(device: torch.device, floor_bytes: int = 0) -> list[float] | None:
+    """Peak GPU memory allocated by torch on each rank (GiB, ``torch.cuda.max_memory_allocated``, or
+    ``floor_bytes`` when higher: the peak of phases whose counter :class:`StepMemory` reset; rank order);
     None on the CPU. A collective under torch.distributed."""
     if device.type != "cuda":
         return None
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], dtype=torch.float64, device=device)
+    peak = torch.tensor([max(torch.cuda.max_memory_allocated(device), floor_bytes) / 2 ** 30], dtype=torch.float64,
+                        device=device)
     every = [peak]
     if dist.is_initialized():
         every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
@@ -850,6 +900,9 @@ class _TrainingRun:
         self.start_step, self.history = _resume(self.ckpt_dir, self.fingerprint, self.model, self.optimizer, device,
                                                 self.total_steps)
         self.n_params = sum(p.numel() for p in self.params)
+        # the third step of this run (the optimizer state exists, DDP has rebuilt its buckets) by memory phase
+        self.memory = StepMemory(device) if self.on_gpu else None
+        self.memory_step = self.start_step + 2
         log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels "
                  "%s; %d steps (%d per epoch, warmup %d), %d process(es) on %s", self.config.num_hidden_layers,
                  self.config.hidden_size, self.n_params, self.n_params / 1e6, self.block, self.gamma,
@@ -859,8 +912,8 @@ class _TrainingRun:
         # the step: DDP across ranks, compiled layers on a GPU, bf16 autocast
         self.step_model: torch.nn.Module = _TrainStep(self.model)
         if ranks.world > 1:
-            # gradients as views into DDP's all-reduce buckets: no second copy of them (measured at a 27B target's
-            # drafter on 2 H200s without it: 79.5 GiB per rank against 62.2 GiB in one process)
+            # gradients as views into DDP's all-reduce buckets: no second copy of them (at a 27B target's drafter
+            # on 2 H200s DDP peaked at 79.5 GiB per rank against 62.2 GiB in one process, with and without it)
             self.step_model = torch.nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[device.index] if self.on_gpu else None, gradient_as_bucket_view=True)
         self.chunk_bytes = int(settings["logits_chunk_mib"]) << 20
@@ -910,6 +963,10 @@ class _TrainingRun:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         metrics = Metrics(self.block - 1, self.device)
+        memory = self.memory if step == self.memory_step else None  # one step's memory by phase (GPU)
+        mark = memory.mark if memory is not None else lambda phase: None
+        if memory is not None:
+            memory.start()
         for micro in range(accum):
             item = next(items)
             throughput.add(int((item.batch.doc_ids >= 0).sum()), item.flops)  # on the host: no wait for the GPU
@@ -918,13 +975,20 @@ class _TrainingRun:
             with self.step_model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
                 out = self.step_model(batch, self.embed, self.head, self.gamma, self.data.use_target_tokens,
                                       settings["attention"], self.chunk_bytes)
+                mark("forward")
                 (out.loss / accum).backward()
+                mark("backward")
             metrics.add(out)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, settings["grad_clip"])
+        mark("clip")
         self.optimizer.step()
+        mark("optimizer")
         # under DDP the gradients are views into its buckets: zeroed in place, they stay views (set to None, each
         # backward would allocate them again and DDP copy them into its buckets)
         self.optimizer.zero_grad(set_to_none=self.ranks.world == 1)
+        mark("zero_grad")
+        if memory is not None and self.ranks.main:
+            log.info("GPU memory of step %d by phase (rank 0): %s", step + 1, memory.summary())
         return metrics, lr, grad_norm
 
     def log_step(self, done: int, metrics: Metrics, lr: float, grad_norm: torch.Tensor, throughput: Throughput,
@@ -987,6 +1051,7 @@ class _TrainingRun:
             "rows_skipped_at_epoch_ends": data.plan.skipped_rows, "tokens_per_batch": self.row_tokens,
             "block_size": self.block, "gamma": self.gamma, "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params, "last_train": last, "peak_memory_gib": peak,
+            "memory_by_phase_gib": self.memory.phases if self.memory is not None else None,
             "heldout": final_eval, "history": self.history, "fingerprint": self.fingerprint,
             "resumed_from_step": self.start_step, "wall_s": wall_s,
         }
@@ -1080,7 +1145,7 @@ def _finish(run: _TrainingRun, last: dict, wall_s: float) -> dict[str, Any]:
     final_eval = run.heldout_metrics(run.total_steps)
     if final_eval is not None:
         run.history.append(final_eval)
-    peak = peak_memory_gib(run.device)
+    peak = peak_memory_gib(run.device, run.memory.run_peak if run.memory is not None else 0)
     if peak is not None and run.ranks.main:
         log.info("peak GPU memory per rank: %s GiB", ", ".join(f"{p:.1f}" for p in peak))
     state = run.state(last, final_eval, peak, wall_s)

@@ -40,7 +40,7 @@ from draftsmith.evaluate import (
 from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.drafter_config import build_drafter_config
-from draftsmith.target import capture_layers
+from draftsmith.target import capture_layers, fla_available
 from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
 
 BLOCK = 8
@@ -182,6 +182,39 @@ def test_greedy_speculative_equals_target_only(kind):
                 assert set(out.committed) == {1} and set(out.accepted) == {0}
             if name == "partial":
                 assert any(1 < c < BLOCK for c in out.committed) and 1 in out.committed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(),
+                    reason="needs a CUDA GPU and flash-linear-attention (the Gated DeltaNet kernels)")
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_greedy_speculative_equals_target_only_on_the_gpu_kernels(kind):
+    """The same equality on a GPU in float32, where Gated DeltaNet runs flash-linear-attention's Triton kernels:
+    a verify forward runs the chunked kernel over the block, target-only decoding the one-token recurrent one, and
+    the rollback re-runs the accepted tokens. A prompt of 150 tokens spans several of the kernel's 64-token chunks.
+    (On a random Qwen3.5-27B-shape target in bf16 the two decodes differed from the second token on:
+    docs/rehearsal-x2/README.md. Near-tied logits flip with bf16 rounding; this test tells rounding from a wrong
+    rollback: in float32 a tiny target with std-0.1 weights has no near ties.)"""
+    _assert_greedy_equality_on(torch.device("cuda"), kind)
+
+
+def _assert_greedy_equality_on(device: torch.device, kind: str) -> None:
+    tgt = tiny_target(kind, initializer_range=0.1).to(device).eval()
+    new = 40
+    ids = prompt(1, length=150).to(device)
+    ref = target_generate(tgt, ids, max_new_tokens=new)
+    reference = torch.cat([ids[0], torch.tensor(ref.tokens, device=device)])
+    for mode in ("mixer", "forward"):
+        cases = {
+            "random drafter": DFlashProposer(make_drafter(tgt, seed=3).to(device), tgt),
+            "partial": DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference,
+                                                   lambda c, s: (c + s) % 4 == 3).to(device), tgt),
+            "full rejection": DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference,
+                                                          lambda c, s: True).to(device), tgt),
+            "prompt lookup": PromptLookupProposer(3, BLOCK - 1),
+        }
+        for name, proposer in cases.items():
+            out = speculative_generate(tgt, proposer, ids, max_new_tokens=new, rollback=mode)
+            assert out.tokens == ref.tokens, f"{kind} {mode} {name} on {device}: speculative output differs"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -451,3 +451,42 @@ def test_throughput_windows_leave_out_evaluation_and_count_flops(monkeypatch):
     assert second["tokens_per_s"] == pytest.approx(1600 / 11)
     assert second["model_tflops_per_gpu"] == pytest.approx(1.0)
     assert t.rates(world=1)["window_tokens_per_s"] == 0.0  # t = 112: an empty window
+
+
+def test_step_memory_keeps_the_run_peak_across_phase_resets():
+    """StepMemory resets the allocator's peak at every phase: the run's peak (what trainer_state reports per rank)
+    must survive those resets, and each phase must report its own peak and what it left allocated."""
+    from draftsmith.train import StepMemory
+
+    gib = 2 ** 30
+    counters = {"now": 0, "peak": 0}
+
+    def alloc(n):
+        counters["now"] += n
+        counters["peak"] = max(counters["peak"], counters["now"])
+
+    def reset():
+        counters["peak"] = counters["now"]
+
+    mem = StepMemory(allocated=lambda: counters["now"], peak=lambda: counters["peak"], reset=reset)
+    alloc(50 * gib)          # a first step peaked at 50 GiB ...
+    alloc(-20 * gib)         # ... and left 30 GiB (weights, optimizer state)
+    mem.start()
+    alloc(25 * gib)          # forward: activations
+    mem.mark("forward")
+    alloc(10 * gib)          # backward: gradients on top, then the activations go
+    alloc(-25 * gib)
+    mem.mark("backward")
+    alloc(3 * gib)           # optimizer temporaries
+    alloc(-3 * gib)
+    mem.mark("optimizer")
+    mem.mark("forward")      # a second micro-batch's phase gets its own name
+    assert mem.phases == {
+        "start": {"allocated_gib": 30.0},
+        "forward": {"peak_gib": 55.0, "after_gib": 55.0},
+        "backward": {"peak_gib": 65.0, "after_gib": 40.0},
+        "optimizer": {"peak_gib": 43.0, "after_gib": 40.0},
+        "forward.2": {"peak_gib": 40.0, "after_gib": 40.0},
+    }
+    assert mem.run_peak == 65 * gib  # the allocator alone would now say 40
+    assert "backward peak 65.0 -> 40.0" in mem.summary()
