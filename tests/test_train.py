@@ -490,3 +490,50 @@ def test_step_memory_keeps_the_run_peak_across_phase_resets():
     }
     assert mem.run_peak == 65 * gib  # the allocator alone would now say 40
     assert "backward peak 65.0 -> 40.0" in mem.summary()
+
+
+def test_layers_compiled_under_ddp_stay_one_graph_each(tmp_path):
+    """Under DDP the trainer compiles each drafter layer as one graph (whole_layer_graphs_under_ddp). Control: with
+    dynamo's default DDPOptimizer the same layers, run inside DDP's forward, are cut at DDP's bucket size into
+    several graphs each (fewer fusions, more saved activations: the suspect of DDP's extra memory on 2 H200s)."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+    import torch.distributed as dist
+
+    from draftsmith.train import whole_layer_graphs_under_ddp
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(512, 512) for _ in range(3))  # 1.05 MB each
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    def graphs_per_layer() -> float:
+        torch._dynamo.reset()
+        graphs = []
+
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(Layer(), Layer())
+        for layer in layers:
+            layer.compile(backend=counting_backend)
+        # buckets of ~1 Linear's parameters (DDPOptimizer's first bucket is 1 MB): the default cuts each layer
+        model = torch.nn.parallel.DistributedDataParallel(layers, bucket_cap_mb=1.1)
+        model(torch.randn(8, 512)).sum().backward()
+        return len(graphs) / len(layers)
+
+    saved = dynamo_config.optimize_ddp
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        assert graphs_per_layer() > 1          # dynamo's default: cut at the buckets
+        whole_layer_graphs_under_ddp()
+        assert graphs_per_layer() == 1         # the trainer's: one graph per layer
+    finally:
+        dynamo_config.optimize_ddp = saved
+        torch._dynamo.reset()
+        dist.destroy_process_group()
