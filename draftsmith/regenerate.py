@@ -124,11 +124,15 @@ class GenerationSettings:
         num_answers: answers per conversation (each becomes its own row, id ``<id>@<k>`` for k >= 1);
             more than 1 needs ``temperature > 0``.
         seed: sampling seed (each part of the run seeds from it and the part number).
+        memory_gib: GPU memory the regenerate job may use, in GiB (weights + cache + prefill workspace); ``None`` =
+            90% of the GPU's memory; ignored on the CPU. The static engine lowers its batch rows to fit it.
     """
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"regenerate engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.memory_gib is not None and self.memory_gib <= 0:
+            raise ValueError(f"regenerate memory_gib must be > 0 (or None), got {self.memory_gib}")
         if self.num_answers > 1 and self.temperature <= 0:
             raise ValueError(f"num_answers={self.num_answers} with greedy decoding (temperature 0) would repeat "
                              "the same answer: set a temperature > 0")
@@ -143,6 +147,7 @@ class GenerationSettings:
     top_p: float = _DEFAULTS["top_p"]
     num_answers: int = _DEFAULTS["num_answers"]
     seed: int = _DEFAULTS["seed"]
+    memory_gib: float | None = _DEFAULTS["memory_gib"]
 
 
 ENGINES = ("auto", "static", "generate", "continuous", "vllm")
@@ -175,6 +180,140 @@ def resolve_engine(name: str, model) -> str:
         return name
     device = next(model.parameters()).device
     return "static" if device.type == "cuda" and static_engine_supported(model)[0] else "generate"
+
+
+def _layer_types(cfg) -> list[str]:
+    """The cache layer type of each decoder layer of text config ``cfg``, as transformers' ``StaticCache`` picks
+    them (``cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when the config has them, else sliding /
+    chunked / full by ``sliding_window`` / ``attention_chunk_size``; reused-KV and MLP-only layers hold nothing."""
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        kind = ("sliding_attention" if getattr(cfg, "sliding_window", None) is not None
+                else "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None
+                else "full_attention")
+        types = [kind] * cfg.num_hidden_layers
+    sharing = getattr(cfg, "kv_sharing_modes", None)
+    if sharing is not None:
+        types = ["dummy" if mode == "reuse" else t for t, mode in zip(types, sharing)]
+    return ["dummy" if t in ("moe", "mlp") else t for t in types]
+
+
+def cache_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
+    """Bytes that one batch row takes in transformers' ``StaticCache(config, max_cache_len=length)`` once a
+    prefill has filled it, for a target computing in ``dtype`` (the dtype of its weights and activations).
+
+    Per decoder layer (transformers 5.17 - 5.24, ``cache_utils`` and the ``qwen3_5`` / ``qwen3_next`` modeling):
+
+    * ``full_attention``: keys and values ``[rows, num_key_value_heads, length, head_dim]`` in ``dtype``:
+      ``2 x num_key_value_heads x head_dim x length x dtype.itemsize`` bytes per row.
+    * ``sliding_attention`` / ``chunked_attention``: the same with ``min(length, sliding_window)`` (or
+      ``attention_chunk_size``) positions (``StaticSlidingWindowLayer``).
+    * ``linear_attention`` (Gated DeltaNet): the conv state ``[rows, conv_dim, linear_conv_kernel_dim]`` in
+      ``dtype``, ``conv_dim = 2 x linear_num_key_heads x linear_key_head_dim + linear_num_value_heads x
+      linear_value_head_dim`` (the mixed q / k / v projection), and the recurrent state ``[rows,
+      linear_num_value_heads, linear_key_head_dim, linear_value_head_dim]`` in float32 (both the torch fallback
+      and flash-linear-attention's kernels return the final state in float32, and the cache allocates it like the
+      first state it stores).
+    * MLP-only or reused-KV layers (``dummy``): nothing.
+
+    The per-layer length counters (0-d tensors, not per row) are left out. ``head_dim`` defaults to
+    ``hidden_size / num_attention_heads`` and ``num_key_value_heads`` to ``num_attention_heads``, as in the models.
+    E.g. the Qwen3.5-27B shape in bf16 at 3,328 positions: 48 Gated DeltaNet layers x (80 KiB conv + 3 MiB
+    recurrent state) + 16 attention layers x 13 MiB of K/V (4 heads x 256) = 355.75 MiB per row, 22.2 GiB for 64.
+
+    Args:
+        config: the target's config (multimodal configs: their text config is used, as ``StaticCache`` does).
+        length: cache positions (``max_cache_len``).
+        dtype: the target's compute dtype.
+
+    Returns:
+        Bytes per batch row (an int; a batch of ``rows`` holds exactly ``rows x`` this).
+
+    Raises:
+        ValueError: a layer type the estimate does not know (e.g. ``conv``, ``indexed_attention``, ``hybrid``), or a
+            linear-attention layer without Gated DeltaNet's ``linear_*`` sizes in the config.
+    """
+    cfg = config.get_text_config(decoder=True)
+    elt = torch.empty((), dtype=dtype).element_size()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_per_position = 2 * kv_heads * head_dim * elt
+    total = 0
+    for kind in _layer_types(cfg):
+        if kind == "full_attention":
+            total += kv_per_position * length
+        elif kind in ("sliding_attention", "chunked_attention"):
+            window = cfg.sliding_window if kind == "sliding_attention" else cfg.attention_chunk_size
+            total += kv_per_position * min(length, window)
+        elif kind == "linear_attention":
+            try:
+                nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+                dk, dv, kernel = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+            except AttributeError as exc:
+                raise ValueError(f"{cfg.model_type}: linear_attention layers without Gated DeltaNet sizes "
+                                 f"({exc}): their cache size is unknown") from None
+            total += (2 * nk * dk + nv * dv) * kernel * elt + nv * dk * dv * 4
+        elif kind != "dummy":
+            raise ValueError(f"{cfg.model_type}: cache size of {kind!r} layers is unknown (known: full_attention, "
+                             "sliding_attention, chunked_attention, linear_attention)")
+    return total
+
+
+#: The prefill workspace estimate (:func:`prefill_workspace_bytes`), per prefill token: elements of the compute
+#: dtype per hidden-size and per intermediate-size unit, and float32 copies of Gated DeltaNet's q / k / v.
+WORKSPACE_HIDDEN_COPIES = 8
+WORKSPACE_INTERMEDIATE_COPIES = 4
+WORKSPACE_LINEAR_COPIES = 1
+
+
+def prefill_workspace_bytes(config, *, rows: int, width: int, length: int, prefill_tokens: int,
+                            dtype: torch.dtype) -> int:
+    """Estimated peak GPU memory, in bytes, that :class:`StaticBatchEngine`'s prefill of one batch needs on top of
+    the weights and the static cache: the activations of its largest slice (freed layer by layer) and the logits.
+
+    The largest slice holds ``tokens = rows x min(width, max(1, prefill_tokens // rows))`` tokens (the engine
+    prefills ``max(1, prefill_tokens // rows)`` positions of every row at once). Per token, in bytes:
+
+    * ``itemsize x (WORKSPACE_HIDDEN_COPIES x hidden_size + WORKSPACE_INTERMEDIATE_COPIES x intermediate_size)``:
+      the residual stream, norms, attention / Gated DeltaNet projections, MLP gate / up / product;
+    * with attention layers, the slice's additive mask: ``length x (itemsize x (1 + g) + 3)``: the ``[rows, 1, q,
+      length]`` mask, the booleans it is built from and its copy for the ``g = num_attention_heads /
+      num_key_value_heads`` query heads per K/V head of :func:`draftsmith.target.grouped_sdpa_attention`;
+    * with Gated DeltaNet layers, ``WORKSPACE_LINEAR_COPIES x 4 x linear_num_value_heads x (2 x linear_key_head_dim
+      + linear_value_head_dim)``: float32 q / k / v at the value-head count in the chunked kernels.
+
+    Plus the ``[rows, vocab_size]`` float32 logits of one step. An estimate, not a bound, fitted to one measurement:
+    the Qwen3.5-27B shape in bf16 (hidden 5,120, intermediate 17,408, 24 / 4 heads, 48 value heads of 128) at 64 rows
+    x 3,072-token prompts + 256 (length 3,328, 32,768-token slices; torch 2.11, transformers 5.17,
+    flash-linear-attention 0.6) peaked 9.57 GiB above weights and cache on an H200 (docs/rehearsal-x2/README.md);
+    this gives 10.79 GiB (351,488 bytes per token + 0.06 GiB of logits).
+
+    Args:
+        config: the target's config (multimodal: its text config).
+        rows: batch rows.
+        width: the longest prompt of the batch, in tokens.
+        length: cache positions.
+        prefill_tokens: the engine's tokens per prefill slice, over all rows.
+        dtype: the target's compute dtype.
+
+    Returns:
+        Bytes (int).
+    """
+    cfg = config.get_text_config(decoder=True)
+    elt = torch.empty((), dtype=dtype).element_size()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    types = set(_layer_types(cfg))
+    tokens = rows * min(width, max(1, prefill_tokens // rows))
+    per_token = elt * (WORKSPACE_HIDDEN_COPIES * cfg.hidden_size + WORKSPACE_INTERMEDIATE_COPIES * inter)
+    if types & {"full_attention", "sliding_attention", "chunked_attention"}:
+        per_token += length * (elt * (1 + max(1, heads // kv_heads)) + 3)
+    if "linear_attention" in types:
+        per_token += WORKSPACE_LINEAR_COPIES * 4 * cfg.linear_num_value_heads * (
+            2 * cfg.linear_key_head_dim + cfg.linear_value_head_dim)
+    return tokens * per_token + rows * cfg.vocab_size * 4
 
 
 def _split_stop(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
@@ -254,13 +393,21 @@ class StaticBatchEngine:
     and recurrent states live in the same ``StaticCache`` (fixed size, static addresses), reset for every batch;
     their padding is masked by a 2-D mask (left-padded positions contribute nothing to the state, as with HF
     ``generate``), and the decode-step capture puts the states back after its warm-up and capture forwards.
+
+    Memory: before each batch the rows are lowered (never below 1) so that the memory allocated now (weights, less
+    the last batch's cache) plus the batch's cache (:func:`cache_bytes_per_row`) and prefill workspace
+    (:func:`prefill_workspace_bytes`) stay within ``memory_budget_bytes`` (default on a GPU: 90% of its memory;
+    the CPU: no cap); the prompts a cut batch leaves go first into the next batch, whose cache length follows its own
+    longest prompt. Each new (rows, cache length) is logged with its projection; ``rows_capped_batches`` counts
+    the cut batches. (A Qwen3.5-27B-shape target, 64 rows of 3,072-token prompts + 256 new tokens, peaked at 81.9
+    GiB on an H200 uncapped: 50.1 weights + 22.2 cache + ~9.6 workspace, docs/rehearsal-x2/README.md.)
     """
 
     name = "static"
 
     def __init__(self, model, *, pad_id: int, stop_ids: Sequence[int], batch_size: int, max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, cuda_graphs: bool = True, check_every: int = 16,
-                 prefill_tokens: int = 32768):
+                 prefill_tokens: int = 32768, memory_budget_bytes: int | None = None):
         ok, why = static_engine_supported(model)
         if not ok:
             raise ValueError(f"regenerate engine static cannot run {type(model).__name__}: {why}")
@@ -274,7 +421,67 @@ class StaticBatchEngine:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph = None  # (key, cache, graph, buffers)
         self.graphs_captured = self.graph_failures = 0  # decode-step CUDA graphs captured / fallen back to eager
+        if memory_budget_bytes is None and self.device.type == "cuda":
+            memory_budget_bytes = int(0.9 * torch.cuda.get_device_properties(self.device).total_memory)
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+        self.memory_budget = memory_budget_bytes  # bytes; None: no cap (the CPU)
+        self.rows_capped_batches = 0  # batches run with fewer rows than batch_size (and prompts left) allowed
+        self._planned: set[tuple[int, int]] = set()  # (rows, length) already logged
         use_grouped_sdpa(model)  # masked GQA without copying the cache per layer and step
+
+    def allocated_bytes(self) -> int:
+        """GPU memory allocated by torch now, in bytes (``torch.cuda.memory_allocated``): the weights and whatever
+        else lives on the device; 0 on the CPU. Tests override it to plan against a fake device."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def projected_bytes(self, rows: int, width: int, length: int) -> int:
+        """What a batch of ``rows`` prompts (the longest ``width`` tokens) on a cache of ``length`` positions adds
+        to the allocated memory, in bytes: ``rows x`` :func:`cache_bytes_per_row` plus
+        :func:`prefill_workspace_bytes`."""
+        cfg = self.model.config
+        return rows * cache_bytes_per_row(cfg, length, self.dtype) + prefill_workspace_bytes(
+            cfg, rows=rows, width=width, length=length, prefill_tokens=self.prefill_tokens, dtype=self.dtype)
+
+    def _held_cache_bytes(self) -> int:
+        """Bytes of the static cache the engine holds from its last batch (freed or reused by the next one)."""
+        if self._graph is None:
+            return 0
+        total = 0
+        for layer in self._graph[1].layers:
+            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return total
+
+    def _rows(self, want: int, width: int, length: int) -> int:
+        """Rows of the next batch: the most rows up to ``want`` (``batch_size``, or the prompts left) for which the
+        allocated memory (less the cache of the last batch, which this one replaces) plus :meth:`projected_bytes`
+        stays within the budget; at least 1 (a warning then says by how much the budget is short). Logs each new
+        (rows, length) with its projection."""
+        if self.memory_budget is None:
+            return want
+        base = self.allocated_bytes() - self._held_cache_bytes()
+        room = self.memory_budget - base
+        rows = next((r for r in range(want, 0, -1) if self.projected_bytes(r, width, length) <= room), 1)
+        if rows < want:
+            self.rows_capped_batches += 1
+        if (rows, length) not in self._planned:
+            self._planned.add((rows, length))
+            projected = self.projected_bytes(rows, width, length)
+            cache = rows * cache_bytes_per_row(self.model.config, length, self.dtype)
+            gib = 2 ** 30
+            if projected > room:
+                log.warning("static engine: the memory budget of %.2f GiB is %.2f GiB too small for one row on a "
+                            "%d-position cache (%.2f GiB allocated + %.2f GiB cache + %.2f GiB prefill workspace): "
+                            "running 1 row", self.memory_budget / gib, (projected - room) / gib, length, base / gib,
+                            cache / gib, (projected - cache) / gib)
+            else:
+                log.info("static engine: %d of %d rows on a %d-position cache: %.2f GiB allocated + %.2f GiB cache + "
+                         "%.2f GiB prefill workspace projected, budget %.2f GiB", rows, want, length, base / gib,
+                         cache / gib, (projected - cache) / gib, self.memory_budget / gib)
+        return rows
 
     def _mask(self, pad: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
         """Additive ``[rows, 1, q, length]``: key j visible to the query at cache index i iff pad_r <= j <= i."""
@@ -371,10 +578,13 @@ class StaticBatchEngine:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: largest cache first
         stops = self.stops.to(self.device)
-        for b in range(0, len(order), self.batch_size):
-            idx = order[b:b + self.batch_size]
-            width = max(len(prompts[i]) for i in idx)
+        b = 0
+        while b < len(order):
+            width = len(prompts[order[b]])  # the longest prompt left
             length = -(-(width + self.max_new) // 128) * 128
+            rows = self._rows(min(self.batch_size, len(order) - b), width, length)  # the rest go to the next batch
+            idx = order[b:b + rows]
+            b += rows
             ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
             for r, i in enumerate(idx):
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
@@ -524,8 +734,11 @@ class Regenerator:
                                top_p=s.top_p if sample else None, top_k=0 if sample else None)
         name = resolve_engine(s.engine, self.model)
         if name == "static":
+            on_gpu = next(self.model.parameters()).device.type == "cuda"
+            budget = int(s.memory_gib * 2 ** 30) if s.memory_gib is not None and on_gpu else None
             return StaticBatchEngine(self.model, pad_id=self.pad_id, stop_ids=self.stop_ids, batch_size=s.batch_size,
-                                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
+                                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                     memory_budget_bytes=budget)
         if name == "generate":
             return GenerateEngine(self.model, gen, self.pad_id, s.batch_size)
         if name == "continuous":
@@ -748,6 +961,9 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         "target_fingerprint": target_key, "engine": regenerator.engine.name,
         "cuda_graphs": ({"captured": regenerator.engine.graphs_captured, "failed": regenerator.engine.graph_failures}
                         if hasattr(regenerator.engine, "graphs_captured") else None),
+        "memory_budget_gib": (round(regenerator.engine.memory_budget / 2 ** 30, 3)
+                              if getattr(regenerator.engine, "memory_budget", None) is not None else None),
+        "rows_capped_batches": getattr(regenerator.engine, "rows_capped_batches", None),
         "temperature": s.temperature, "top_p": s.top_p, "num_answers": s.num_answers, "seed": s.seed,
         "counts": dict(sorted(total.items())),
         "seconds": round(time.perf_counter() - t0, 3),

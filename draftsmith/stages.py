@@ -29,10 +29,10 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "materialize_target": {"assets": {"output": ("target_dtype",), "runtime": ("dir", "index_url", "wheelhouse")}},
     "curate": {"data": {"output": ("seed", "eval_fraction", "max_chars")}},
     "regenerate": {
-        # engine and batch size change how fast, not what: greedy answers are the target's either way (in
+        # engine, batch size and memory budget change how fast, not what: greedy answers are the target's either way (in
         # float32 token for token; in bf16 another batching may flip near-tied argmaxes)
         "regenerate": {"output": ("max_new_tokens", "temperature", "top_p", "num_answers", "seed", "max_turns"),
-                       "runtime": ("engine", "batch_size", "chunk_size", "gpus")},
+                       "runtime": ("engine", "batch_size", "memory_gib", "chunk_size", "gpus")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "tokenize": {"output": ("chat_template_kwargs", "max_length")},
     },

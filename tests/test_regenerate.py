@@ -261,6 +261,130 @@ def test_static_engine_equals_unbatched_generate(kind):
                              batch_size=2, max_new_tokens=4)
 
 
+def _held_bytes(cache) -> int:
+    """Bytes of every tensor the cache's layers hold that has a row dimension (keys, values, conv and recurrent
+    states, whatever the layer class names them; the 0-d length counters left out)."""
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            for t in (value.values() if isinstance(value, dict) else [value]):
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("kind, dtype, overrides", [
+    ("llama", torch.float32, {}),
+    ("qwen3", torch.float32, {}),
+    ("qwen3", torch.float32, dict(sliding_window=8, use_sliding_window=True,  # 8 positions < the cache's 40
+                                  layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("qwen3_5", torch.float32, {}),
+    ("qwen3_5", torch.bfloat16, {}),  # conv state in bf16, recurrent state in float32
+    ("qwen3_next", torch.float32, {}),
+])
+def test_cache_bytes_per_row_equals_what_the_static_cache_holds(kind, dtype, overrides):
+    """cache_bytes_per_row is exact: after a prefill and decode steps through transformers' StaticCache of 40
+    positions and 3 rows, the tensors the cache holds take rows x cache_bytes_per_row(40) bytes, for attention-only,
+    sliding-window and hybrid Gated DeltaNet targets, in float32 and bf16."""
+    from transformers import StaticCache
+
+    from draftsmith.target import cache_kwargs
+
+    tgt = tiny_target(kind, **overrides).to(dtype)
+    rows, length = 3, 40
+    cache = StaticCache(config=tgt.config, max_cache_len=length)
+    ids = torch.randint(3, 500, (rows, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = tgt(input_ids=ids, use_cache=True, **cache_kwargs(tgt, cache))
+        for _ in range(3):
+            out = tgt(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(tgt, cache))
+    assert _held_bytes(cache) == rows * rg.cache_bytes_per_row(tgt.config, length, dtype)
+    if (kind, dtype) == ("qwen3_5", torch.float32):  # by hand: 3 Gated DeltaNet layers + 1 attention layer
+        conv = (2 * 2 * 16 + 4 * 16) * 4 * 4  # [conv_dim, kernel] float32
+        recurrent = 4 * 16 * 16 * 4  # [value heads, key dim, value dim] float32
+        assert rg.cache_bytes_per_row(tgt.config, length, dtype) == 3 * (conv + recurrent) + 2 * 2 * 16 * length * 4
+
+
+def test_cache_bytes_per_row_of_the_27b_hybrid_shape():
+    """The Qwen3.5-27B shape (48 Gated DeltaNet + 16 attention layers) in bf16 at 3,072 + 256 positions: 355.75
+    MiB per row, so 64 rows take 22.2 GiB on top of 50.1 GiB of weights (the rehearsal's 81.9 GiB peak); unknown
+    layer types are refused."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_extract import QWEN35_27B, qwen35_config
+
+    cfg = qwen35_config(QWEN35_27B)
+    per_row = rg.cache_bytes_per_row(cfg, 3328, torch.bfloat16)
+    assert per_row == 48 * (10240 * 4 * 2 + 48 * 128 * 128 * 4) + 16 * 2 * 4 * 256 * 3328 * 2
+    assert per_row / 2 ** 20 == 355.75
+    cfg.layer_types = ["conv"] * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="'conv' layers is unknown"):
+        rg.cache_bytes_per_row(cfg, 3328, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_static_engine_caps_rows_to_the_memory_budget(kind, model, tok, caplog, monkeypatch):
+    """A budget that fits exactly 2 rows of the batch's cache (after what is allocated already) makes a
+    batch_size-4 run go in batches of 2, 2, 2, 1 (the prompts a cut batch leaves go to the next), logged and
+    counted; the answers equal the uncapped run's and unbatched greedy generate's token for token (float32). A
+    budget too small for one row runs 1 row with a warning. On the CPU, memory_gib is ignored."""
+    tgt = tiny_target(kind, initializer_range=0.1)
+    g = torch.Generator().manual_seed(0)
+    lengths = (3, 40, 7, 19, 64, 5, 11)  # + 20 new tokens: one cache length (128) for every batch
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+    refs = [tgt.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    stop = refs[1][4]
+
+    def run(**kw):
+        # prefill slices of 8 tokens over all rows: the workspace estimate is the same for every batch
+        engine = rg.StaticBatchEngine(tgt, pad_id=7, stop_ids=[stop], batch_size=4, max_new_tokens=20, check_every=2,
+                                      prefill_tokens=8, **kw)
+        sizes = []
+        return engine, engine.generate(prompts, sizes.append), sizes
+
+    plain, uncapped, sizes = run()
+    assert plain.memory_budget is None and sizes == [4, 3] and plain.rows_capped_batches == 0
+    allocated = 10 ** 6  # "weights" on a fake device, which also holds the cache of the engine's last batch
+    budget = allocated + plain.projected_bytes(2, 64, 128)
+    assert plain.projected_bytes(3, 64, 128) > plain.projected_bytes(2, 64, 128)
+    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: allocated + self._held_cache_bytes())
+    with caplog.at_level("INFO", logger="draftsmith.regenerate"):
+        capped, out, sizes = run(memory_budget_bytes=budget)
+        assert sizes == [2, 2, 2, 1] and capped.rows_capped_batches == 3
+        assert "2 of 4 rows on a 128-position cache" in caplog.text
+        caplog.clear()
+        tiny, out_1, sizes_1 = run(memory_budget_bytes=allocated + 1)
+    assert sizes_1 == [1] * 7 and tiny.rows_capped_batches == 6
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "too small for one row" in warnings[0].getMessage()
+    assert warnings[0].args[1] * 2 ** 30 == pytest.approx(tiny.projected_bytes(1, 64, 128) - 1)  # short by
+    for ref, a, b, c in zip(refs, uncapped, out, out_1):
+        cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
+        assert a[:cut] == b[:cut] == c[:cut] == ref[:cut]
+    settings = rg.GenerationSettings(max_new_tokens=4, engine="static", memory_gib=1e-6)
+    assert rg.Regenerator(model, tok, settings, [2]).engine.memory_budget is None  # the CPU: no cap
+    assert rg.GenerationSettings().memory_gib is None
+    with pytest.raises(ValueError, match="memory_gib must be > 0"):
+        rg.GenerationSettings(memory_gib=0)
+
+
+def test_report_holds_the_memory_budget_and_capped_batches(tmp_path, model, tok, stop, monkeypatch):
+    """The stage report names the static engine's memory budget (GiB) and how many batches it cut to fit it."""
+    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: 2 ** 30 - 1)  # a full fake GPU
+    engine = rg.StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3, max_new_tokens=12,
+                                  memory_budget_bytes=2 ** 30)
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, batch_size=3), stop, engine=engine)
+    src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    report = rg.regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny")
+    assert report["engine"] == "static" and report["memory_budget_gib"] == 1.0
+    # first round: 3 prompts in batches of 1, 1, 1 (two cut); second round: a's second turn alone (not cut)
+    assert report["rows_capped_batches"] == engine.rows_capped_batches == 2
+    assert report["counts"]["turns_regenerated"] == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_static_engine_with_cuda_graphs_equals_unbatched_generate(kind):
