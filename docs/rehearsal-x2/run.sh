@@ -12,8 +12,12 @@
 #                                                 nvidia-smi samples both GPUs' memory and load every 2 s
 #   docs/rehearsal-x2/run.sh wait SECONDS OUT     wait for it (at most SECONDS), then pack logs, benchmarks, the
 #                                                 lease log, GPU samples and reports into OUT/rehearsal.tgz
+#   docs/rehearsal-x2/run.sh checks OUT           the CUDA-only tests (hybrid static engine's graphs, DDP over NCCL,
+#                                                 greedy losslessness on flash-linear-attention's kernels) and the
+#                                                 DDP bench at the 27B shape (1 vs 2 processes), logs in OUT (~6 min)
+#   docs/rehearsal-x2/run.sh bench-extract OUT    extraction at the 27B shape vs the naive HF forward (~4 min)
 set -euo pipefail
-cmd=${1:?setup, target, start or wait}
+cmd=${1:?setup, target, start, wait, checks or bench-extract}
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
 case "$cmd" in
@@ -39,6 +43,20 @@ start)
       --configfile config/gpu-node.yaml config/rehearsal-x2.yaml > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' \
       < /dev/null > /dev/null 2>&1 &
   echo "started at $(date)"
+  ;;
+checks)
+  python3 -m pytest -q -p no:cacheprovider tests/test_regenerate.py tests/test_train.py tests/test_evaluate.py \
+      -k "cuda_graphs or nccl or gpu_kernels" > "$2/pytest-cuda.log" 2>&1 || true
+  tail -3 "$2/pytest-cuda.log"
+  mkdir -p "$2/ddp"
+  python3 bench/bench_train.py --ddp 2 --shape qwen3.5-27b --config config/gpu-node.yaml --out "$2/ddp" \
+      > "$2/ddp/bench.log" 2>&1 || true
+  tail -6 "$2/ddp/bench.log"
+  ;;
+bench-extract)
+  python3 bench/bench_extract.py --tokens 196608 --token-budget 32768 --variants naive,tt,naive2 \
+      --json "$2/bench-extract.json" > "$2/bench-extract.log" 2>&1 || true
+  tail -8 "$2/bench-extract.log"
   ;;
 wait)
   deadline=$(( $(date +%s) + $2 ))
