@@ -538,14 +538,26 @@ class Dist:
         return self.rank == 0
 
 
+#: How long a collective waits for the other ranks before torch.distributed aborts the job (torch's default for
+#: NCCL: 10 min). Rank 0 writes every checkpoint while the other ranks wait at a barrier: at a 27B-class drafter a
+#: checkpoint is 21.4 GB (fp32 weights + AdamW moments), 40 s to local NVMe on an H200 node
+#: (docs/rehearsal-x2/README.md) but over 10 min to a shared file system below 36 MB/s.
+COLLECTIVE_TIMEOUT_S = 3600
+
+
 def setup_distributed(device_type: str) -> Dist:
-    """Initialise torch.distributed from torchrun's environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1."""
+    """Initialise torch.distributed from torchrun's environment (nccl on CUDA, gloo on CPU) when WORLD_SIZE > 1,
+    with collectives that wait :data:`COLLECTIVE_TIMEOUT_S` for a slow rank."""
+    import datetime
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if world > 1 and not dist.is_initialized():
         if device_type == "cuda":  # bound to this rank's GPU: barriers and collectives know their device
-            dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+            dist.init_process_group("nccl", timeout=timeout,
+                                    device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     if dist.is_initialized():
         return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     return Dist()

@@ -537,3 +537,21 @@ def test_layers_compiled_under_ddp_stay_one_graph_each(tmp_path):
         dynamo_config.optimize_ddp = saved
         torch._dynamo.reset()
         dist.destroy_process_group()
+
+
+def test_collectives_outwait_a_checkpoint_on_a_slow_file_system(monkeypatch):
+    """Under torchrun the process group waits an hour for a slow rank: rank 0 writes 21 GB checkpoints at a
+    27B-class drafter while the others wait at a barrier, longer than torch's 10-minute NCCL default on a slow
+    shared file system."""
+    import torch.distributed as dist
+
+    from draftsmith import train as train_mod
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    train_mod.setup_distributed("cpu")
+    assert calls == [("gloo", {"timeout": __import__("datetime").timedelta(hours=1)})]
+    assert train_mod.COLLECTIVE_TIMEOUT_S >= 21.4e9 / 36e6  # a 21.4 GB checkpoint at 36 MB/s
