@@ -33,10 +33,14 @@ Generation is batched and left-padded (HF ``generate``), prompts sorted by lengt
 to ~1e-6 in float32; in bf16 a hybrid GDN target can differ from unpadded generation in rare tokens
 (docs/design.md), which still is the target's own greedy distribution; ``batch_size: 1`` is unpadded.
 
-Resume: conversations are processed in parts of ``chunk_size``; each finished part is written atomically
-to ``<output>.parts/part-NNNNNN.parquet`` with a key of everything that determines it (input sha256, target
-fingerprint, settings). A killed job restarts from the first missing part; the output is assembled from the
-parts atomically, then the parts are removed.
+Shards and resume: the input's conversations are cut into global parts of ``chunk_size`` (``P = ceil(rows /
+chunk_size)``); shard i of n (``regenerate.shards`` jobs, one GPU lease each) regenerates the contiguous parts
+``floor(i P / n) .. floor((i + 1) P / n) - 1`` (:func:`shard_parts`) into its own parquet, part k exactly as a
+one-shard run does (sampling seeds follow the global k), and :func:`assemble_shards` concatenates the shards in
+order, so the output equals a one-shard run's row for row. Each finished part is written atomically to
+``<shard output>.parts/part-NNNNNN.parquet`` with a key of everything that determines it (input sha256, target
+fingerprint, settings, the shard's part range). A killed job restarts from the first missing part; the shard's
+output is assembled from its parts atomically, then the parts are removed.
 """
 
 from __future__ import annotations
@@ -884,12 +888,80 @@ def _seed_of(*parts) -> int:
     return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
-def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLike, regenerator: Regenerator, *,
-                    target_key: str, chunk_size: int = 512, progress_interval: float = 30.0) -> dict:
-    """Regenerate a curated parquet into ``output_path`` (same schema), resumable by parts; returns the report.
+def num_parts(rows: int, chunk_size: int) -> int:
+    """Global parts of ``chunk_size`` rows in an input of ``rows`` rows: ``ceil(rows / chunk_size)``."""
+    return -(-rows // chunk_size)
+
+
+def shard_parts(parts: int, shard: int, shards: int) -> tuple[int, int]:
+    """The global parts ``[first, last)`` shard ``shard`` of ``shards`` regenerates: ``first = floor(shard x parts /
+    shards)``, ``last = floor((shard + 1) x parts / shards)``; contiguous ranges that cover ``0 .. parts`` once, empty
+    when there are more shards than parts.
 
     Raises:
-        ValueError: the input lacks the curated columns (names the file).
+        ValueError: ``shards < 1`` or ``shard`` outside ``0 .. shards - 1``.
+    """
+    if shards < 1 or not 0 <= shard < shards:
+        raise ValueError(f"regenerate shard {shard} of {shards}: the shards are 0..{shards - 1} (shards >= 1)")
+    return shard * parts // shards, (shard + 1) * parts // shards
+
+
+def _iter_parts(pf: pq.ParquetFile, chunk_size: int, first: int, last: int):
+    """Yield ``(k, table)`` for the global parts ``k`` in ``[first, last)`` of ``pf``: rows ``[k x chunk_size,
+    min((k + 1) x chunk_size, rows))``, whatever the file's row groups; only the row groups holding them are read."""
+    meta = pf.metadata
+    start, stop = first * chunk_size, min(last * chunk_size, meta.num_rows)
+    if start >= stop:
+        return
+    groups, pos, offset = [], None, 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if offset < stop and offset + n > start:
+            groups.append(g)
+            pos = offset if pos is None else pos
+        offset += n
+    k, pending = first, []
+    end = min((k + 1) * chunk_size, stop)  # the global row where part k ends
+    for batch in pf.iter_batches(batch_size=chunk_size, row_groups=groups):
+        b0, pos = pos, pos + batch.num_rows  # global rows [b0, pos) of this batch
+        row = max(start, b0)
+        while row < min(pos, stop):
+            take = min(end, pos) - row
+            pending.append(batch.slice(row - b0, take))
+            row += take
+            if row == end:
+                yield k, pa.Table.from_batches(pending)
+                pending, k = [], k + 1
+                if k == last:
+                    return
+                end = min((k + 1) * chunk_size, stop)
+
+
+#: counts every regenerate of a list of records sets, even an empty one (an empty shard's counts)
+_BASE_COUNTS = ("records_in", "conversations_in", "turns_in")
+
+
+def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLike, regenerator: Regenerator, *,
+                    target_key: str, chunk_size: int = 512, shard: int = 0, shards: int = 1,
+                    progress_interval: float = 30.0) -> dict:
+    """Regenerate (a shard of) a curated parquet into ``output_path`` (same schema), resumable by parts; returns
+    the report, also stored in the output's metadata (:func:`read_report`).
+
+    The input's rows are cut into ``P = ceil(rows / chunk_size)`` global parts of ``chunk_size`` rows; shard ``shard``
+    of ``shards`` regenerates the contiguous parts :func:`shard_parts` gives it, each part ``k`` exactly as an
+    unsharded run does (the same rows, a sampling seed of ``seed`` and ``k``), so the shards' outputs in shard order
+    (:func:`assemble_shards`) equal a one-shard run's row for row. A shard with no part (more shards than parts)
+    writes an empty parquet of the input's schema, its counts zero. Finished parts are kept in
+    ``<output>.parts/part-<k>.parquet`` (``k`` global) with a key of everything that determines them, the part range
+    included; a rerun reuses those and redoes stale ones; the directory is removed once the output is written.
+
+    The report holds the settings, ``input`` / ``input_sha256`` / ``input_rows``, ``chunk_size``, ``num_parts``
+    (P), ``shard`` / ``num_shards`` / ``parts`` (``[first, last)``), ``counts`` (reconciled, see
+    :meth:`Regenerator.regenerate`), ``seconds`` (wall clock) and ``new_tokens_per_s`` (generated tokens per second
+    of generation in this run; ``None`` when every part was reused).
+
+    Raises:
+        ValueError: the input lacks the curated columns (names the file); a shard outside ``0 .. shards - 1``.
     """
     t0 = time.perf_counter()
     output_path = Path(output_path)
@@ -898,28 +970,38 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     missing = [c for c in ("id", "messages") if c not in schema.names]
     if missing:
         raise ValueError(f"{input_path}: curated parquet lacks column(s) {', '.join(missing)}")
+    n_rows = pf.metadata.num_rows
+    total_parts = num_parts(n_rows, chunk_size)
+    first, last = shard_parts(total_parts, shard, shards)
     s = regenerator.settings
+    input_sha = sha256_file(input_path)
     key = hashlib.sha256(json.dumps({
-        "format": FORMAT, "input": sha256_file(input_path), "target": target_key,
+        "format": FORMAT, "input": input_sha, "target": target_key,
         "tokenizer": tokenizer_fingerprint(regenerator.tokenizer), "kwargs": regenerator.kwargs,
         "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "max_turns": s.max_turns,
         "stop_ids": regenerator.stop_ids, "chunk_size": chunk_size, "engine": regenerator.engine.name,
         "dtype": str(next(regenerator.model.parameters()).dtype) if regenerator.model is not None else None,
         "sampling": [s.temperature, s.top_p, s.num_answers, s.seed] if s.temperature > 0 else None,
+        "parts": [first, last],
     }, sort_keys=True).encode()).hexdigest()
     parts_dir = output_path.with_name(output_path.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
     clean_schema = schema.remove_metadata()
-    total: collections.Counter = collections.Counter()
+    total: collections.Counter = collections.Counter({k: 0 for k in _BASE_COUNTS})
     part_paths = []
-    n_rows = pf.metadata.num_rows
-    log.info("regenerating %d conversations x %d answer(s) with engine %s, in parts of %d", n_rows, s.num_answers,
-             regenerator.engine.name, chunk_size)
-    bar = progress(n_rows, "regenerate", unit="conv", logger=log, interval=progress_interval)
+    shard_rows = min(last * chunk_size, n_rows) - min(first * chunk_size, n_rows)
+    log.info("regenerating %d of %d conversations (shard %d of %d: parts %d..%d of the %d parts of %d rows) x %d "
+             "answer(s) with engine %s", shard_rows, n_rows, shard, shards, first, last - 1, total_parts, chunk_size,
+             s.num_answers, regenerator.engine.name)
+    if first == last:
+        log.warning("shard %d of %d has no part (%d parts of %d rows for %d shards): its output is empty", shard,
+                    shards, total_parts, chunk_size, shards)
+    bar = progress(shard_rows, "regenerate" if shards == 1 else f"regenerate shard {shard}", unit="conv",
+                   logger=log, interval=progress_interval)
     regenerator.progress = bar
     new_tokens, t_new = 0, 0.0
     try:
-        for k, batch in enumerate(pf.iter_batches(batch_size=chunk_size)):
+        for k, batch in _iter_parts(pf, chunk_size, first, last):
             part = parts_dir / f"part-{k:06d}.parquet"
             part_paths.append(part)
             if part.exists():
@@ -930,7 +1012,7 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
                     log.info("part %d: reused (finished earlier)", k)
                     bar.update(batch.num_rows)
                     continue
-                log.info("part %d: stale (other input or settings): redone", k)
+                log.info("part %d: stale (other input, settings or part range): redone", k)
             records = batch.to_pylist()
             if s.temperature > 0:
                 torch.manual_seed(_seed_of(s.seed, k))
@@ -952,10 +1034,14 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     finally:
         bar.close()
         regenerator.progress = None
+    if len(part_paths) != last - first:  # the input changed under the run
+        raise AssertionError(f"{input_path}: read {len(part_paths)} parts of shard {shard}, expected {last - first}")
     _check_counts(total)
     report = {
         "format": FORMAT,
-        "input": str(input_path),
+        "input": str(input_path), "input_sha256": input_sha, "input_rows": n_rows,
+        "chunk_size": chunk_size, "num_parts": total_parts,
+        "shard": shard, "num_shards": shards, "parts": [first, last],
         "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "max_turns": s.max_turns,
         "chat_template_kwargs": regenerator.kwargs, "stop_token_ids": regenerator.stop_ids,
         "target_fingerprint": target_key, "engine": regenerator.engine.name,
@@ -977,6 +1063,112 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     return report
 
 
+#: Report keys every shard of one regenerate run agrees on (:func:`assemble_shards` refuses a shard that does not).
+SHARD_AGREE = ("format", "input", "input_sha256", "input_rows", "chunk_size", "num_parts", "num_shards",
+               "target_fingerprint", "max_new_tokens", "max_prompt_tokens", "max_turns", "chat_template_kwargs",
+               "stop_token_ids", "temperature", "top_p", "num_answers", "seed")
+#: Report keys of one shard's run only: kept under the assembled report's ``shards``.
+_PER_SHARD = ("shard", "parts", "engine", "cuda_graphs", "memory_budget_gib", "rows_capped_batches", "counts",
+              "seconds", "new_tokens_per_s")
+
+
+def assemble_shards(shard_paths: Sequence[str | os.PathLike], output_path: str | os.PathLike) -> dict:
+    """Concatenate the regenerated shard parquets of one run (:func:`regenerate_file` with ``shard`` = 0 .. n - 1),
+    in shard order, into ``output_path`` atomically; returns its report, also stored in its metadata.
+
+    The output equals a one-shard run's row for row (same schema, rows in global part order). Its report holds the
+    shards' common settings (:data:`SHARD_AGREE`), ``counts`` summed over the shards (reconciled as one run's),
+    ``seconds`` of the longest shard and ``new_tokens_per_s`` summed over the shards (they run at the same time;
+    ``None`` if no shard generated anything), ``engine`` (the shards' engines, comma-separated when they differ),
+    ``cuda_graphs`` / ``rows_capped_batches`` summed and ``memory_budget_gib`` the largest (``None`` where no shard
+    has one), and each shard's own report under ``shards``.
+
+    Args:
+        shard_paths: the shard files, shard 0 first.
+        output_path: the assembled parquet (``results/regenerated/train.parquet``).
+
+    Raises:
+        FileNotFoundError: a shard file does not exist.
+        ValueError: (naming the file) no shard given; a file without a regenerate shard report; a shard whose report
+            disagrees with shard 0's on the input file, its rows, the settings or the target fingerprint; a shard
+            given out of order, or from a run of another shard count; shards whose part ranges do not follow each
+            other from part 0 to the input's last part (a shard missing); a shard whose rows are not its counts'.
+        AssertionError: the summed counts do not reconcile.
+    """
+    paths = [Path(p) for p in shard_paths]
+    if not paths:
+        raise ValueError(f"{output_path}: no regenerate shard to assemble")
+    reports = []
+    for i, path in enumerate(paths):
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: regenerate shard {i} does not exist")
+        rep = read_report(path)
+        if "shard" not in rep or "parts" not in rep:
+            raise ValueError(f"{path}: its regenerate report names no shard and part range (written by another "
+                             "version of draftsmith): rerun the regenerate_shard jobs")
+        reports.append(rep)
+    head = reports[0]
+    for path, rep in zip(paths, reports):
+        differ = [k for k in SHARD_AGREE if rep.get(k) != head.get(k)]
+        if differ:
+            raise ValueError(f"{path}: a shard of another regenerate run than {paths[0]}: "
+                             + "; ".join(f"{k} {rep.get(k)!r} != {head.get(k)!r}" for k in differ))
+    nxt = 0
+    for i, (path, rep) in enumerate(zip(paths, reports)):
+        first, last = rep["parts"]
+        if rep["shard"] != i:
+            raise ValueError(f"{path}: is shard {rep['shard']} of {rep['num_shards']}, given as shard {i}: a shard is "
+                             "missing or out of order")
+        if first != nxt or last < first:
+            raise ValueError(f"{path}: holds parts [{first}, {last}) but the parts before it end at {nxt}: a shard "
+                             "is missing or out of order")
+        rows = pq.ParquetFile(path).metadata.num_rows
+        c = rep["counts"]
+        if rows != c.get("regenerated", 0) + c.get("kept_original", 0):
+            raise ValueError(f"{path}: holds {rows} rows, its counts {c.get('regenerated', 0)} regenerated + "
+                             f"{c.get('kept_original', 0)} kept original")
+        nxt = last
+    if nxt != head["num_parts"]:
+        raise ValueError(f"{paths[-1]}: the shards end at part {nxt} of the input's {head['num_parts']}: a shard is "
+                         "missing")
+    if head["num_shards"] != len(paths):
+        raise ValueError(f"{paths[-1]}: {len(paths)} shard file(s) given for a run of {head['num_shards']} shards: a "
+                         "shard is missing")
+    total: collections.Counter = collections.Counter()
+    for rep in reports:
+        total.update(rep["counts"])
+    _check_counts(total)
+    if total["records_in"] != head["input_rows"]:
+        raise AssertionError(f"regenerate shards read {total['records_in']} records of {head['input_rows']}")
+
+    def summed(values):
+        values = [v for v in values if v is not None]
+        return sum(values) if values else None
+
+    rates = [r["new_tokens_per_s"] for r in reports]
+    graphs = [r["cuda_graphs"] for r in reports if r.get("cuda_graphs") is not None]
+    budgets = [r["memory_budget_gib"] for r in reports if r.get("memory_budget_gib") is not None]
+    report = {k: v for k, v in head.items() if k not in _PER_SHARD}
+    report.update({
+        "engine": ",".join(sorted({r["engine"] for r in reports})),
+        "cuda_graphs": ({"captured": sum(g["captured"] for g in graphs), "failed": sum(g["failed"] for g in graphs)}
+                        if graphs else None),
+        "memory_budget_gib": max(budgets) if budgets else None,
+        "rows_capped_batches": summed(r.get("rows_capped_batches") for r in reports),
+        "counts": dict(sorted(total.items())),
+        "seconds": max(r["seconds"] for r in reports),
+        "new_tokens_per_s": round(summed(rates), 1) if summed(rates) is not None else None,
+        "shards": reports,
+    })
+    schema = pq.read_schema(paths[0]).remove_metadata()
+    with atomic_path(output_path, suffix=".parquet") as tmp:
+        with pq.ParquetWriter(tmp, schema.with_metadata({META_KEY: json.dumps(report).encode()})) as w:
+            for path in paths:
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+                    w.write_table(pa.Table.from_batches([batch]).replace_schema_metadata(None).cast(schema))
+    return report
+
+
 def read_report(path: str | os.PathLike) -> dict:
     """The regenerate report stored in a regenerated parquet's metadata (``draftsmith.regenerate``)."""
     meta = pq.read_schema(path).metadata or {}
@@ -985,10 +1177,28 @@ def read_report(path: str | os.PathLike) -> dict:
     return json.loads(meta[META_KEY])
 
 
+def summary(report: dict) -> str:
+    """One log line of a regenerate report (:func:`regenerate_file`'s or :func:`assemble_shards`'s): new tokens/s,
+    conversations in / regenerated / kept / dropped by reason, turns and tokens, cuts by reason, seconds."""
+    c = report["counts"]
+    shards = report.get("shards")
+    where = (f"{len(shards)} shard{'s' if len(shards) != 1 else ''}: " if shards is not None
+             else f"shard {report['shard']} of {report['num_shards']}: " if report.get("num_shards", 1) > 1 else "")
+    dropped = {k: v for k, v in c.items() if k.startswith("dropped.")}
+    cuts = {k: v for k, v in c.items() if k.startswith("cut.")}
+    exact = 100 * c.get("turns_retokenize_exact", 0) / max(c.get("turns_regenerated", 0), 1)
+    return (f"{where}{report['new_tokens_per_s']} new tokens/s; {c.get('conversations_in', 0)} conversations in -> "
+            f"{c.get('regenerated', 0)} regenerated, {c.get('kept_original', 0)} kept original, dropped {dropped}; "
+            f"{c.get('turns_regenerated', 0)} turns regenerated ({c.get('tokens_generated', 0)} tokens, {exact:.1f}% "
+            f"re-tokenize exactly), {c.get('turns_kept_tool_call', 0)} tool-call turns kept, cuts {cuts}; "
+            f"{report['seconds']:.1f} s")
+
+
 def run(*, conversations: str, target_dir: str, output: str, settings: GenerationSettings, dtype: str = "auto",
-        attn_implementation: str = "sdpa", trust_remote_code: bool = False, chunk_size: int = 512,
-        device: str | torch.device | None = None) -> dict:
-    """The regenerate stage: load the target, regenerate ``conversations`` into ``output``; returns the report."""
+        attn_implementation: str = "sdpa", trust_remote_code: bool = False, chunk_size: int = 512, shard: int = 0,
+        shards: int = 1, device: str | torch.device | None = None) -> dict:
+    """The regenerate stage's job: load the target, regenerate shard ``shard`` of ``shards`` of ``conversations``
+    into ``output`` (:func:`regenerate_file`); returns the report."""
     from draftsmith.target import load_target
     from draftsmith.chat import load_tokenizer
 
@@ -1010,15 +1220,6 @@ def run(*, conversations: str, target_dir: str, output: str, settings: Generatio
              next(model.parameters()).dtype if model is not None else dtype, regen.engine.name, regen.stop_ids,
              regen.pad_id, settings)
     report = regenerate_file(conversations, output, regen, target_key=target_fingerprint(target_dir),
-                             chunk_size=chunk_size)
-    c = report["counts"]
-    log.info("%s new tokens/s; %d conversations in -> %d regenerated, %d kept original, dropped %s; "
-             "%d turns regenerated (%d tokens, %.1f%% re-tokenize exactly), %d tool-call turns kept, cuts %s; %.1f s",
-             report["new_tokens_per_s"], c.get("conversations_in", 0), c.get("regenerated", 0),
-             c.get("kept_original", 0),
-             {k: v for k, v in c.items() if k.startswith("dropped.")},
-             c.get("turns_regenerated", 0), c.get("tokens_generated", 0),
-             100 * c.get("turns_retokenize_exact", 0) / max(c.get("turns_regenerated", 0), 1),
-             c.get("turns_kept_tool_call", 0), {k: v for k, v in c.items() if k.startswith("cut.")},
-             report["seconds"])
+                             chunk_size=chunk_size, shard=shard, shards=shards)
+    log.info("%s", summary(report))
     return report

@@ -14,7 +14,7 @@ every schema key in turn on a finished run and checks that ``snakemake -n`` plan
 it as an output key, and the stages downstream of them.
 
 Keys whose change alters the DAG itself (``target.model``, ``assets.dir``, ``data.sources``,
-``regenerate.enabled``, ``extract.shards``) act through input and output paths as well.
+``regenerate.enabled``, ``regenerate.shards``, ``extract.shards``) act through input and output paths as well.
 """
 
 from __future__ import annotations
@@ -28,14 +28,18 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "fetch_target": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
     "materialize_target": {"assets": {"output": ("target_dtype",), "runtime": ("dir", "index_url", "wheelhouse")}},
     "curate": {"data": {"output": ("seed", "eval_fraction", "max_chars")}},
-    "regenerate": {
+    "regenerate_shard": {
         # engine, batch size and memory budget change how fast, not what: greedy answers are the target's either way (in
-        # float32 token for token; in bf16 another batching may flip near-tied argmaxes)
-        "regenerate": {"output": ("max_new_tokens", "temperature", "top_p", "num_answers", "seed", "max_turns"),
+        # float32 token for token; in bf16 another batching may flip near-tied argmaxes). shards changes which rows
+        # each shard job writes (the assembled output stays the same rows)
+        "regenerate": {"output": ("max_new_tokens", "temperature", "top_p", "num_answers", "seed", "max_turns",
+                                  "shards"),
                        "runtime": ("engine", "batch_size", "memory_gib", "chunk_size", "gpus")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "tokenize": {"output": ("chat_template_kwargs", "max_length")},
     },
+    # the assembler: checks it was given every shard (what it writes is the shards' rows, whatever their number)
+    "regenerate": {"regenerate": {"runtime": ("shards",)}},
     "tokenize": {
         "tokenize": {"output": ("max_length", "overflow", "chat_template_kwargs"), "runtime": ("threads",)},
         "target": {"output": ("trust_remote_code",)},
@@ -77,8 +81,10 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 DOWNSTREAM: dict[str, tuple[str, ...]] = {
     "fetch_dataset": ("curate",),
     "fetch_target": ("materialize_target",),
-    "materialize_target": ("regenerate", "tokenize", "extract_plan", "extract_shard", "train", "export", "evaluate"),
-    "curate": ("regenerate", "tokenize", "evaluate"),
+    "materialize_target": ("regenerate_shard", "tokenize", "extract_plan", "extract_shard", "train", "export",
+                           "evaluate"),
+    "curate": ("regenerate_shard", "tokenize", "evaluate"),
+    "regenerate_shard": ("regenerate",),
     "regenerate": ("tokenize",),
     "tokenize": ("extract_plan", "extract_shard", "merge", "evaluate"),
     "extract_plan": ("extract_shard", "merge"),

@@ -81,6 +81,14 @@ def shard_manifests(wildcards=None):
     return [f"results/features/shard-{i}/manifest.json" for i in SHARDS]
 
 
+REGENERATE_SHARDS = list(range(config["regenerate"]["shards"]))
+
+
+def regenerated_shards(wildcards=None):
+    """The regenerate_shard outputs, shard 0 first (the order the regenerate rule assembles them in)."""
+    return [f"results/regenerated/shard-{i}.parquet" for i in REGENERATE_SHARDS]
+
+
 
 
 def known_dataset(wildcards):
@@ -105,4 +113,13 @@ def known_shard(wildcards):
     if int(wildcards.shard) not in SHARDS:
         raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
                          f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
+    return []
+
+
+def known_regenerate_shard(wildcards):
+    """No file inputs; raises at DAG-build time for a shard outside regenerate.shards (shard-5 of a 2-shard
+    config would otherwise fail only after curate had run)."""
+    if int(wildcards.shard) not in REGENERATE_SHARDS:
+        raise ValueError(f"results/regenerated/shard-{wildcards.shard}.parquet: regenerate.shards is "
+                         f"{len(REGENERATE_SHARDS)}, so the shards are {REGENERATE_SHARDS[0]}..{REGENERATE_SHARDS[-1]}")
     return []

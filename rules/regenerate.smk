@@ -1,13 +1,38 @@
 # regenerate (optional): the target answers the training prompts itself, greedy, so the drafter
 # learns the target's own distribution. Turn by turn (later prompts hold the target's own earlier
-# answers); tool-call turns are kept. Resumable: finished parts are kept beside the output
-# (results/regenerated/train.parquet.parts/) until the output is assembled.
+# answers); tool-call turns are kept. regenerate.shards jobs, each with its own GPU lease, over
+# contiguous ranges of the conversation parts (regenerate.chunk_size each); the regenerate rule
+# assembles them in order (row for row a one-job run's output). Resumable: a shard's finished parts
+# are kept beside its output (results/regenerated/shard-{shard}.parquet.parts/) until it is assembled.
+
+
+rule regenerate_shard:
+    input:
+        known_regenerate_shard,
+        conversations="results/curated/train.parquet",
+        target=target_dir(),
+    output:
+        "results/regenerated/shard-{shard}.parquet",
+    log:
+        "logs/regenerate_shard/shard-{shard}.log",
+    benchmark:
+        "benchmarks/regenerate_shard/shard-{shard}.tsv"
+    params:
+        settings=rule_params(config, "regenerate_shard"),
+    wildcard_constraints:
+        shard=r"\d+",
+    threads: all_cores(share=len(REGENERATE_SHARDS))
+    resources:
+        gpu=config["regenerate"]["gpus"],
+    conda:
+        "../envs/draftsmith.yaml"
+    script:
+        "../scripts/regenerate_shard.py"
 
 
 rule regenerate:
     input:
-        conversations="results/curated/train.parquet",
-        target=target_dir(),
+        shards=regenerated_shards(),
     output:
         "results/regenerated/train.parquet",
     log:
@@ -16,9 +41,6 @@ rule regenerate:
         "benchmarks/regenerate/regenerate.tsv"
     params:
         settings=rule_params(config, "regenerate"),
-    threads: all_cores()
-    resources:
-        gpu=config["regenerate"]["gpus"],
     conda:
         "../envs/draftsmith.yaml"
     script:

@@ -1,39 +1,16 @@
-"""Entry point of rule regenerate: the target answers the training prompts itself (draftsmith.regenerate)."""
+"""Entry point of rule regenerate: the regenerate_shard outputs, in shard order, assembled into one parquet
+(draftsmith.regenerate.assemble_shards: shards of one run only, their part ranges contiguous, counts summed)."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory  # noqa: E402
-from draftsmith.io import setup_logging  # noqa: E402
-from draftsmith.stages import stage_config  # noqa: E402
+from draftsmith.io import setup_logging
+from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821
-devices = lease_gpus(snakemake.resources.gpu, logger=log, job="regenerate", record=LEASE_LOG)  # noqa: F821
+cfg = stage_config("regenerate", snakemake.params.settings, snakemake.config)["regenerate"]  # noqa: F821
 
-import torch  # noqa: E402
+from draftsmith.regenerate import assemble_shards, summary  # noqa: E402
 
-from draftsmith.regenerate import GenerationSettings, run  # noqa: E402
-
-torch.set_num_threads(snakemake.threads)  # noqa: F821
-settings = stage_config("regenerate", snakemake.params.settings, snakemake.config)  # noqa: F821
-cfg = settings["regenerate"]
-if len(devices) > 1:
-    log.warning("regenerate runs one process on one GPU; %d GPUs were leased (set regenerate.gpus: 1)", len(devices))
-run(
-    conversations=snakemake.input.conversations,  # noqa: F821
-    target_dir=snakemake.input.target,  # noqa: F821
-    output=snakemake.output[0],  # noqa: F821
-    settings=GenerationSettings(max_new_tokens=cfg["max_new_tokens"], batch_size=cfg["batch_size"],
-                                max_prompt_tokens=settings["tokenize"]["max_length"], max_turns=cfg["max_turns"],
-                                chat_template_kwargs=dict(settings["tokenize"]["chat_template_kwargs"]),
-                                engine=cfg["engine"],
-                                temperature=cfg["temperature"], top_p=cfg["top_p"], num_answers=cfg["num_answers"],
-                                seed=cfg["seed"], memory_gib=cfg["memory_gib"]),
-    dtype=settings["target"]["dtype"],
-    attn_implementation=settings["target"]["attn_implementation"],
-    trust_remote_code=settings["target"]["trust_remote_code"],
-    chunk_size=cfg["chunk_size"],
-    device="cuda" if torch.cuda.is_available() else "cpu",
-)
-log_peak_memory(log)
+shards = list(snakemake.input.shards)  # noqa: F821
+if len(shards) != cfg["shards"]:
+    raise ValueError(f"{snakemake.output[0]}: {len(shards)} shard inputs for regenerate.shards = {cfg['shards']}")  # noqa: F821
+report = assemble_shards(shards, snakemake.output[0])  # noqa: F821
+log.info("assembled %s: %s", snakemake.output[0], summary(report))  # noqa: F821

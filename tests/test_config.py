@@ -138,8 +138,26 @@ def test_dry_run_plans_every_stage(tmp_path):
     proc = _snakemake(tmp_path, "-n", config_text="regenerate:\n  enabled: true\n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    for rule in STAGE_RULES + ["regenerate"]:
+    for rule in STAGE_RULES + ["regenerate_shard", "regenerate"]:
         assert f"\n{rule} " in out or f"rule {rule}:" in out, rule
+
+
+def test_regenerate_shards_plan_one_job_each_and_a_shard_outside_them_is_refused(tmp_path):
+    """regenerate.shards: 2 plans regenerate_shard twice (shard-0, shard-1) and one regenerate that assembles both, in
+    order; shard-5 of that config stops Snakemake while it builds the DAG, naming the key."""
+    from test_workflow import planned_jobs
+
+    extra = "regenerate:\n  enabled: true\n  shards: 2\n"
+    proc = _snakemake(tmp_path, "-n", "results/regenerated/train.parquet", config_text=extra)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    jobs = planned_jobs(out)
+    assert jobs["regenerate_shard"] == 2 and jobs["regenerate"] == 1, jobs
+    assert "input: results/regenerated/shard-0.parquet, results/regenerated/shard-1.parquet" in out
+    proc = _snakemake(tmp_path, "-n", "results/regenerated/shard-5.parquet", config_text=extra)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "results/regenerated/shard-5.parquet: regenerate.shards is 2, so the shards are 0..1" in out
 
 
 def test_building_the_dag_does_not_import_torch(tmp_path):

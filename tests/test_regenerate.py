@@ -200,6 +200,177 @@ def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypat
     assert calls == ["a", "b", "c"]
 
 
+def _conversations(n: int, tag: str = "") -> list[dict]:
+    """``n`` curated conversations cycling through CONVERSATIONS, each with its own id and user text."""
+    out = []
+    for i in range(n):
+        rec = json.loads(json.dumps(CONVERSATIONS[i % len(CONVERSATIONS)]))
+        rec["id"] = f"{rec['id']}{tag}{i}"
+        for m in rec["messages"]:
+            if m["role"] == "user":
+                m["content"] += f" ({tag}{i})"
+        out.append(rec)
+    return out
+
+
+def _write_groups(path, rows, row_group_size=3):
+    """A curated parquet in row groups of 3 rows: parts of 2 rows straddle them."""
+    pq.write_table(pa.Table.from_pylist(rows, schema=CURATED), path, row_group_size=row_group_size)
+    return path
+
+
+def _sharded(src, folder, regen, shards, *, chunk_size=2):
+    """Every shard of a ``shards``-shard run, then the assembly: ``(assembled table, its report, shard reports)``."""
+    paths = [folder / f"shard-{i}.parquet" for i in range(shards)]
+    reports = [rg.regenerate_file(src, path, regen, target_key="tiny", chunk_size=chunk_size, shard=i, shards=shards)
+               for i, path in enumerate(paths)]
+    report = rg.assemble_shards(paths, folder / "train.parquet")
+    return pq.read_table(folder / "train.parquet"), report, reports
+
+
+def test_shard_parts_cover_every_part_once():
+    for parts in range(0, 12):
+        for shards in range(1, 9):
+            ranges = [rg.shard_parts(parts, i, shards) for i in range(shards)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == parts
+            assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
+    assert [rg.shard_parts(4, i, 5) for i in range(5)] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
+    assert rg.num_parts(7, 2) == 4 and rg.num_parts(8, 2) == 4 and rg.num_parts(0, 2) == 0
+    with pytest.raises(ValueError, match="shards are 0..1"):
+        rg.shard_parts(4, 2, 2)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, stop, sampled):
+    """7 conversations in parts of 2 (4 parts, input row groups of 3): 1 shard, 3 shards and 5 shards (the first
+    empty) assemble to the same rows, ids and messages with the same counts; sampled answers too (2 per
+    conversation at temperature 1: each part seeds from the global part number, whichever shard does it)."""
+    kw = dict(temperature=1.0, num_answers=2, max_turns=1) if sampled else {}
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=8, batch_size=2, **kw), stop)
+    src = _write_groups(tmp_path / "train.parquet", _conversations(7))
+    runs = {n: _sharded(src, tmp_path / f"shards-{n}", regen, n) for n in (1, 3, 5)}
+    one, one_report, (one_shard,) = runs[1]
+    assert one.schema.remove_metadata().equals(CURATED)
+    assert one.replace_schema_metadata(None).equals(
+        pq.read_table(tmp_path / "shards-1" / "shard-0.parquet").replace_schema_metadata(None))
+    assert one_report["counts"] == one_shard["counts"] and one_report["counts"]["records_in"] == 7
+    assert one.num_rows == one_report["counts"]["regenerated"] + one_report["counts"].get("kept_original", 0)
+    assert one_report["counts"]["turns_regenerated"] > 0
+    expect_parts = {1: [[0, 4]], 3: [[0, 1], [1, 2], [2, 4]], 5: [[0, 0], [0, 1], [1, 2], [2, 3], [3, 4]]}
+    for n, (table, report, shard_reports) in runs.items():
+        assert [r["parts"] for r in shard_reports] == expect_parts[n]
+        assert [r["shard"] for r in shard_reports] == list(range(n)) and {r["num_shards"] for r in shard_reports} == {n}
+        assert table.replace_schema_metadata(None).equals(one.replace_schema_metadata(None)), n
+        assert table.column("id").to_pylist() == one.column("id").to_pylist()
+        assert table.column("messages").to_pylist() == one.column("messages").to_pylist()
+        assert report["counts"] == one_report["counts"], n
+        assert report["shards"] == shard_reports
+        assert rg.read_report(tmp_path / f"shards-{n}" / "train.parquet") == report
+        assert report["seconds"] == max(r["seconds"] for r in shard_reports)
+        rates = [r["new_tokens_per_s"] for r in shard_reports if r["new_tokens_per_s"] is not None]
+        assert report["new_tokens_per_s"] == pytest.approx(sum(rates), abs=0.1)
+        assert report["num_parts"] == 4 and report["input_rows"] == 7 and "shard" not in report
+        assert not list((tmp_path / f"shards-{n}").glob("*.parts"))
+    # more shards than parts: shard 0 of 5 holds nothing, in the curated schema, its counts zero
+    empty = pq.read_table(tmp_path / "shards-5" / "shard-0.parquet")
+    assert empty.num_rows == 0 and empty.schema.remove_metadata().equals(CURATED)
+    assert runs[5][2][0]["counts"] == {"conversations_in": 0, "records_in": 0, "turns_in": 0}
+    assert runs[5][2][0]["new_tokens_per_s"] is None
+    if sampled:
+        by_id = {r["id"]: r["messages"][-1]["content"] for r in one.to_pylist()}
+        assert len(by_id) == 14 and any(by_id[i] != by_id.get(f"{i}@1") for i in by_id if "@" not in i)
+
+
+def _with_report(src, dest, **changes):
+    """A copy of shard file ``src`` whose report has ``changes``."""
+    table = pq.read_table(src)
+    report = {**rg.read_report(src), **changes}
+    pq.write_table(table.replace_schema_metadata({rg.META_KEY: json.dumps(report).encode()}), dest)
+    return dest
+
+
+def test_assembly_refuses_a_missing_or_foreign_shard(tmp_path, model, tok, stop):
+    """assemble_shards names the file: a shard missing in the middle or at the end, shards out of order, a shard of
+    another input, of other settings, a file without a shard report, a file that does not exist; nothing written."""
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    src = _write_groups(tmp_path / "train.parquet", _conversations(7))
+    _sharded(src, tmp_path / "run", regen, 3)
+    s0, s1, s2 = (tmp_path / "run" / f"shard-{i}.parquet" for i in range(3))
+    out = tmp_path / "out.parquet"
+    with pytest.raises(ValueError, match=rf"{s2}: is shard 2 of 3, given as shard 1: a shard is missing"):
+        rg.assemble_shards([s0, s2], out)
+    with pytest.raises(ValueError, match=rf"{s1}: the shards end at part 2 of the input's 4: a shard is missing"):
+        rg.assemble_shards([s0, s1], out)
+    with pytest.raises(ValueError, match=rf"{s1}: is shard 1 of 3, given as shard 0"):
+        rg.assemble_shards([s1, s0, s2], out)
+    # shard 1 of the same shape over another input file
+    other = _write_groups(tmp_path / "other.parquet", _conversations(7, tag="x"))
+    foreign = tmp_path / "foreign" / "shard-1.parquet"
+    rg.regenerate_file(other, foreign, regen, target_key="tiny", chunk_size=2, shard=1, shards=3)
+    with pytest.raises(ValueError, match=rf"{foreign}: a shard of another regenerate run than {s0}: input "):
+        rg.assemble_shards([s0, foreign, s2], out)
+    seeded = _with_report(s1, tmp_path / "seeded.parquet", seed=7)
+    with pytest.raises(ValueError, match=rf"{seeded}: a shard of another regenerate run .*seed 7 != 0"):
+        rg.assemble_shards([s0, seeded, s2], out)
+    overlapping = _with_report(s1, tmp_path / "overlap.parquet", parts=[0, 2])
+    with pytest.raises(ValueError, match=rf"{overlapping}: holds parts \[0, 2\) but the parts before it end at 1"):
+        rg.assemble_shards([s0, overlapping, s2], out)
+    plain = _write(tmp_path / "plain.parquet", _conversations(2))
+    with pytest.raises(ValueError, match=rf"{plain}: no draftsmith.regenerate metadata"):
+        rg.assemble_shards([s0, plain, s2], out)
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'run' / 'shard-9.parquet'}"):
+        rg.assemble_shards([s0, s1, tmp_path / "run" / "shard-9.parquet"], out)
+    assert not out.exists()
+    rg.assemble_shards([s0, s1, s2], out)  # the shards of one run still assemble
+    assert pq.read_table(out).num_rows == pq.read_table(tmp_path / "run" / "train.parquet").num_rows
+
+
+def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, stop, monkeypatch):
+    """Shard 1 of 2 (parts 2 and 3 of 4) killed during part 3 keeps part 2 in shard-1.parquet.parts; the rerun
+    regenerates part 3 only and writes what an uninterrupted shard writes. A part finished for another part range
+    (the same folder under 3 shards) is stale: redone."""
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    src = _write_groups(tmp_path / "train.parquet", _conversations(7))
+    full = rg.regenerate_file(src, tmp_path / "full" / "shard-1.parquet", regen, target_key="tiny", chunk_size=2,
+                              shard=1, shards=2)
+    out = tmp_path / "shard-1.parquet"
+    calls = []
+    real = rg.Regenerator.regenerate
+
+    def dying(self, records):
+        calls.append([r["id"] for r in records])
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(self, records)
+
+    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+    assert calls == [["b4", "c5"], ["a6"]] and not out.exists()
+    assert [p.name for p in (tmp_path / "shard-1.parquet.parts").iterdir()] == ["part-000002.parquet"]
+    calls.clear()
+    monkeypatch.setattr(rg.Regenerator, "regenerate",
+                        lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
+    report = rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+    assert calls == [["a6"]]
+    assert pq.read_table(out).replace_schema_metadata(None).equals(
+        pq.read_table(tmp_path / "full" / "shard-1.parquet").replace_schema_metadata(None))
+    assert report["counts"] == full["counts"] and report["parts"] == [2, 4]
+    assert not (tmp_path / "shard-1.parquet.parts").exists()
+
+    # part 2 finished by shard 1 of 2 (parts [2, 4)), in the folder of a shard of parts [2, 3) (shard 2 of 4): redone
+    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+    assert [p.name for p in (tmp_path / "shard-1.parquet.parts").iterdir()] == ["part-000002.parquet"]
+    calls.clear()
+    monkeypatch.setattr(rg.Regenerator, "regenerate",
+                        lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
+    report = rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=2, shards=4)
+    assert report["parts"] == [2, 3] and calls == [["b4", "c5"]]
+
+
 def test_sampled_answers_are_separate_rows_and_counts_reconcile(model, tok, stop):
     """num_answers = 2 at temperature 1: each conversation is answered twice (ids a, a@1, ...), the copies come
     from sampling (not all equal), a copy with nothing to sample (none here) would be dropped, counts reconcile."""

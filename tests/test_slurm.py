@@ -3,7 +3,7 @@ executor plugin (snakemake-executor-plugin-slurm) against fake SLURM commands th
 
 The fake ``sbatch`` records its arguments, "runs" the job by creating its output files (so Snakemake moves
 on down the DAG) and prints a job id; the fake ``sacct`` reports every recorded job COMPLETED; the other
-SLURM commands answer nothing. The embedded default config (regenerate on, 2 extraction shards) runs from
+SLURM commands answer nothing. The embedded default config (regenerate on in 1 shard, 2 extraction shards) runs from
 curate to evaluate this way, every rule one sbatch job, and the test asserts each submitted line: the GPUs
 and CPUs the profile names, the threads each job runs with equal to its own allocation (not the login
 node's cores), the profile's memory and runtime, and no absolute workflow path among a job's inputs.
@@ -32,6 +32,7 @@ PROFILE = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text
 # Outputs of each rule of the embedded default, created by the fake sbatch ({shard}: the job's wildcard).
 OUTPUTS = {
     "curate": ["results/curated/train.parquet", "results/curated/eval.parquet", "results/curated/report.json"],
+    "regenerate_shard": ["results/regenerated/shard-{shard}.parquet"],
     "regenerate": ["results/regenerated/train.parquet"],
     "tokenize": ["results/tokenized/train.parquet", "results/tokenized/eval.parquet",
                  "results/tokenized/report.json"],
@@ -45,8 +46,8 @@ OUTPUTS = {
                  "results/eval/per_position.png", "results/eval/acceptance_hist.png"],
 }
 for _rule, _files in OUTPUTS.items():  # and its benchmark file, also a job output
-    _files.append(f"benchmarks/{_rule}/" + ("shard-{shard}" if _rule == "extract_shard" else _rule) + ".tsv")
-GPU_RULES = ["regenerate", "extract_shard", "train", "evaluate"]
+    _files.append(f"benchmarks/{_rule}/" + ("shard-{shard}" if _rule.endswith("_shard") else _rule) + ".tsv")
+GPU_RULES = ["regenerate_shard", "extract_shard", "train", "evaluate"]
 
 FAKE_SBATCH = '''
 import json, os, re, shlex, sys
@@ -127,8 +128,9 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
         args = json.loads(line)
         rule = _flag(args, "--comment").removeprefix("rule_")
         jobs[rule] = args
-    assert sorted(jobs) == sorted(["curate", "regenerate", "tokenize", "extract_plan", "extract_shard_wildcards_0",
-                                   "extract_shard_wildcards_1", "merge", "train", "export", "evaluate"])
+    assert sorted(jobs) == sorted(["curate", "regenerate_shard_wildcards_0", "regenerate", "tokenize", "extract_plan",
+                                   "extract_shard_wildcards_0", "extract_shard_wildcards_1", "merge", "train",
+                                   "export", "evaluate"])
     for name, args in jobs.items():
         rule = name.split("_wildcards_")[0]
         wrap = _flag(args, "--wrap")
