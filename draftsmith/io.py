@@ -96,8 +96,10 @@ def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> logging.Logger:
-    """Log to ``log_file`` (Snakemake's ``log:``) and stderr; returns the ``draftsmith`` logger.
+def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO, *,
+                  append: bool = False) -> logging.Logger:
+    """Log to ``log_file`` (Snakemake's ``log:``; rewritten, or with ``append`` added to: a job's worker
+    processes) and stderr; returns the ``draftsmith`` logger.
 
     An exception that ends the process is logged too, with its traceback (:func:`log_uncaught`), so a failed
     job's own log says why it failed, not only the console Snakemake ran it from.
@@ -105,7 +107,7 @@ def setup_logging(log_file: str | os.PathLike | None = None, level: int = loggin
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
+        handlers.append(logging.FileHandler(log_file, mode="a" if append else "w", encoding="utf-8"))
     logging.basicConfig(level=level, handlers=handlers, force=True,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.excepthook = log_uncaught

@@ -854,6 +854,45 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
         assert "target_only_vs_reference" not in d
 
 
+def _without_timings(value):
+    """A report with its wall-clock figures (seconds, tokens/s, speedups) left out: what two runs share."""
+    timing = ("seconds", "tok_per_s", "tokens_per_s", "speedup", "time", "wall")
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items()
+                if not (k.endswith("_s") or any(t in k for t in timing))}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def _differences(a, b, path="") -> list[str]:
+    """The paths where two JSON-like values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for k, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{k}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"[:300]]
+
+
+@pytest.mark.slow
+def test_two_decoding_workers_report_what_one_process_reports(stage_inputs, tmp_path):
+    """evaluate.gpus > 1 runs one decoding worker per GPU (``python -m draftsmith.evaluate.worker``), each
+    with the conversations worker_of gives it (here c1 and the MT-Bench pair on worker 0, c2 on worker 1: the
+    held-out set is split between them); the merged report equals one process's, timings aside, prompt for prompt
+    in the sets' order; a rerun after the workers finished reuses their files."""
+    from draftsmith.evaluate.run import worker_of
+
+    assert {worker_of(i, 2) for i in ("c1", "c2")} == {0, 1}
+    one = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "one"), workers=1)
+    two = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "two"), workers=2)
+    assert two["run"]["decoding_workers"] == 2 and one["run"]["decoding_workers"] == 1
+    one["run"].pop("decoding_workers"), two["run"].pop("decoding_workers")
+    assert _differences(_without_timings(two), _without_timings(one)) == []
+    assert two["sets"]["heldout"]["prompts"] == 2 and two["overall"]["prompts"] == 4
+    assert not (tmp_path / "two" / "partial").exists()
+
+
+
 @pytest.mark.slow
 def test_prompt_in_two_sets_is_decoded_once_and_counted_once(stage_inputs, tmp_path, monkeypatch):
     """The held-out rows of a split: both source are also the rows of a set on that source (as the default's
@@ -961,3 +1000,24 @@ def test_static_drafter_decodes_as_the_dynamic_path():
         sta = speculative_generate(tgt, fast, ids, max_new_tokens=40, static=static)
         assert sta.tokens == dyn.tokens == ref.tokens
         assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)
+
+
+def test_decoding_workers_append_to_the_job_log(stage_inputs, tmp_path):
+    """The workers' lines and the job's own, before and after them, all stay in the job's log file (the job
+    opened it for writing: without reopening it to append, its next line would overwrite the workers')."""
+    import logging
+
+    from draftsmith.io import setup_logging
+
+    log_file = tmp_path / "evaluate.log"
+    setup_logging(log_file)
+    try:
+        logging.getLogger("draftsmith").info("the job starts")
+        run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "out"), workers=2)
+        logging.getLogger("draftsmith").info("the job ends")
+    finally:
+        setup_logging(None)
+    text = log_file.read_text()
+    lines = [line for line in text.splitlines() if "evaluate worker" in line and "100%" in line]
+    assert "the job starts" in text and "the job ends" in text and "2 decoding workers started" in text
+    assert {line.split("evaluate worker ")[1][0] for line in lines} == {"0", "1"}

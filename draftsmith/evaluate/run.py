@@ -17,6 +17,8 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -332,11 +334,186 @@ def _run_metadata(decoding: _Decoding, target_dir: str, drafter_dir: str, drafte
     }
 
 
+def _serialised(done: dict) -> dict:
+    """A decoded set (:func:`_decode_set`) with its results as plain dicts (JSON)."""
+    return {**done, "results": {m: [dataclasses.asdict(r) for r in rs] for m, rs in done["results"].items()}}
+
+
+def _plan(decoding: _Decoding, inputs: dict) -> tuple[list, dict]:
+    """``(the benchmark sets, the key every set's saved results carry)``: the sets' first prompts that fit, and a
+    fingerprint of the drafter weights, target, tokenizer, sampling and decoding settings."""
+    def first_prompt_fits(conv, max_new: int) -> bool:
+        return decoding.fits(len(decoding.render(list(conv.context) + conv.user_turns[0], conv.tools)), max_new)
+
+    evaluate_cfg = inputs["evaluate_cfg"]
+    sets = load_sets(inputs["curated_eval"], evaluate_cfg["sets"] or {},
+                     heldout_sources=[s["name"] for s in inputs["sources"] if s.get("split", "both") == "both"],
+                     first_prompt_fits=first_prompt_fits)
+    if not sets:
+        raise ValueError("evaluate.sets is empty: nothing to evaluate")
+    base_key = {"format": REPORT_FORMAT, "drafter": sha256_file(Path(inputs["drafter_dir"]) / "model.safetensors"),
+                "target": target_fingerprint(inputs["target_dir"]),
+                "tokenizer": decoding.tokenizer_fingerprint, "template_kwargs": decoding.template_kwargs,
+                "sampling": dataclasses.asdict(decoding.sampling), "seed": decoding.seed,
+                "block_size": decoding.dflash.block_size,
+                "lookup": [decoding.lookup.max_ngram, decoding.lookup.max_drafts], "stops": decoding.stops,
+                "device": decoding.device.type, "dtype": str(decoding.dtype), "rollback": decoding.rollback,
+                "max_prompt_tokens": decoding.max_prompt_tokens}
+    return sets, base_key
+
+
+def _set_key(base_key: dict, bset) -> str:
+    """The key of one set's saved results: :func:`_plan`'s fingerprint, the set's settings and rows."""
+    return hashlib.sha256(json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts,
+                                                          bset.max_new_tokens],
+                                      "rows": [c.id for c in bset.conversations]}, sort_keys=True).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding workers: one process per GPU, each with its share of the conversations
+# ------------------------------------------------------------------------------------------------
+
+def decoding_workers(evaluate_cfg: dict, device: torch.device | str | None = None) -> int:
+    """Decoding processes for an evaluate job: ``evaluate.gpus`` when the job runs on CUDA and sees at least that
+    many GPUs (its lease), else 1 (on the CPU, or a job given fewer GPUs)."""
+    gpus = int(evaluate_cfg.get("gpus") or 0)
+    on_cuda = (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available()
+    if gpus > 1 and on_cuda and torch.cuda.device_count() >= gpus:
+        return gpus
+    return 1
+
+
+def worker_of(conversation_id: str, workers: int) -> int:
+    """The worker that decodes a conversation: a stable hash of its id modulo ``workers``. A conversation that sits
+    in several sets goes to one worker, which decodes their shared prompts once, as a single process does."""
+    return int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % workers
+
+
+def _worker_file(partial: Path, set_name: str, worker: int, workers: int) -> Path:
+    return partial / f"{set_name}.worker-{worker}-of-{workers}.json"
+
+
+def _run_workers(workers: int, inputs: dict, device: torch.device | str | None) -> None:
+    """Start ``workers`` decoding processes (``python -m draftsmith.evaluate.worker``), each on one GPU of
+    ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all; their log lines go to this job's log file.
+
+    Raises:
+        RuntimeError: a worker exited with an error (naming it and its exit code).
+    """
+    on_cuda = (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count() if on_cuda else 0)]
+    file_handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for h in file_handlers:  # from now on this process appends too: the workers append to the same log
+        h.mode = "a"
+        h.close()  # reopened, appending, by its next line
+    log_files = [h.baseFilename for h in file_handlers]
+    Path(inputs["partial"]).mkdir(parents=True, exist_ok=True)
+    args_file = Path(inputs["partial"]) / "worker-args.json"
+    write_json(args_file, {**inputs, "workers": workers, "log_file": log_files[0] if log_files else None,
+                           "device": "cuda" if on_cuda else "cpu",
+                           "threads": max(1, torch.get_num_threads() // workers)})
+    procs = []
+    for w in range(workers):
+        env = dict(os.environ)
+        if on_cuda:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[w]
+        procs.append(subprocess.Popen([sys.executable, "-m", "draftsmith.evaluate.worker", "--worker", str(w),
+                                       "--args", str(args_file)], env=env))
+    log.info("evaluate: %d decoding workers started (%s)", workers,
+             ", ".join(f"worker {w} on GPU {gpus[w]}" if on_cuda else f"worker {w} on the CPU"
+                       for w in range(workers)))
+    codes = [p.wait() for p in procs]
+    failed = [f"worker {w} (exit code {c})" for w, c in enumerate(codes) if c != 0]
+    if failed:
+        raise RuntimeError(f"evaluate: decoding {', '.join(failed)} failed: the traceback is in the log above")
+
+
+def _decode_worker(worker: int, args: dict) -> None:
+    """One decoding worker: the sets' conversations :func:`worker_of` gives it, decoded as :func:`run_evaluate`
+    decodes them, each set saved to ``partial/<set>.worker-<w>-of-<n>.json`` (a rerun skips saved sets)."""
+    workers, partial = int(args["workers"]), Path(args["partial"])
+    torch.set_num_threads(int(args["threads"]))
+    device = torch.device("cuda", 0) if args["device"] == "cuda" else torch.device("cpu")
+    decoding = _prepare_decoding(args["target_dir"], args["drafter_dir"], args["tokenized_eval"],
+                                 args["evaluate_cfg"], args["target_cfg"], device, args["drafter_implementation"])
+    sets, base_key = _plan(decoding, args)
+    mine = [dataclasses.replace(b, conversations=[c for c in b.conversations if worker_of(c.id, workers) == worker])
+            for b in sets]
+    bar = progress(sum(len(c.user_turns) for b in mine for c in b.conversations), f"evaluate worker {worker}",
+                   unit="prompt", logger=log, interval=float(args["evaluate_cfg"]["progress_interval"]))
+    decoded: dict = {}
+    for bset, own in zip(sets, mine):
+        key = _set_key(base_key, bset)
+        path, wkey = _worker_file(partial, bset.name, worker, workers), f"{key}:{worker}/{workers}"
+        if _load_partial(partial / f"{bset.name}.json", key) is not None or _load_partial(path, wkey) is not None:
+            bar.update(sum(len(c.user_turns) for c in own.conversations))
+            continue
+        _save_partial(path, wkey, _serialised(_decode_set(decoding, own, decoded, bar)))
+    bar.close()
+
+
+def _merge_workers(partial: Path, bset, key: str, workers: int) -> dict:
+    """One set's results from the workers' files, in the set's conversation and turn order (what one process
+    would have saved); saved as the set's own partial file.
+
+    Raises:
+        RuntimeError: a worker's file is missing or was computed with other inputs.
+    """
+    parts = []
+    for w in range(workers):
+        path = _worker_file(partial, bset.name, w, workers)
+        data = _load_partial(path, f"{key}:{w}/{workers}")
+        if data is None:
+            raise RuntimeError(f"{path}: evaluate worker {w} left no results for set {bset.name}")
+        parts.append(data)
+    where = {label: (d, k) for d in parts for k, label in enumerate(d["labels"])}
+    results: dict[str, list] = {}
+    labels, keys = [], []
+    for conv in bset.conversations:
+        t = 0
+        while f"{conv.id}#{t}" in where:
+            d, k = where[f"{conv.id}#{t}"]
+            for m, rs in d["results"].items():
+                results.setdefault(m, []).append(rs[k])
+            labels.append(f"{conv.id}#{t}")
+            keys.append(d["prompt_keys"][k])
+            t += 1
+    if len(labels) != len(where):
+        raise RuntimeError(f"set {bset.name}: the workers decoded {len(where)} prompts, {len(labels)} of them belong "
+                           "to its conversations")
+    skipped: dict[str, int] = {}
+    for d in parts:
+        for reason, n in d["skipped_prompts"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    done = {"results": results, "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
+            "planned": sum(d["planned"] for d in parts)}
+    _save_partial(partial / f"{bset.name}.json", key, done)
+    return {"key": key, **done}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m draftsmith.evaluate.worker --worker W --args FILE``: one decoding worker of an evaluate job."""
+    import argparse
+
+    from draftsmith.io import setup_logging
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--worker", type=int, required=True)
+    ap.add_argument("--args", required=True, help="JSON written by the evaluate job")
+    opts = ap.parse_args(argv)
+    args = read_json(opts.args)
+    setup_logging(args["log_file"], append=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _decode_worker(opts.worker, args)
+    return 0
+
+
 def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokenized_eval: str,
                  outputs: dict[str, str], evaluate_cfg: dict, target_cfg: dict, sources: list[dict],
                  device: torch.device | str | None = None,
                  partial_dir: str | None = None, drafter_implementation: str = "draftsmith",
-                 trainer_state: str | None = None) -> dict:
+                 trainer_state: str | None = None, workers: int | None = None) -> dict:
     """Run the evaluate stage and write report.json, report.md and the three plots.
 
     Steps: prepare the decoders (:func:`_prepare_decoding`) -> read the sets (first prompts that fit) -> per set,
@@ -357,36 +534,30 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         partial_dir: where per-set results are kept until the report is written (resume).
         trainer_state: the training run's ``trainer_state.json``: its held-out (teacher-forced) block τ is
             reported beside the decoded τ.
+        workers: decoding processes (default :func:`decoding_workers`: one per GPU of ``evaluate.gpus`` when
+            that many GPUs are visible). With more than one, each decodes the conversations :func:`worker_of`
+            gives it on its own device (``python -m draftsmith.evaluate.worker``), and this process merges
+            their results in the sets' order and writes the report as from one process.
 
     Returns:
         The report dict (also written to ``outputs["json"]``).
 
     Raises:
         ValueError: drafter / target mismatch, tokenizer differing from the one training used, bad sets.
+        RuntimeError: a decoding worker failed (its traceback is in the log) or left a set undone.
     """
     evaluate_cfg = {**schema_defaults("evaluate"), **evaluate_cfg}  # a library caller may pass a few keys
     target_cfg = {**schema_defaults("target"), **target_cfg}
+    partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
+    workers = decoding_workers(evaluate_cfg, device) if workers is None else int(workers)
+    inputs = {"target_dir": str(target_dir), "drafter_dir": str(drafter_dir), "curated_eval": str(curated_eval),
+              "tokenized_eval": str(tokenized_eval), "evaluate_cfg": evaluate_cfg, "target_cfg": target_cfg,
+              "sources": sources, "drafter_implementation": drafter_implementation, "partial": str(partial)}
+    if workers > 1:  # every worker decodes its share of the conversations on its own GPU, then exits
+        _run_workers(workers, inputs, device)
     decoding = _prepare_decoding(target_dir, drafter_dir, tokenized_eval, evaluate_cfg, target_cfg, device,
                                  drafter_implementation)
-
-    def first_prompt_fits(conv, max_new: int) -> bool:
-        return decoding.fits(len(decoding.render(list(conv.context) + conv.user_turns[0], conv.tools)), max_new)
-
-    sets = load_sets(curated_eval, evaluate_cfg["sets"] or {},
-                     heldout_sources=[s["name"] for s in sources if s.get("split", "both") == "both"],
-                     first_prompt_fits=first_prompt_fits)
-    if not sets:
-        raise ValueError("evaluate.sets is empty: nothing to evaluate")
-
-    drafter_sha = sha256_file(Path(drafter_dir) / "model.safetensors")
-    base_key = {"format": REPORT_FORMAT, "drafter": drafter_sha, "target": target_fingerprint(target_dir),
-                "tokenizer": decoding.tokenizer_fingerprint, "template_kwargs": decoding.template_kwargs,
-                "sampling": dataclasses.asdict(decoding.sampling), "seed": decoding.seed,
-                "block_size": decoding.dflash.block_size,
-                "lookup": [decoding.lookup.max_ngram, decoding.lookup.max_drafts], "stops": decoding.stops,
-                "device": decoding.device.type, "dtype": str(decoding.dtype), "rollback": decoding.rollback,
-                "max_prompt_tokens": decoding.max_prompt_tokens}
-    partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
+    sets, base_key = _plan(decoding, inputs)
     bar = progress(sum(len(c.user_turns) for b in sets for c in b.conversations), "evaluate", unit="prompt",
                    logger=log, interval=float(evaluate_cfg["progress_interval"]))
     set_reports: dict[str, dict] = {}
@@ -396,13 +567,14 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     all_conversations: set[tuple[str, str]] = set()
     decoded: dict[tuple[str, int, int], tuple[dict[str, GenerationResult], str]] = {}
     for bset in sets:
-        key_src = json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts, bset.max_new_tokens],
-                              "rows": [c.id for c in bset.conversations]}, sort_keys=True)
-        key = hashlib.sha256(key_src.encode()).hexdigest()
+        key = _set_key(base_key, bset)
         ppath = partial / f"{bset.name}.json"
         cached = _load_partial(ppath, key)
+        if cached is None and workers > 1:
+            cached = _merge_workers(partial, bset, key, workers)
         if cached is not None:
-            log.info("set %s: reusing results of an interrupted run (%s)", bset.name, ppath)
+            log.info("set %s: reusing results of %s (%s)", bset.name,
+                     f"{workers} decoding workers" if workers > 1 else "an interrupted run", ppath)
             done = {**cached, "results": {m: [_result_from_dict(d) for d in rs]
                                           for m, rs in cached["results"].items()}}
             bar.update(done["planned"])
@@ -411,8 +583,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                                    ({m: rs[k] for m, rs in done["results"].items()}, f"{bset.name}:{lab}"))
         else:
             done = _decode_set(decoding, bset, decoded, bar)
-            _save_partial(ppath, key, {**done, "results": {m: [dataclasses.asdict(r) for r in rs]
-                                                           for m, rs in done["results"].items()}})
+            _save_partial(ppath, key, _serialised(done))
         results, labels, keys = done["results"], done["labels"], done["prompt_keys"]
         set_reports[bset.name] = _set_report(bset, results, labels, keys, done["skipped_prompts"], done["planned"],
                                              decoding.sampling, decoding.dflash.block_size)
@@ -428,7 +599,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
 
     report = {
         "format": REPORT_FORMAT,
-        "run": _run_metadata(decoding, target_dir, drafter_dir, drafter_sha, drafter_implementation),
+        "run": {**_run_metadata(decoding, target_dir, drafter_dir, base_key["drafter"], drafter_implementation),
+                "decoding_workers": workers},
         "sets": set_reports,
         "overall": _overall(set_reports, all_results, all_labels, all_conversations, decoding.sampling,
                             decoding.dflash.block_size),
