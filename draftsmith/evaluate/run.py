@@ -373,12 +373,16 @@ def _set_key(base_key: dict, bset) -> str:
 # Decoding workers: one process per GPU, each with its share of the conversations
 # ------------------------------------------------------------------------------------------------
 
+def _on_cuda(device: torch.device | str | None) -> bool:
+    """Whether the job decodes on CUDA: ``device``'s type, or (None) whether CUDA is there."""
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+
+
 def decoding_workers(evaluate_cfg: dict, device: torch.device | str | None = None) -> int:
     """Decoding processes for an evaluate job: ``evaluate.gpus`` when the job runs on CUDA and sees at least that
     many GPUs (its lease), else 1 (on the CPU, or a job given fewer GPUs)."""
     gpus = int(evaluate_cfg.get("gpus") or 0)
-    on_cuda = (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available()
-    if gpus > 1 and on_cuda and torch.cuda.device_count() >= gpus:
+    if gpus > 1 and _on_cuda(device) and torch.cuda.device_count() >= gpus:
         return gpus
     return 1
 
@@ -400,7 +404,7 @@ def _run_workers(workers: int, inputs: dict, device: torch.device | str | None) 
     Raises:
         RuntimeError: a worker exited with an error (naming it and its exit code).
     """
-    on_cuda = (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available()
+    on_cuda = _on_cuda(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count() if on_cuda else 0)]
     file_handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
