@@ -455,6 +455,10 @@ def _decode_worker(worker: int, args: dict) -> None:
             continue
         _save_partial(path, wkey, _serialised(_decode_set(decoding, own, decoded, bar)))
     bar.close()
+    from draftsmith.gpu import log_peak_memory
+
+    log.info("evaluate worker %d done (GPU %s)", worker, os.environ.get("CUDA_VISIBLE_DEVICES", "none"))
+    log_peak_memory(log)  # each worker's own peak: the job's line after it is the merging process's
 
 
 def _merge_workers(partial: Path, bset, key: str, workers: int) -> dict:
