@@ -448,16 +448,12 @@ class StaticBatchEngine:
             cfg, rows=rows, width=width, length=length, prefill_tokens=self.prefill_tokens, dtype=self.dtype)
 
     def _held_cache_bytes(self) -> int:
-        """Bytes of the static cache the engine holds from its last batch (freed or reused by the next one)."""
+        """Bytes of the static cache the engine holds from its last batch (freed or reused by the next one): its
+        (rows, length) key times :func:`cache_bytes_per_row` (tested equal to the cache's tensors)."""
         if self._graph is None:
             return 0
-        total = 0
-        for layer in self._graph[1].layers:
-            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-            if isinstance(layer, LinearAttentionCacheLayerMixin):
-                tensors += [*layer.conv_states.values(), *layer.recurrent_states.values()]
-            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return total
+        rows, length = self._graph[0]
+        return rows * cache_bytes_per_row(self.model.config, length, self.dtype)
 
     def _rows(self, want: int, width: int, length: int) -> int:
         """Rows of the next batch: the most rows up to ``want`` (``batch_size``, or the prompts left) for which the

@@ -792,7 +792,7 @@ class StepMemory:
     """GPU memory of each phase of one optimizer step: what the step starts with and, per phase, the peak
     allocated during it and what stays allocated after it (GiB, torch's caching-allocator counters).
 
-    The phases are ``forward`` / ``backward`` per micro-batch (``forward.1``, ... when ``grad_accum`` > 1), then
+    The phases are ``forward`` / ``backward`` per micro-batch (``forward.2``, ... when ``grad_accum`` > 1), then
     ``clip`` (gradient norm), ``optimizer`` (AdamW step) and ``zero_grad``. Reading the counters needs no GPU
     sync: allocations are made when the host enqueues the kernels. Each phase resets the allocator's peak, so
     the whole run's peak is carried in :attr:`run_peak` (bytes) and :func:`peak_memory_gib` takes it as a floor.
