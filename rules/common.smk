@@ -107,19 +107,20 @@ def known_target(wildcards):
     return []
 
 
-def known_shard(wildcards):
-    """No file inputs; raises at DAG-build time for a shard outside extract.shards (shard-3 of a 2-shard
-    config would otherwise fail only after curate, tokenize and the plan had run)."""
-    if int(wildcards.shard) not in SHARDS:
-        raise ValueError(f"results/features/shard-{wildcards.shard}/manifest.json: extract.shards is "
-                         f"{len(SHARDS)}, so the shards are {SHARDS[0]}..{SHARDS[-1]}")
-    return []
+def _known_shard(key, shards, output):
+    """An input function with no file inputs that raises at DAG-build time for a shard outside `key`'s range
+    (naming the output and the key): shard-3 of a 2-shard config would otherwise fail only after the jobs
+    before it had run."""
+
+    def check(wildcards):
+        if int(wildcards.shard) not in shards:
+            raise ValueError(f"{output.format(shard=wildcards.shard)}: {key} is {len(shards)}, so the shards are "
+                             f"{shards[0]}..{shards[-1]}")
+        return []
+
+    return check
 
 
-def known_regenerate_shard(wildcards):
-    """No file inputs; raises at DAG-build time for a shard outside regenerate.shards (shard-5 of a 2-shard
-    config would otherwise fail only after curate had run)."""
-    if int(wildcards.shard) not in REGENERATE_SHARDS:
-        raise ValueError(f"results/regenerated/shard-{wildcards.shard}.parquet: regenerate.shards is "
-                         f"{len(REGENERATE_SHARDS)}, so the shards are {REGENERATE_SHARDS[0]}..{REGENERATE_SHARDS[-1]}")
-    return []
+known_shard = _known_shard("extract.shards", SHARDS, "results/features/shard-{shard}/manifest.json")
+known_regenerate_shard = _known_shard("regenerate.shards", REGENERATE_SHARDS,
+                                      "results/regenerated/shard-{shard}.parquet")
