@@ -27,6 +27,7 @@ step time / the bf16 peak of an 8192^3 matmul measured in the same run) and peak
     python bench/bench_train.py --e2e-only [--compile-loop]   # draftsmith.train.train on synthetic features
     python bench/bench_train.py --ddp 2 --shape qwen3.5-27b --config config/gpu-node.yaml --out $OUT   # 2 x H200
     python bench/bench_train.py --tiny --ddp 2 --out /tmp/ddpbench   # the same on the CPU (gloo), tiny shape
+    python bench/bench_train.py --ddp 1 --ddp-overhead --shape qwen3.5-27b --config config/gpu-node.yaml  # 1 GPU
 
 ``--ddp N``: DDP scaling of the real trainer. Writes a target folder (the shape's config.json, e.g. Qwen3.5-27B's
 hybrid one; model.safetensors with only the random bf16 embedding and LM head) and ``--ddp-tokens`` tokens of
@@ -44,6 +45,13 @@ imports, 5 GB of embedding / LM head, the 1.7 B-parameter drafter initialised on
 warm-up (the second run finds the first one's inductor cache), 30 steps of ~1 s, 20-50 s for the trainer's final
 checkpoint (fp32 weights + AdamW moments, 21 GB, hashed and fsynced; on /dev/shm when it has room) and trained/:
 about 4.5-5.5 minutes in all.
+
+``--ddp-overhead`` (with ``--ddp 1``): DDP's own cost on one GPU. Three one-process runs on the same features:
+the trainer as one process runs it (no DDP), then wrapped in DDP over a one-process NCCL group (gradients kept in
+DDP's buckets between steps, its hooks, compiled layers as the product compiles them under DDP: one graph each),
+then the same with dynamo's DDPOptimizer splitting each compiled layer at DDP's bucket boundaries (torch's default,
+the trainer's behaviour before it turned that off). Peak memory and tokens/s per run; a world of one GPU pays
+DDP's memory and its bucketing, not the all-reduce over NVLink.
 
 Figures measured on an H200: docs/gpu-proof/README.md (with the exact commands).
 """
@@ -611,24 +619,54 @@ def trainer_scratch(choice: str, workdir: Path, trainable_params: int | None) ->
     return workdir, False
 
 
+#: ``--ddp-overhead``'s runs: label -> the one-process DDP mode (None: the trainer's own one-process path)
+OVERHEAD_RUNS = {"1": None, "1 ddp": "whole", "1 ddp split": "split"}
+
+
+def ddp_one_process(mode: str, argv: list[str]) -> int:
+    """Entry of ``--ddp-overhead``'s DDP runs (under torchrun, one process): a one-process group (NCCL on a GPU,
+    gloo on the CPU), so that the trainer wraps its step in DDP; ``mode`` ``split`` leaves dynamo's DDPOptimizer on
+    (each compiled layer cut at DDP's buckets), ``whole`` is the trainer's own choice. Runs
+    ``python -m draftsmith.train`` with ``argv``; returns its exit status."""
+    import torch.distributed as dist
+
+    from draftsmith import train
+
+    if torch.cuda.is_available():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    else:
+        dist.init_process_group("gloo")
+    if mode == "split":
+        train.whole_layer_graphs_under_ddp = lambda: None
+    try:
+        return train.main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run_trainer(nproc: int, index: Path, tdir: Path, out_dir: Path, cfg: dict, *, threads: int, log_path: Path,
-                timeout: float, say) -> dict:
+                timeout: float, say, ddp_mode: str | None = None, label: str | None = None) -> dict:
     """``python -m torch.distributed.run --standalone --nproc-per-node nproc -m draftsmith.train`` (NCCL on CUDA,
-    gloo on the CPU), its console output echoed (prefixed ``[N]``) and written to ``log_path``; killed (its
-    process group) after ``timeout`` s. Returns returncode, wall_s, the trainer state (None on failure), the output
-    tail and the nvidia-smi peaks."""
+    gloo on the CPU), its console output echoed (prefixed ``[label]``, default ``nproc``) and written to
+    ``log_path``; killed (its process group) after ``timeout`` s. ``ddp_mode`` (one process only): the trainer in a
+    one-process DDP group instead (:func:`ddp_one_process`). Returns returncode, wall_s, the trainer state (None
+    on failure), the output tail and the nvidia-smi peaks."""
     import collections
     import signal
     import subprocess
     import threading
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-           "draftsmith.train", "--index", str(index), "--target", str(tdir), "--out", str(out_dir),
+    label = label or str(nproc)
+    entry = ["-m", "draftsmith.train"] if ddp_mode is None else \
+        [str(Path(__file__).resolve()), "--ddp-one-process", ddp_mode, "--"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
+           "--index", str(index), "--target", str(tdir), "--out", str(out_dir),
            "--threads", str(threads), "--args", json.dumps(cfg)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    say(f"{nproc} process(es): " + " ".join(cmd[:12]) + " ... --args <json>")
+    say(f"{label} process(es): " + " ".join(cmd[:len(cmd) - 2]) + " --args <json>")
     tail: collections.deque = collections.deque(maxlen=200)
     poll = GpuMemoryPoll()
     t = time.perf_counter()
@@ -640,14 +678,14 @@ def run_trainer(nproc: int, index: Path, tdir: Path, out_dir: Path, cfg: dict, *
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line)
-                print(f"  [{nproc}] {line}", end="", flush=True)
+                print(f"  [{label}] {line}", end="", flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        say(f"{nproc} process(es): still running after {timeout:.0f} s; killing its process group {proc.pid}")
+        say(f"{label} process(es): still running after {timeout:.0f} s; killing its process group {proc.pid}")
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
@@ -765,8 +803,11 @@ def run_ddp(args, say) -> int:
         res["info"]["trainer_outputs"] = str(scratch_root)
         save()
         ok = True
-        for n in dict.fromkeys((args.ddp, 1)):  # N processes, then 1 (once for --ddp 1)
-            scratch = scratch_root / f"train-{n}"
+        # N processes, then 1 (once for --ddp 1); --ddp-overhead: 1 process without, with and with split DDP
+        runs_to_do = OVERHEAD_RUNS if args.ddp_overhead else {str(n): None for n in dict.fromkeys((args.ddp, 1))}
+        for label, ddp_mode in runs_to_do.items():
+            n, tag = int(label.split()[0]), label.replace(" ", "-")
+            scratch = scratch_root / f"train-{tag}"
             shutil.rmtree(scratch, ignore_errors=True)
             run_cfg = cfg
             if args.ddp_epochs:  # the same rows in both runs' windows: whole epochs
@@ -774,22 +815,22 @@ def run_ddp(args, say) -> int:
                 run_cfg = {**cfg, "train": {**cfg["train"], "max_steps": total, "log_every": log_every}}
                 say(f"{n} process(es): {total} steps, rate over steps {log_every + 1}-{total} (the last "
                     f"{args.ddp_epochs} epoch(s))")
-            run = run_trainer(n, index, tdir, scratch, run_cfg, threads=threads,
-                              log_path=out / f"ddp-train-{n}.log", timeout=args.ddp_timeout, say=say)
-            fig = ddp_figures(run, n, peak, est.get("flops_per_ctx_token"))
-            res["runs"][str(n)] = fig
+            run = run_trainer(n, index, tdir, scratch, run_cfg, threads=threads, log_path=out / f"ddp-train-{tag}.log",
+                              timeout=args.ddp_timeout, say=say, ddp_mode=ddp_mode, label=label)
+            fig = dict(ddp_figures(run, n, peak, est.get("flops_per_ctx_token")), label=label)
+            res["runs"][label] = fig
             if run["state"] is not None:
-                (out / f"ddp-trainer_state-{n}.json").write_text(json.dumps(run["state"], indent=1))
+                (out / f"ddp-trainer_state-{tag}.json").write_text(json.dumps(run["state"], indent=1))
             else:
                 fig["log_tail"] = run["log_tail"]
             shutil.rmtree(scratch, ignore_errors=True)  # the final checkpoint: GBs at the 27B shape
             save()
             if run["state"] is None or not fig["loss_finite"]:
                 ok = False
-                say(f"{n} process(es) FAILED (exit {run['returncode']}, loss {fig['loss']}); output tail:\n"
+                say(f"{label} process(es) FAILED (exit {run['returncode']}, loss {fig['loss']}); output tail:\n"
                     + run["log_tail"][-3000:])
             else:
-                say(f"{n} process(es): " + ddp_line(fig))
+                say(f"{label} process(es): " + ddp_line(fig))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -797,16 +838,31 @@ def run_ddp(args, say) -> int:
             shutil.rmtree(scratch_root, ignore_errors=True)
     runs = res["runs"]
     a, b = (runs.get(str(n), {}).get("ctx_tokens_per_s") for n in (args.ddp, 1))
-    res["scaling"] = a / b if a and b else None
+    res["scaling"] = a / b if a and b and not args.ddp_overhead else None
     save()
     say(f"summary: {shape_name}, {sizes['tokens_per_batch']} tokens per row, {sizes['num_anchors']} anchors per "
         f"document, max {sizes['max_anchors_per_row']} per row, block {sizes['block']}, compile {sizes['compile']}; "
         + (f"rate over the last {args.ddp_epochs} of {2 * args.ddp_epochs + 1} epochs per run" if args.ddp_epochs
            else f"{steps} steps per run, rate over the last {args.ddp_log_every}"))
-    print("procs steps  wall s   ctx tok/s  tok/s/GPU  TFLOP/s/GPU (bench)  MFU (bench)      loss  "
+    print("      procs steps  wall s   ctx tok/s  tok/s/GPU  TFLOP/s/GPU (bench)  MFU (bench)      loss  "
           "peak GiB per rank (nvidia-smi per GPU)")
     for fig in runs.values():
         print(ddp_line(fig, table=True))
+    if args.ddp_overhead:
+        base = runs.get("1", {})
+        for label in list(OVERHEAD_RUNS)[1:]:
+            fig = runs.get(label, {})
+            rate = fig.get("ctx_tokens_per_s") and base.get("ctx_tokens_per_s") and \
+                fig["ctx_tokens_per_s"] / base["ctx_tokens_per_s"]
+            mem = fig.get("peak_memory_gib") and base.get("peak_memory_gib") and \
+                fig["peak_memory_gib"][0] - base["peak_memory_gib"][0]
+            res.setdefault("overhead", {})[label] = {"tokens_per_s_ratio": rate, "peak_memory_extra_gib": mem}
+            print(f"{label!r} vs '1': " + (f"{rate:.3f}x tokens/s" if rate else "n/a") + ", "
+                  + (f"{mem:+.1f} GiB peak" if mem is not None else "n/a"))
+        save()
+        print(f"matmul peak " + (f"{peak / 1e12:.1f} TFLOP/s" if peak else "n/a (CPU)")
+              + f"; figures in {out / 'ddp.json'}", flush=True)
+        return 0 if ok else 1
     ratio = f"{res['scaling']:.3f}x" if res["scaling"] else "n/a"
     print(f"scaling {args.ddp} vs 1 process(es): {ratio} tokens/s (issue 18: >= 1.8x at >= 40% MFU); matmul peak "
           + (f"{peak / 1e12:.1f} TFLOP/s" if peak else "n/a (CPU)") + f"; figures in {out / 'ddp.json'}", flush=True)
@@ -824,7 +880,7 @@ def ddp_line(fig: dict, table: bool = False) -> str:
     if table:
         tflops = f"{num(fig['model_tflops_per_gpu'], '.4g')} ({num(fig['tflops_per_gpu_bench_formula'], '.4g')})"
         mfu = f"{num(fig['mfu'], '.1%')} ({num(fig['mfu_bench_formula'], '.1%')})"
-        return (f"{fig['nproc']:5d} {num(fig['steps'], '5d'):>5s} {fig['wall_s']:7.1f} "
+        return (f"{fig.get('label', fig['nproc']):>11} {num(fig['steps'], '5d'):>5s} {fig['wall_s']:7.1f} "
                 f"{num(fig['ctx_tokens_per_s'], ',.0f'):>11s} {num(fig.get('ctx_tokens_per_s_per_gpu'), ',.0f'):>10s}  "
                 f"{tflops:>19s}  {mfu:>15s} {num(fig['loss'], '.4f'):>9s}  {mem} ({smi})")
     return (f"{num(fig['steps'], 'd')} steps in {fig['wall_s']:.0f} s; {num(fig['ctx_tokens_per_s'], ',.0f')} ctx "
@@ -836,6 +892,11 @@ def ddp_line(fig: dict, table: bool = False) -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--ddp-one-process"]:  # torchrun's entry for --ddp-overhead's DDP runs
+        mode, sep, *rest = sys.argv[2:]
+        if sep != "--" or mode not in ("whole", "split"):
+            raise SystemExit("usage: bench_train.py --ddp-one-process {whole,split} -- TRAINER ARGS")
+        return ddp_one_process(mode, rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU debugging)")
     ap.add_argument("--shape", default="qwen3.5-27b", choices=[k for k in SHAPES if k != "tiny"])
@@ -851,6 +912,9 @@ def main() -> int:
     ap.add_argument("--ddp", type=int, default=0, metavar="N",
                     help="only measure DDP scaling: python -m draftsmith.train under torchrun with N processes, "
                          "then 1, at the shape and the config's sizes on ShareGPT-length random features")
+    ap.add_argument("--ddp-overhead", action="store_true",
+                    help="with --ddp 1: one process without DDP, in a one-process DDP group, and the same with "
+                         "dynamo's DDPOptimizer splitting the compiled layers (DDP's own memory and speed cost)")
     ap.add_argument("--ddp-epochs", type=int, default=1,
                     help="--ddp: rate over this many whole epochs after as many + 1 warm-up epochs, the same rows "
                          "for every process count (0: use --ddp-steps / --ddp-log-every instead)")
@@ -882,6 +946,8 @@ def main() -> int:
     def elapsed() -> float:
         return time.perf_counter() - t_start
 
+    if args.ddp_overhead and args.ddp != 1:
+        ap.error("--ddp-overhead goes with --ddp 1 (three one-process runs)")
     if args.ddp:
         return run_ddp(args, say)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")

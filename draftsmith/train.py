@@ -940,7 +940,10 @@ class _TrainingRun:
 
         # the step: DDP across ranks, compiled layers on a GPU, bf16 autocast
         self.step_model: torch.nn.Module = _TrainStep(self.model)
-        if ranks.world > 1:
+        # DDP whenever a process group exists: setup_distributed makes one for WORLD_SIZE > 1; bench_train's
+        # --ddp-overhead makes a one-process group to measure DDP's own memory and speed cost on one GPU
+        self.ddp = dist.is_initialized()
+        if self.ddp:
             # gradients as views into DDP's all-reduce buckets: no second copy of them (at a 27B target's drafter
             # on 2 H200s DDP peaked at 79.5 GiB per rank against 62.2 GiB in one process, with and without it)
             self.step_model = torch.nn.parallel.DistributedDataParallel(
@@ -948,7 +951,7 @@ class _TrainingRun:
         self.chunk_bytes = int(settings["logits_chunk_mib"]) << 20
         self.model.activation_checkpointing = bool(settings["activation_checkpointing"])
         if settings["compile"] and self.on_gpu:
-            if ranks.world > 1:
+            if self.ddp:
                 whole_layer_graphs_under_ddp()
             for layer in self.model.layers:
                 layer.compile()  # in place: state-dict names unchanged
@@ -1002,7 +1005,7 @@ class _TrainingRun:
             item = next(items)
             throughput.add(int((item.batch.doc_ids >= 0).sum()), item.flops)  # on the host: no wait for the GPU
             batch = item.batch.to(self.device, non_blocking=True)
-            no_sync = self.ranks.world > 1 and micro < accum - 1
+            no_sync = self.ddp and micro < accum - 1
             with self.step_model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
                 out = self.step_model(batch, self.embed, self.head, self.gamma, self.data.use_target_tokens,
                                       settings["attention"], self.chunk_bytes)
@@ -1016,7 +1019,7 @@ class _TrainingRun:
         mark("optimizer")
         # under DDP the gradients are views into its buckets: zeroed in place, they stay views (set to None, each
         # backward would allocate them again and DDP copy them into its buckets)
-        self.optimizer.zero_grad(set_to_none=self.ranks.world == 1)
+        self.optimizer.zero_grad(set_to_none=not self.ddp)
         mark("zero_grad")
         if memory is not None and self.ranks.main:
             log.info("GPU memory of step %d by phase (rank 0): %s", step + 1, memory.summary())

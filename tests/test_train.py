@@ -539,6 +539,36 @@ def test_layers_compiled_under_ddp_stay_one_graph_each(tmp_path):
         dist.destroy_process_group()
 
 
+def test_training_in_a_one_process_ddp_group_equals_the_plain_run(qwen3_setup, tmp_path, monkeypatch):
+    """Inside a process group the trainer wraps its step in DDP even for one process (bench_train --ddp-overhead
+    measures DDP's own cost that way on one GPU): gradient accumulation under no_sync, gradients kept as views into
+    DDP's buckets and zeroed in place. The weights after 4 steps equal the plain one-process run's exactly."""
+    import torch.distributed as dist
+
+    cfg = dict(TINY_TRAIN, max_steps=4, grad_accum=2, tokens_per_batch=64, eval_fraction=0.15)
+    plain, wrapped = tmp_path / "plain", tmp_path / "ddp"
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], plain, cfg, TINY_DRAFTER, threads=1)
+    wrapped_steps = []
+
+    class CountingDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module, **kwargs):
+            wrapped_steps.append(type(module).__name__)
+            super().__init__(module, **kwargs)
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", CountingDDP)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        state = train(qwen3_setup["index"], qwen3_setup["target_dir"], wrapped, cfg, TINY_DRAFTER, threads=1)
+    finally:
+        dist.destroy_process_group()
+    assert state["world_size"] == 1 and state["steps"] == 4 and wrapped_steps == ["_TrainStep"]
+    wa = load_file(str(plain / "trained" / "model.safetensors"))
+    wb = load_file(str(wrapped / "trained" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
 def test_collectives_outwait_a_checkpoint_on_a_slow_file_system(monkeypatch):
     """Under torchrun the process group waits an hour for a slow rank: rank 0 writes 21 GB checkpoints at a
     27B-class drafter while the others wait at a barrier, longer than torch's 10-minute NCCL default on a slow
