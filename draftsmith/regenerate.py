@@ -990,8 +990,9 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
              "answer(s) with engine %s", shard_rows, n_rows, shard, shards, first, last - 1, total_parts, chunk_size,
              s.num_answers, regenerator.engine.name)
     if first == last:
-        log.warning("shard %d of %d has no part (%d parts of %d rows for %d shards): its output is empty", shard,
-                    shards, total_parts, chunk_size, shards)
+        log.warning("shard %d of %d has no part (%d parts of %d rows for %d shards): its output is empty and its GPU "
+                    "idle; regenerate.chunk_size <= %d gives every shard work", shard, shards, total_parts,
+                    chunk_size, shards, max(1, n_rows // shards))
     bar = progress(shard_rows, "regenerate" if shards == 1 else f"regenerate shard {shard}", unit="conv",
                    logger=log, interval=progress_interval)
     regenerator.progress = bar
