@@ -860,7 +860,7 @@ def run_ddp(args, say) -> int:
             print(f"{label!r} vs '1': " + (f"{rate:.3f}x tokens/s" if rate else "n/a") + ", "
                   + (f"{mem:+.1f} GiB peak" if mem is not None else "n/a"))
         save()
-        print(f"matmul peak " + (f"{peak / 1e12:.1f} TFLOP/s" if peak else "n/a (CPU)")
+        print("matmul peak " + (f"{peak / 1e12:.1f} TFLOP/s" if peak else "n/a (CPU)")
               + f"; figures in {out / 'ddp.json'}", flush=True)
         return 0 if ok else 1
     ratio = f"{res['scaling']:.3f}x" if res["scaling"] else "n/a"
