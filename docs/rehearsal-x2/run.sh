@@ -16,8 +16,11 @@
 #                                                 greedy losslessness on flash-linear-attention's kernels) and the
 #                                                 DDP bench at the 27B shape (1 vs 2 processes), logs in OUT (~6 min)
 #   docs/rehearsal-x2/run.sh bench-extract OUT    extraction at the 27B shape vs the naive HF forward (~4 min)
+# GPUS (default 2) and CONFIG (default config/rehearsal-x2.yaml) pick the node: GPUS=8
+# CONFIG=config/rehearsal-x8.yaml for the eight-GPU run of docs/node-x8/README.md.
 set -euo pipefail
 cmd=${1:?setup, target, start, wait, checks or bench-extract}
+GPUS=${GPUS:-2} CONFIG=${CONFIG:-config/rehearsal-x2.yaml}
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
 case "$cmd" in
@@ -39,8 +42,8 @@ start)
   date +%s > "$HOME/dag.start"
   setsid nohup nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -l 2 \
       > "$HOME/gpu-samples.csv" 2>&1 < /dev/null &
-  setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=2 \
-      --configfile config/gpu-node.yaml config/rehearsal-x2.yaml > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' \
+  setsid nohup bash -c "python3 -m snakemake --cores all --resources gpu=$GPUS \
+      --configfile config/gpu-node.yaml $CONFIG > \"\$HOME/dag.log\" 2>&1; echo \$? > \"\$HOME/dag.rc\"" \
       < /dev/null > /dev/null 2>&1 &
   echo "started at $(date)"
   ;;
@@ -49,7 +52,7 @@ checks)
       -k "cuda_graphs or nccl or gpu_kernels" > "$2/pytest-cuda.log" 2>&1 || true
   tail -3 "$2/pytest-cuda.log"
   mkdir -p "$2/ddp"
-  python3 bench/bench_train.py --ddp 2 --shape qwen3.5-27b --config config/gpu-node.yaml --out "$2/ddp" \
+  python3 bench/bench_train.py --ddp "$GPUS" --shape qwen3.5-27b --config config/gpu-node.yaml --out "$2/ddp" \
       > "$2/ddp/bench.log" 2>&1 || true
   tail -6 "$2/ddp/bench.log"
   ;;
