@@ -215,6 +215,24 @@ def _assert_greedy_equality_on(device: torch.device, kind: str) -> None:
         for name, proposer in cases.items():
             out = speculative_generate(tgt, proposer, ids, max_new_tokens=new, rollback=mode)
             assert out.tokens == ref.tokens, f"{kind} {mode} {name} on {device}: speculative output differs"
+    # the static path: verify forwards and rollbacks replayed as CUDA graphs on a GPU
+    from draftsmith.evaluate.static import StaticTarget
+
+    static = StaticTarget(tgt, ids.shape[1] + new + BLOCK + 1, layer_ids=[1, 2],
+                          cuda_graphs=device.type == "cuda", verify_width=BLOCK)
+    assert target_generate(tgt, ids, max_new_tokens=new, static=static).tokens == ref.tokens
+    assert target_generate(tgt, ids, max_new_tokens=new, static=static, width=None).tokens == ref.tokens
+    for name, make in {
+        "random drafter": lambda: DFlashProposer(make_drafter(tgt, seed=3).to(device), tgt),
+        "partial": lambda: DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference,
+                                                       lambda c, s: (c + s) % 4 == 3).to(device), tgt),
+        "prompt lookup": lambda: PromptLookupProposer(3, BLOCK - 1),
+    }.items():
+        out = speculative_generate(tgt, make(), ids, max_new_tokens=new, static=static)
+        assert out.tokens == ref.tokens, f"{kind} static {name} on {device}: speculative output differs"
+    assert static.graph_failures == {}
+    if device.type == "cuda":
+        assert static._graphs and static._replays  # forwards and rollbacks ran as graphs
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -244,35 +262,56 @@ def test_grouped_sdpa_equals_transformers_sdpa_with_a_padding_mask(kind):
     assert torch.equal(logits(), before)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "qwen3_next"])
 def test_static_cache_decoding_equals_the_dynamic_cache(kind):
-    """The static-cache path (one fixed verify width, padded blocks, rollback = the cache length counter; on a
-    GPU its forwards are CUDA graphs) gives the same tokens, acceptance lengths and DFlash drafts (so the same
-    features) as the dynamic cache, for target-only decoding, DFlash (random and partially accepted drafts)
-    and prompt lookup, with one StaticTarget reused across prompts; hybrid and sliding targets are refused."""
-    from draftsmith.evaluate.static import StaticTarget, static_supported
+    """The static-cache path (one fixed verify width, padded blocks, rollback = the cache length counter and, for
+    the Gated DeltaNet layers of hybrid targets, the state snapshot put back and the kept tokens re-run through
+    the mixers; on a GPU its forwards and rollbacks are CUDA graphs) gives the same tokens, acceptance lengths
+    and DFlash drafts (so the same features) as the dynamic cache, for target-only decoding (one-token forwards
+    and forwards padded to the verify width), DFlash (random, partially and fully accepted drafts) and prompt
+    lookup, with one StaticTarget reused across prompts; sliding-window targets are refused."""
+    from draftsmith.evaluate.static import StaticTarget, static_decoding_supported
 
-    tgt = target(kind) if kind == "llama" else tiny_target("qwen3", initializer_range=0.1)
-    static = StaticTarget(tgt, 12 + 40 + BLOCK + 1, layer_ids=[1, 2], cuda_graphs=False)
+    tgt = tiny_target("qwen3", initializer_range=0.1) if kind == "qwen3" else target(kind)
+    new = 24 if kind == "qwen3_next" else 40
+    static = StaticTarget(tgt, 12 + new + BLOCK + 1, layer_ids=[1, 2], cuda_graphs=False, verify_width=BLOCK)
+    assert bool(static.recurrent) == (kind in ("qwen3_5", "qwen3_next"))
     for seed in (1, 2):
         ids = prompt(seed)
-        ref = target_generate(tgt, ids, max_new_tokens=40)
-        fast = target_generate(tgt, ids, max_new_tokens=40, static=static)
-        assert fast.tokens == ref.tokens
+        ref = target_generate(tgt, ids, max_new_tokens=new)
+        assert target_generate(tgt, ids, max_new_tokens=new, static=static).tokens == ref.tokens
+        assert target_generate(tgt, ids, max_new_tokens=new, static=static, width=None).tokens == ref.tokens
         reference = torch.cat([ids[0], torch.tensor(ref.tokens)])
         for name, make in {
             "random drafter": lambda: DFlashProposer(make_drafter(tgt, seed=3), tgt),
             "partial": lambda: DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference,
                                                            lambda c, s: (c + s) % 4 == 3), tgt),
+            "full acceptance": lambda: DFlashProposer(build_oracle(DFlashDraftModel, tgt, reference), tgt),
             "prompt lookup": lambda: PromptLookupProposer(3, BLOCK - 1),
         }.items():
-            dyn = speculative_generate(tgt, make(), ids, max_new_tokens=40)
-            sta = speculative_generate(tgt, make(), ids, max_new_tokens=40, static=static)
+            dyn = speculative_generate(tgt, make(), ids, max_new_tokens=new)
+            sta = speculative_generate(tgt, make(), ids, max_new_tokens=new, static=static)
             assert sta.tokens == dyn.tokens == ref.tokens, f"{kind} {name}"
             assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed), name
-    assert not static_supported(target("qwen3_5"))[0] and not static_supported(target("qwen3_sliding"))[0]
+    assert static_decoding_supported(target("qwen3_5")) == (True, "")
+    assert not static_decoding_supported(target("qwen3_sliding"))[0]
     with pytest.raises(ValueError, match="static-cache decoding does not support"):
-        StaticTarget(target("qwen3_5"), 64)
+        StaticTarget(target("qwen3_sliding"), 64)
+
+
+def test_static_hybrid_rollback_is_what_keeps_the_output():
+    """Control for the hybrid static path: with the snapshot / replay rollback switched off (commit a no-op, as
+    for attention-only targets) the recurrent state keeps rejected drafts and padding, and the output changes."""
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt = target("qwen3_5")
+    ids = prompt(1)
+    ref = target_generate(tgt, ids, max_new_tokens=24)
+    static = StaticTarget(tgt, 12 + 24 + BLOCK + 1, layer_ids=[1, 2], cuda_graphs=False, verify_width=BLOCK)
+    static.commit = lambda keep: setattr(static, "_width", None)
+    out = speculative_generate(tgt, DFlashProposer(make_drafter(tgt, seed=3), tgt), ids, max_new_tokens=24,
+                               static=static)
+    assert out.tokens != ref.tokens
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])

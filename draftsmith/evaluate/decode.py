@@ -341,7 +341,9 @@ class _StaticRun:
         return self.static.forward_block(tokens, start, width)
 
     def commit(self, consumed: int, keep: int) -> None:
-        """Nothing to undo: the next forward sets the cache length to the committed positions."""
+        """Attention layers: nothing to undo (the next forward sets the cache length to the committed positions);
+        Gated DeltaNet layers: the snapshot / replay rollback of :meth:`StaticTarget.commit`."""
+        self.static.commit(keep)
 
 
 def target_runner(target: nn.Module, layer_ids: list[int], rollback: str = "auto", static=None):
@@ -434,7 +436,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
         generator: RNG for sampling and rejection draws.
         rollback: how recurrent state is restored, see :class:`TargetCache`.
         static: a :class:`~draftsmith.evaluate.static.StaticTarget` (static cache, CUDA graphs; attention-only
-            targets) or None (dynamic cache with exact rollback).
+            and Gated DeltaNet hybrid targets) or None (dynamic cache with exact rollback).
 
     Returns:
         :class:`GenerationResult` with per-step ``committed`` / ``accepted`` / ``proposed``.

@@ -651,12 +651,12 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
     Raises:
         ValueError: ``static_cache: true`` for a target it cannot serve.
     """
-    from draftsmith.evaluate.static import StaticDrafter, StaticTarget, static_supported
+    from draftsmith.evaluate.static import StaticDrafter, StaticTarget, static_decoding_supported
 
     mode = str(evaluate_cfg["static_cache"]).lower()
     if mode == "false" or (mode == "auto" and device.type != "cuda"):
         return None
-    ok, why = static_supported(target)
+    ok, why = static_decoding_supported(target)
     if not ok:
         if mode == "true":
             raise ValueError(f"evaluate.static_cache: true, but {why}")

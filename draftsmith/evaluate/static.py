@@ -10,46 +10,95 @@ index, so rolling back rejected drafts is setting the counter to the committed l
 query's position are masked by ``position_ids``, so stale entries beyond it are never seen). Padded positions
 after the real block tokens cannot change the real positions' logits (causal attention).
 
-Only attention-only targets whose cache layers are all ``StaticLayer`` qualify (:func:`static_supported`):
-recurrent (Gated DeltaNet) layers need the snapshot / replay rollback of :class:`draftsmith.evaluate.cache
-.TargetCache`, and sliding-window layers keep ring buffers that a counter cannot roll back. Those targets, and
-the CPU, use the dynamic path. Greedy outputs equal the dynamic path's (tested on CPU without graphs; the CUDA
-graph replay computes the same kernels as the eager forward it captured).
+Hybrid targets (Gated DeltaNet + full attention: Qwen3.5, Qwen3-Next) qualify too (:func:`static_decoding_supported`):
+their conv and recurrent states live in the same ``StaticCache`` at fixed addresses, and a counter cannot roll
+them back, so the snapshot / replay rollback of :class:`draftsmith.evaluate.cache.TargetCache` is done in fixed
+buffers: a forward wider than one token first copies every recurrent layer's conv and recurrent state to a
+snapshot buffer and records each Gated DeltaNet mixer's input (``[1, width, H]``, a forward pre-hook); when fewer
+than all of its ``width`` tokens are committed (rejected drafts, or the padding of a short block), :meth:`StaticTarget
+.commit` copies the snapshot back and re-runs the kept tokens' recorded inputs through the mixers only (one
+captured graph per kept count). The cost over the attention-only path is the state copy per forward (~150 MB at a
+27B target's 48 Gated DeltaNet layers) and the mixers' re-run of the kept tokens. Sliding-window layers keep ring
+buffers that a counter cannot roll back: those targets, and the CPU by default, use the dynamic path. Greedy
+outputs equal the dynamic path's (tested on the CPU without graphs in float32; the CUDA graph replay computes
+the same kernels as the eager forward it captured, tested on a GPU with flash-linear-attention's kernels).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.target import LayerCapture, cache_kwargs, static_supported  # noqa: F401 - re-exported
+from draftsmith.target import (  # noqa: F401 - static_supported re-exported
+    LayerCapture,
+    cache_kwargs,
+    decoder_layers,
+    is_hybrid,
+    static_supported,
+    text_config,
+)
 
 log = logging.getLogger("draftsmith.evaluate")
+
+
+def static_decoding_supported(target: nn.Module) -> tuple[bool, str]:
+    """``(ok, why not)``: whether :class:`StaticTarget` can decode ``target``: attention-only targets without
+    sliding windows (:func:`draftsmith.target.static_supported`), and hybrid targets whose layers are all full
+    attention or Gated DeltaNet (``linear_attention``) with a locatable recurrent mixer (the child module whose
+    forward takes the cache), whose state is rolled back by snapshot and replay."""
+    from transformers import StaticCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticLayer
+
+    from draftsmith.evaluate.cache import _mixer_of
+
+    ok, why = static_supported(target)
+    if ok or not is_hybrid(target.config):
+        return ok, why
+    types = set(getattr(text_config(target.config), "layer_types", None) or [])
+    if not types <= {"full_attention", "linear_attention"}:
+        return False, f"hybrid layer types {sorted(types)}: only full_attention and linear_attention are supported"
+    cache = StaticCache(config=target.config, max_cache_len=8)  # layer objects only: tensors are allocated lazily
+    layers = decoder_layers(target)
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            if isinstance(layer, StaticLayer):
+                return False, f"cache layer {i} holds both K/V and recurrent state"
+            if i >= len(layers) or _mixer_of(layers[i]) is None:
+                return False, f"the recurrent mixer of decoder layer {i} cannot be located"
+    return True, ""
 
 
 class StaticTarget:
     """A target plus a static KV cache for batch-1 decoding, with CUDA-graph replay of fixed-width forwards.
 
+    Use per prompt: :meth:`prefill`, then :meth:`forward_block` and :meth:`commit` with the count of its tokens
+    that are kept (a no-op for attention-only targets: the next forward sets the length counter).
+
     Args:
-        target: Hugging Face causal LM (eval mode) passing :func:`static_supported`.
+        target: Hugging Face causal LM (eval mode) passing :func:`static_decoding_supported`.
         max_length: cache capacity in tokens (longest prompt + new tokens + verify width).
         layer_ids: tapped target layers whose features forwards return (DFlash); ``[]`` for none.
         cuda_graphs: capture and replay each forward width as a CUDA graph (CUDA only).
         verify_width: the width every speculative verify forward is padded to (all proposers share it, so their
-            forwards run the same kernels; ``forward_block`` with ``width=None``).
+            forwards run the same kernels; ``forward_block`` with ``width=None``). Hybrid targets: the widest
+            forward (the recorded mixer inputs are that wide); default 1.
 
     Raises:
-        ValueError: a target that :func:`static_supported` refuses.
+        ValueError: a target that :func:`static_decoding_supported` refuses.
     """
 
     def __init__(self, target: nn.Module, max_length: int, *, layer_ids: list[int] | None = None,
                  cuda_graphs: bool = True, verify_width: int | None = None):
         from transformers import StaticCache
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-        ok, why = static_supported(target)
+        from draftsmith.evaluate.cache import _CACHE_ARGS, _mixer_of
+
+        ok, why = static_decoding_supported(target)
         if not ok:
             raise ValueError(f"static-cache decoding does not support {type(target).__name__}: {why}")
         self.target = target
@@ -61,6 +110,98 @@ class StaticTarget:
         self.verify_width = verify_width
         self._graphs: dict[int, tuple] = {}
         self.graph_failures: dict[int, str] = {}
+        # hybrid targets: Gated DeltaNet layers, their mixers, the mixers' recorded inputs and the state snapshot
+        self.recurrent = [i for i, layer in enumerate(self.cache.layers)
+                          if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.mixers: dict[int, nn.Module] = {}
+        self._width = None  # width of the last forward_block, until commit
+        self._recording = False
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (live state, snapshot buffer)
+        self._replays: dict[int, tuple] = {}  # kept tokens -> captured replay graph
+        if self.recurrent:
+            layers = decoder_layers(target)
+            self.mixers = {i: _mixer_of(layers[i]) for i in self.recurrent}
+            self.max_width = max(1, int(verify_width or 1))
+            dtype = target.get_input_embeddings().weight.dtype
+            hidden = int(text_config(target.config).hidden_size)
+            self._inputs = {i: torch.zeros((1, self.max_width, hidden), dtype=dtype, device=self.device)
+                            for i in self.recurrent}
+            self._cache_arg = {i: next(a for a in _CACHE_ARGS if a in inspect.signature(m.forward).parameters)
+                               for i, m in self.mixers.items()}
+            for i, mixer in self.mixers.items():
+                mixer.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
+
+    # -- hybrid targets: recording, snapshot, rollback -------------------------------------------------------
+    def _recorder(self, idx: int):
+        def hook(module, args, kwargs):
+            if self._recording:
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self._inputs[idx][:, :hidden.shape[1]].copy_(hidden)
+        return hook
+
+    def _states(self) -> list[torch.Tensor]:
+        """Every recurrent layer's live conv and recurrent state tensors (fixed addresses in the StaticCache)."""
+        out = []
+        for i in self.recurrent:
+            layer = self.cache.layers[i]
+            for states in (layer.conv_states, layer.recurrent_states):
+                out += [t for t in states.values() if t is not None]
+        return out
+
+    def _snapshot(self) -> None:
+        for live, snap in self._saved:
+            snap.copy_(live)
+
+    def _replay(self, keep: int) -> None:
+        """Put the snapshot back and re-run the ``keep`` first recorded tokens through the recurrent mixers."""
+        for live, snap in self._saved:
+            live.copy_(snap)
+        for i, mixer in self.mixers.items():
+            mixer(hidden_states=self._inputs[i][:, :keep], attention_mask=None, **{self._cache_arg[i]: self.cache})
+
+    @torch.inference_mode()
+    def commit(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens of the last :meth:`forward_block` (its real tokens and padding counted
+        by its width). Attention-only targets: nothing to do. Hybrid targets: when ``keep`` is less than the
+        forward's width, the recurrent state goes back to the snapshot taken before it and the kept tokens are
+        re-run through the Gated DeltaNet mixers (a captured graph per ``keep`` on CUDA).
+
+        Raises:
+            ValueError: ``keep`` outside ``1..width`` of the last forward.
+        """
+        width, self._width = self._width, None
+        if not self.recurrent or width is None or keep == width:
+            return
+        if not 1 <= keep <= width:
+            raise ValueError(f"cannot keep {keep} of a {width}-token forward")
+        if self.cuda_graphs and -keep not in self.graph_failures:
+            graph = self._replays.get(keep) or self._capture_replay(keep)
+            if graph is not None:
+                graph.replay()
+                return
+        self._replay(keep)
+
+    def _capture_replay(self, keep: int):
+        """Capture the rollback to ``keep`` tokens (idempotent: it starts from the snapshot, so the warm-ups leave
+        the very state the replay makes). Failures are logged once and that count rolls back eagerly."""
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._replay(keep)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._replay(keep)
+        except Exception as exc:  # noqa: BLE001 - a rollback that cannot be captured runs eagerly
+            self.graph_failures[-keep] = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of the rollback to %d tokens failed (%s): it runs eagerly", keep,
+                        self.graph_failures[-keep])
+            torch.cuda.synchronize(self.device)
+            return None
+        self._replays[keep] = graph
+        return graph
 
     # -- cache length ----------------------------------------------------------------------------
     def _layers(self):
@@ -79,6 +220,8 @@ class StaticTarget:
         dtype = self.target.get_input_embeddings().weight.dtype
         hidden = torch.arange(self.max_length, device=self.device)[None, None, None, :] > positions[:, None, :, None]
         mask = torch.zeros(hidden.shape, dtype=dtype, device=self.device).masked_fill_(hidden, torch.finfo(dtype).min)
+        if self.recurrent:  # per layer type: the attention layers' mask; no padding for the Gated DeltaNet layers
+            mask = {"full_attention": mask, "linear_attention": None}
         out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                           logits_to_keep=logits_to_keep, **cache_kwargs(self.target, self.cache))
         feats = self.capture.features() if self.capture is not None else None
@@ -91,9 +234,14 @@ class StaticTarget:
         if ids.shape[1] >= self.max_length:
             raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the static cache ({self.max_length})")
         self.set_length(0)
+        self._width = None
+        for i in self.recurrent:
+            self.cache.layers[i].reset()  # zero conv / recurrent states: the next forward is a prefill
         positions = torch.arange(ids.shape[1], device=self.device)[None]
         with self._hooks():
             logits, feats = self._forward(ids, positions, logits_to_keep=1)
+        if self.recurrent and self._saved is None:  # the states exist now (allocated by the first forward)
+            self._saved = [(t, torch.empty_like(t)) for t in self._states()]
         return logits[0, -1], feats
 
     @torch.inference_mode()
@@ -111,6 +259,16 @@ class StaticTarget:
             raise ValueError(f"block of {k} tokens is wider than the forward width {width}")
         if start + width > self.max_length:
             raise ValueError(f"positions up to {start + width} exceed the static cache ({self.max_length})")
+        if self.recurrent:
+            if width > self.max_width:
+                raise ValueError(f"a {width}-token forward is wider than this hybrid target's widest "
+                                 f"({self.max_width}: verify_width)")
+            if self._width is not None:
+                raise RuntimeError("forward_block before commit() of the last one: the recurrent state would hold "
+                                   "its uncommitted tokens")
+            if self._saved is None:
+                raise RuntimeError("forward_block before prefill()")
+            self._width = width
         self.set_length(start)
         if self.cuda_graphs and width not in self.graph_failures:
             graph = self._graphs.get(width) or self._capture(width, start)
@@ -125,8 +283,20 @@ class StaticTarget:
         ids[:, :k] = tokens
         positions = torch.arange(start, start + width, device=self.device)[None]
         with self._hooks():
-            logits, feats = self._forward(ids, positions)
+            logits, feats = self._block(ids, positions)
         return logits[0, :k], (feats[:, :k] if feats is not None else None)
+
+    def _block(self, ids: torch.Tensor, positions: torch.Tensor):
+        """A forward of ``ids [1, w]``; hybrid targets with ``w > 1``: after the state snapshot, recording the
+        mixers' inputs (both captured with the forward when it is a graph)."""
+        if not self.recurrent or ids.shape[1] == 1:  # a one-token forward is always kept whole
+            return self._forward(ids, positions)
+        self._snapshot()
+        self._recording = True
+        try:
+            return self._forward(ids, positions)
+        finally:
+            self._recording = False
 
     # -- CUDA graphs -----------------------------------------------------------------------------
     def _hooks(self):
@@ -140,23 +310,30 @@ class StaticTarget:
         overwrites. On failure the width runs eagerly from then on (logged once)."""
         ids_buf = torch.zeros((1, width), dtype=torch.long, device=self.device)
         pos_buf = torch.arange(start, start + width, device=self.device)[None].clone()
+        # the warm-ups advance a hybrid target's recurrent state: it is put back after each (attention layers'
+        # K/V past the counter are invisible and overwritten by the real forward)
+        saved = [(t, t.clone()) for t in self._states()]
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), self._hooks():
                 for _ in range(2):
                     self.set_length(start)
-                    self._forward(ids_buf, pos_buf)
+                    self._block(ids_buf, pos_buf)
+                    for live, copy in saved:
+                        live.copy_(copy)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self.set_length(start)
             with self._hooks(), torch.cuda.graph(graph):
-                logits, feats = self._forward(ids_buf, pos_buf)
+                logits, feats = self._block(ids_buf, pos_buf)
         except Exception as exc:  # noqa: BLE001 - a target whose forward cannot be captured runs eagerly
             self.graph_failures[width] = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture of the %d-token target forward failed (%s): it runs eagerly",
                         width, self.graph_failures[width])
             torch.cuda.synchronize(self.device)
+            for live, copy in saved:
+                live.copy_(copy)
             return None
         self._graphs[width] = (graph, ids_buf, pos_buf, logits, feats)
         log.info("captured the %d-token target forward as a CUDA graph", width)
