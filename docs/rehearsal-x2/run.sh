@@ -13,13 +13,15 @@
 #   docs/rehearsal-x2/run.sh wait SECONDS OUT     wait for it (at most SECONDS), then pack logs, benchmarks, the
 #                                                 lease log, GPU samples and reports into OUT/rehearsal.tgz
 #   docs/rehearsal-x2/run.sh checks OUT           the CUDA-only tests (hybrid static engine's graphs, DDP over NCCL,
-#                                                 greedy losslessness on flash-linear-attention's kernels) and the
-#                                                 DDP bench at the 27B shape (1 vs 2 processes), logs in OUT (~6 min)
+#                                                 greedy losslessness on flash-linear-attention's kernels, evaluate's
+#                                                 hybrid static path with graphs) and bench_evaluate at the 27B
+#                                                 shape (dynamic vs static cache), logs in OUT (~6 min)
+#   docs/rehearsal-x2/run.sh bench-ddp OUT        the DDP bench at the 27B shape (GPUS processes vs 1, ~4 min)
 #   docs/rehearsal-x2/run.sh bench-extract OUT    extraction at the 27B shape vs the naive HF forward (~4 min)
 # GPUS (default 2) and CONFIG (default config/rehearsal-x2.yaml) pick the node: GPUS=8
 # CONFIG=config/rehearsal-x8.yaml for the eight-GPU run of docs/node-x8/README.md.
 set -euo pipefail
-cmd=${1:?setup, target, start, wait, checks or bench-extract}
+cmd=${1:?setup, target, start, wait, checks, bench-ddp or bench-extract}
 GPUS=${GPUS:-2} CONFIG=${CONFIG:-config/rehearsal-x2.yaml}
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
@@ -51,6 +53,12 @@ checks)
   python3 -m pytest -q -p no:cacheprovider tests/test_regenerate.py tests/test_train.py tests/test_evaluate.py \
       -k "cuda_graphs or nccl or gpu_kernels" > "$2/pytest-cuda.log" 2>&1 || true
   tail -3 "$2/pytest-cuda.log"
+  # batch-1 decoding of the 27B-shape hybrid target: dynamic cache vs static cache + CUDA graphs (forced τ 4, 16)
+  timeout 240 python3 bench/bench_evaluate.py --preset qwen3.5-27b --paths dynamic,static-drafter --new-tokens 64 \
+      --repeats 1 --taus 4,16 --json "$2/bench-evaluate.json" > "$2/bench-evaluate.log" 2>&1 || true
+  grep -v '^\[transformers\]' "$2/bench-evaluate.log" | tail -8
+  ;;
+bench-ddp)
   mkdir -p "$2/ddp"
   python3 bench/bench_train.py --ddp "$GPUS" --shape qwen3.5-27b --config config/gpu-node.yaml --out "$2/ddp" \
       > "$2/ddp/bench.log" 2>&1 || true
