@@ -21,7 +21,8 @@ captured graph per kept count). The cost over the attention-only path is the sta
 27B target's 48 Gated DeltaNet layers) and the mixers' re-run of the kept tokens. Sliding-window layers keep ring
 buffers that a counter cannot roll back: those targets, and the CPU by default, use the dynamic path. Greedy
 outputs equal the dynamic path's (tested on the CPU without graphs in float32; the CUDA graph replay computes
-the same kernels as the eager forward it captured, tested on a GPU with flash-linear-attention's kernels).
+the same kernels as the eager forward it captured: measured for attention-only targets; for hybrids a CUDA test
+with flash-linear-attention's kernels exists, ``tests/test_evaluate.py -k gpu_kernels``, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.evaluate.cache import _hidden_arg
 from draftsmith.target import (  # noqa: F401 - static_supported re-exported
     LayerCapture,
     cache_kwargs,
@@ -117,7 +119,7 @@ class StaticTarget:
         self._width = None  # width of the last forward_block, until commit
         self._recording = False
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (live state, snapshot buffer)
-        self._replays: dict[int, tuple] = {}  # kept tokens -> captured replay graph
+        self._replays: dict[int, torch.cuda.CUDAGraph] = {}  # kept tokens -> captured rollback
         if self.recurrent:
             layers = decoder_layers(target)
             self.mixers = {i: _mixer_of(layers[i]) for i in self.recurrent}
@@ -135,7 +137,7 @@ class StaticTarget:
     def _recorder(self, idx: int):
         def hook(module, args, kwargs):
             if self._recording:
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                hidden = _hidden_arg(args, kwargs)
                 self._inputs[idx][:, :hidden.shape[1]].copy_(hidden)
         return hook
 
