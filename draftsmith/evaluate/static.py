@@ -47,6 +47,32 @@ from draftsmith.target import (  # noqa: F401 - static_supported re-exported
 log = logging.getLogger("draftsmith.evaluate")
 
 
+def capture_graph(device: torch.device, run, failures: dict, key, what: str, reset=lambda: None):
+    """``run()`` captured as a CUDA graph: two warm-up runs on a side stream first (``torch.cuda.graphs`` requires
+    them; Triton autotuning happens there), ``reset()`` before each run and before the capture (outside it: what
+    ``reset`` does is not recorded). Returns ``(graph, run()'s output tensors from the capture)``; on failure
+    records ``failures[key]``, logs once that ``what`` runs eagerly, calls ``reset()`` and returns None."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                reset()
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        reset()
+        with torch.cuda.graph(graph):
+            out = run()
+    except Exception as exc:  # noqa: BLE001 - what cannot be captured runs eagerly
+        failures[key] = f"{type(exc).__name__}: {exc}"
+        log.warning("CUDA graph capture of %s failed (%s): it runs eagerly", what, failures[key])
+        torch.cuda.synchronize(device)
+        reset()
+        return None
+    return graph, out
+
+
 def static_decoding_supported(target: nn.Module) -> tuple[bool, str]:
     """``(ok, why not)``: whether :class:`StaticTarget` can decode ``target``: attention-only targets without
     sliding windows (:func:`draftsmith.target.static_supported`), and hybrid targets whose layers are all full
@@ -186,24 +212,11 @@ class StaticTarget:
     def _capture_replay(self, keep: int):
         """Capture the rollback to ``keep`` tokens (idempotent: it starts from the snapshot, so the warm-ups leave
         the very state the replay makes). Failures are logged once and that count rolls back eagerly."""
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._replay(keep)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._replay(keep)
-        except Exception as exc:  # noqa: BLE001 - a rollback that cannot be captured runs eagerly
-            self.graph_failures[-keep] = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of the rollback to %d tokens failed (%s): it runs eagerly", keep,
-                        self.graph_failures[-keep])
-            torch.cuda.synchronize(self.device)
-            return None
-        self._replays[keep] = graph
-        return graph
+        captured = capture_graph(self.device, lambda: self._replay(keep), self.graph_failures, -keep,
+                                 f"the rollback to {keep} tokens")
+        if captured is not None:
+            self._replays[keep] = captured[0]
+        return self._replays.get(keep)
 
     # -- cache length ----------------------------------------------------------------------------
     def _layers(self):
@@ -307,36 +320,28 @@ class StaticTarget:
         return self.capture if self.capture is not None else contextlib.nullcontext()
 
     def _capture(self, width: int, start: int):
-        """Capture the width-``width`` forward as a CUDA graph (after two warm-up runs on a side stream, as
-        ``torch.cuda.graphs`` requires). The warm-ups write K/V at positions ``start..``, which the real forward
-        overwrites. On failure the width runs eagerly from then on (logged once)."""
+        """Capture the width-``width`` forward as a CUDA graph (:func:`capture_graph`). Before each warm-up and the
+        capture the cache length goes back to ``start`` and a hybrid target's recurrent state to what it was (the
+        warm-ups advance it; attention K/V past the counter are invisible and overwritten by the real forward).
+        On failure the width runs eagerly from then on (logged once)."""
         ids_buf = torch.zeros((1, width), dtype=torch.long, device=self.device)
         pos_buf = torch.arange(start, start + width, device=self.device)[None].clone()
-        # the warm-ups advance a hybrid target's recurrent state: it is put back after each (attention layers'
-        # K/V past the counter are invisible and overwritten by the real forward)
         saved = [(t, t.clone()) for t in self._states()]
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), self._hooks():
-                for _ in range(2):
-                    self.set_length(start)
-                    self._block(ids_buf, pos_buf)
-                    for live, copy in saved:
-                        live.copy_(copy)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+
+        def reset() -> None:
             self.set_length(start)
-            with self._hooks(), torch.cuda.graph(graph):
-                logits, feats = self._block(ids_buf, pos_buf)
-        except Exception as exc:  # noqa: BLE001 - a target whose forward cannot be captured runs eagerly
-            self.graph_failures[width] = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of the %d-token target forward failed (%s): it runs eagerly",
-                        width, self.graph_failures[width])
-            torch.cuda.synchronize(self.device)
             for live, copy in saved:
                 live.copy_(copy)
+
+        def run():
+            with self._hooks():
+                return self._block(ids_buf, pos_buf)
+
+        captured = capture_graph(self.device, run, self.graph_failures, width,
+                                 f"the {width}-token target forward", reset)
+        if captured is None:
             return None
+        graph, (logits, feats) = captured
         self._graphs[width] = (graph, ids_buf, pos_buf, logits, feats)
         log.info("captured the %d-token target forward as a CUDA graph", width)
         return self._graphs[width]
@@ -460,24 +465,13 @@ class StaticDrafter:
         return self._step(width)
 
     def _capture(self, width: int):
-        """Capture the width-``width`` step (two warm-ups on a side stream first; they write the same K/V the real
-        step writes). On failure that width drafts eagerly from then on (logged once)."""
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step(width)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._step(width)
-        except Exception as exc:  # noqa: BLE001 - a drafter whose step cannot be captured drafts eagerly
-            self.graph_failures[width] = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of the %d-token drafting step failed (%s): it runs eagerly", width,
-                        self.graph_failures[width])
-            torch.cuda.synchronize(self.device)
+        """Capture the width-``width`` step (:func:`capture_graph`; the warm-ups write the same K/V the real step
+        writes). On failure that width drafts eagerly from then on (logged once)."""
+        captured = capture_graph(self.device, lambda: self._step(width), self.graph_failures, width,
+                                 f"the {width}-token drafting step")
+        if captured is None:
             return None
+        graph, logits = captured
         self._graphs[width] = (graph, logits)
         return self._graphs[width]
 
