@@ -16,9 +16,10 @@ and whether the output equals the baseline token for token. For hybrid targets e
 
 Paths (``--paths``), each measured in the same run against the same dynamic-cache target-only baseline:
 ``dynamic`` (``DynamicCache``, exact rollback, eager forwards: any target), ``static`` (a ``StaticTarget``: static
-KV cache, each forward width captured once as a CUDA graph and replayed; attention-only targets; the drafter on
-its dynamic cache) and ``static-drafter`` (the same, and the drafter on a ``StaticDrafter``: fixed K/V buffers,
-one CUDA graph per step width), so the ratio of the two target-only rows is the speed of the fast path itself.
+KV cache, each forward width captured once as a CUDA graph and replayed, hybrid targets rolled back by state
+snapshot and mixer replay; the drafter on its dynamic cache) and ``static-drafter`` (the same, and the drafter on
+a ``StaticDrafter``: fixed K/V buffers, one CUDA graph per step width), so the ratio of the two target-only rows is
+the speed of the fast path itself.
 
     python bench/bench_evaluate.py                          # tiny hybrid target on CPU (seconds)
     python bench/bench_evaluate.py --preset qwen3.5-27b --layers 16 --new-tokens 128     # on a GPU

@@ -199,6 +199,11 @@ def test_greedy_speculative_equals_target_only_on_the_gpu_kernels(kind):
 
 def _assert_greedy_equality_on(device: torch.device, kind: str) -> None:
     tgt = tiny_target(kind, initializer_range=0.1).to(device).eval()
+    if kind == "qwen3_next" and device.type == "cuda":
+        # MoE experts: transformers' default grouped_mm copies to the host for float32 (in bf16, the dtype targets
+        # run in, it captures), and the eager loop syncs on nonzero(): batched_mm is the float32 kernel a CUDA
+        # graph can capture (measured on an H200, torch 2.11: docs/rehearsal-x2/README.md)
+        tgt.set_experts_implementation("batched_mm")
     new = 40
     ids = prompt(1, length=150).to(device)
     ref = target_generate(tgt, ids, max_new_tokens=new)
@@ -938,15 +943,29 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
         assert "target_only_vs_reference" not in d
 
 
-def test_auto_keeps_hybrid_targets_on_the_dynamic_cache_until_measured_on_a_gpu(caplog):
-    """evaluate.static_cache: auto on a GPU serves attention-only targets from the static cache but not hybrid
-    ones (their graph rollback is CPU-tested only); the log says why and how to opt in."""
+def test_auto_puts_hybrid_targets_on_the_static_cache_on_a_gpu(caplog):
+    """evaluate.static_cache: auto on a GPU serves hybrid Gated DeltaNet targets from the static cache (their graph
+    rollback ran lossless on an H200: docs/rehearsal-x2), keeps sliding-window targets on the dynamic one (logged,
+    with the reason), and never uses it on the CPU; ``true`` refuses a target it cannot serve."""
     from draftsmith.evaluate.run import _static_target
+    from draftsmith.evaluate.static import StaticTarget
 
+    cuda = torch.device("cuda")  # the model stays on the CPU: no graphs are captured, the decision is what is tested
+    cfg = {"static_cache": "auto", "sets": {"a": {"max_new_tokens": 32}}}
+    hybrid = target("qwen3_5")
+    dflash, lookup = DFlashProposer(make_drafter(hybrid, seed=3), hybrid), PromptLookupProposer(3, BLOCK - 1)
+    got = _static_target(hybrid, cfg, dflash, lookup, 64, 4096, cuda)
+    assert isinstance(got, StaticTarget) and got.recurrent and got.max_length == 64 + 32 + BLOCK + 1
+    assert got.max_width == BLOCK and got.verify_width == BLOCK
+    assert _static_target(hybrid, cfg, dflash, lookup, 64, 4096, torch.device("cpu")) is None
+    sliding = target("qwen3_sliding")
     with caplog.at_level("INFO", logger="draftsmith.evaluate"):
-        got = _static_target(target("qwen3_5"), {"static_cache": "auto", "sets": {}}, None, None, 64, 4096,
-                             torch.device("cuda"))
-    assert got is None and "static_cache: true" in caplog.text
+        assert _static_target(sliding, cfg, DFlashProposer(make_drafter(sliding, seed=3), sliding), lookup, 64, 4096,
+                              cuda) is None
+    assert "static cache / CUDA graphs not used" in caplog.text and "sliding" in caplog.text
+    with pytest.raises(ValueError, match="static_cache: true"):
+        _static_target(sliding, {**cfg, "static_cache": "true"}, DFlashProposer(make_drafter(sliding, seed=3),
+                       sliding), lookup, 64, 4096, cuda)
 
 
 def _without_timings(value):

@@ -15,7 +15,8 @@
 #   docs/rehearsal-x2/run.sh checks OUT           the CUDA-only tests (hybrid static engine's graphs, DDP over NCCL,
 #                                                 greedy losslessness on flash-linear-attention's kernels, evaluate's
 #                                                 hybrid static path with graphs) and bench_evaluate at the 27B
-#                                                 shape (dynamic vs static cache), logs in OUT (~6 min)
+#                                                 shape (dynamic vs static cache), logs in OUT (~8 min;
+#                                                 TESTS= narrows the -k selection, TEST_TIMEOUT= its seconds)
 #   docs/rehearsal-x2/run.sh bench-ddp OUT        the DDP bench at the 27B shape (GPUS processes vs 1, ~4 min)
 #   docs/rehearsal-x2/run.sh bench-extract OUT    extraction at the 27B shape vs the naive HF forward (~4 min)
 # GPUS (default 2) and CONFIG (default config/rehearsal-x2.yaml) pick the node: GPUS=8
@@ -50,9 +51,10 @@ start)
   echo "started at $(date)"
   ;;
 checks)
-  python3 -m pytest -q -p no:cacheprovider tests/test_regenerate.py tests/test_train.py tests/test_evaluate.py \
-      -k "cuda_graphs or nccl or gpu_kernels" > "$2/pytest-cuda.log" 2>&1 || true
-  tail -3 "$2/pytest-cuda.log"
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v --durations=6 -p no:cacheprovider tests/test_regenerate.py \
+      tests/test_train.py tests/test_evaluate.py -k "${TESTS:-cuda_graphs or nccl or gpu_kernels}" \
+      > "$2/pytest-cuda.log" 2>&1 || echo "pytest rc $?"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|s call" "$2/pytest-cuda.log" | tail -20
   # batch-1 decoding of the 27B-shape hybrid target: dynamic cache vs static cache + CUDA graphs (forced τ 4, 16)
   timeout 240 python3 bench/bench_evaluate.py --preset qwen3.5-27b --paths dynamic,static-drafter --new-tokens 64 \
       --repeats 1 --taus 4,16 --json "$2/bench-evaluate.json" > "$2/bench-evaluate.log" 2>&1 || true

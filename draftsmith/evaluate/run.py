@@ -645,24 +645,20 @@ def _static_target(target, evaluate_cfg: dict, dflash, lookup, max_prompt_tokens
                    device: torch.device):
     """The :class:`~draftsmith.evaluate.static.StaticTarget` all three decoders share, or None (dynamic cache).
 
-    ``evaluate.static_cache``: ``auto`` = on CUDA when the target qualifies and has no recurrent layers (the
-    hybrid static path is CPU-tested; its CUDA-graph run awaits a GPU measurement); ``true`` = required, hybrids
-    included; ``false`` = never.
+    ``evaluate.static_cache``: ``auto`` = on CUDA when the target qualifies (:func:`~draftsmith.evaluate.static
+    .static_decoding_supported`: attention-only and hybrid Gated DeltaNet targets without sliding windows);
+    ``true`` = required; ``false`` = never.
     Sized for the longest prompt plus the largest ``max_new_tokens`` of the sets plus one verify block.
 
     Raises:
         ValueError: ``static_cache: true`` for a target it cannot serve.
     """
     from draftsmith.evaluate.static import StaticDrafter, StaticTarget, static_decoding_supported
-    from draftsmith.target import is_hybrid
 
     mode = str(evaluate_cfg["static_cache"]).lower()
     if mode == "false" or (mode == "auto" and device.type != "cuda"):
         return None
     ok, why = static_decoding_supported(target)
-    if ok and mode == "auto" and is_hybrid(target.config):
-        ok, why = False, ("hybrid Gated DeltaNet targets decode on the static cache only with evaluate.static_cache: "
-                          "true (their CUDA-graph rollback is not yet measured on a GPU)")
     if not ok:
         if mode == "true":
             raise ValueError(f"evaluate.static_cache: true, but {why}")
