@@ -881,8 +881,9 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     kill_at = 4  # warm-up, two heldout prompts, then killed on the first MT-Bench turn
     with pytest.raises(KeyboardInterrupt):
         run_evaluate(**kwargs)
-    assert (tmp_path / "partial" / "heldout.json").is_file() and not (tmp_path / "report.json").exists()
-    assert not (tmp_path / "partial" / "mtbench.json").exists()
+    assert json.loads((tmp_path / "partial" / "heldout" / "main.json").read_text())["conversations"].keys() == {
+        "c1", "c2"} and not (tmp_path / "report.json").exists()
+    assert not (tmp_path / "partial" / "mtbench").exists()
     kill_at, calls[:], rendered[:] = None, [], []
     report = run_evaluate(**kwargs)
     assert len(calls) == 1 + 2  # warm-up + the two MT-Bench turns: heldout came from the partial file
@@ -1005,6 +1006,74 @@ def test_two_decoding_workers_report_what_one_process_reports(stage_inputs, tmp_
     assert two["sets"]["heldout"]["prompts"] == 2 and two["overall"]["prompts"] == 4
     assert not (tmp_path / "two" / "partial").exists()
 
+
+
+@pytest.mark.slow
+def test_killed_evaluate_resumes_inside_a_set_and_with_other_worker_counts(stage_inputs, tmp_path, monkeypatch,
+                                                                          caplog):
+    """Conversations are saved as they are decoded (evaluate.checkpoint_interval): a job killed inside a set
+    resumes at its first unsaved conversation, also when rerun with another number of decoding workers; a rerun
+    with everything saved loads no target and starts no worker; every report equals an uninterrupted run's, timings
+    aside."""
+    import draftsmith.evaluate.run as run_mod
+    import draftsmith.target
+
+    reference = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "ref"))
+    out = tmp_path / "out"
+    kwargs = _stage_kwargs(stage_inputs, out, checkpoint_interval=1e-6)
+    calls = []
+    real_generate = run_mod.target_generate
+
+    def killing_generate(*a, **k):
+        calls.append(1)
+        if kill_at and len(calls) == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real_generate(*a, **k)
+
+    monkeypatch.setattr(run_mod, "target_generate", killing_generate)
+    # target_generate runs twice per prompt (target-only, the lossless reference at the verify width: float32 CPU
+    # runs the dynamic path, so once) + the warm-up: call 1 warm-up, 2 = c1, 3 = c2 (killed)
+    kill_at = 3
+    with pytest.raises(KeyboardInterrupt):
+        run_evaluate(**kwargs)
+    saved = json.loads((out / "partial" / "heldout" / "main.json").read_text())
+    assert list(saved["conversations"]) == ["c1"]  # saved before c2 started, though the set was not finished
+
+    # resumed by 2 workers: c1 is not decoded again (c2 and the MT-Bench pair are), the report is the same
+    kill_at = None
+    resumed = run_evaluate(**kwargs, workers=2)
+    for report in (resumed, reference):
+        report["run"].pop("decoding_workers")
+    assert _differences(_without_timings(resumed), _without_timings(reference)) == []
+    assert not (out / "partial").exists()
+
+    # killed after every conversation was saved (while plotting): the rerun needs no target and no worker
+    monkeypatch.setattr(run_mod, "plot_tau", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "late"))
+    monkeypatch.undo()
+    monkeypatch.setattr(draftsmith.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    with caplog.at_level("INFO", logger="draftsmith.evaluate"):
+        late = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "late"), workers=2)
+    assert "every conversation was saved by an earlier run: no decoding worker started" in caplog.text
+    late["run"].pop("decoding_workers")
+    assert _differences(_without_timings(late), _without_timings(reference)) == []
+
+
+def test_saved_conversations_from_other_inputs_are_decoded_again(tmp_path, caplog):
+    """A saved file with another key (other drafter, sampling, set...) or one that is not JSON is logged and its
+    conversations decoded again, never mixed into the report."""
+    from draftsmith.evaluate.run import _load_saved
+
+    folder = tmp_path / "heldout"
+    folder.mkdir()
+    (folder / "main.json").write_text(json.dumps({"key": "other", "conversations": {"c1": {}}}))
+    (folder / "worker-0-of-2.json").write_text('{"key": "k", "conversations": {"c2": {"labels": []}}')  # cut short
+    (folder / "worker-1-of-2.json").write_text(json.dumps({"key": "k", "conversations": {"c3": {"labels": []}}}))
+    with caplog.at_level("INFO", logger="draftsmith.evaluate"):
+        assert _load_saved(tmp_path, "heldout", "k") == {"c3": {"labels": []}}
+    assert "main.json was computed with other inputs" in caplog.text
+    assert "worker-0-of-2.json is not valid JSON" in caplog.text
 
 
 @pytest.mark.slow

@@ -2,10 +2,13 @@
 
 For each prompt of each set: target-only decoding (the baseline and the lossless reference), DFlash
 speculative decoding with the exported drafter, and prompt-lookup speculative decoding (reference
-drafter), in an order rotated from prompt to prompt so that no method is always timed first. Each set's
-results are saved under ``partial_dir`` (atomically, keyed by a fingerprint of
-the drafter weights, target, set, sampling and template kwargs) so a killed job resumes at the next
-unfinished set; the folder is removed once the report is written.
+drafter), in an order rotated from prompt to prompt so that no method is always timed first.
+
+Resume: each decoding process saves the conversations it has decoded under ``partial_dir/<set>/`` (atomically, at
+most ``evaluate.checkpoint_interval`` seconds apart and at the end of each set, keyed by a fingerprint of the
+drafter weights, target, set, sampling and template kwargs), so a killed job loses at most that many seconds of
+decoding; a rerun, with any number of decoding workers, reuses every saved conversation, and a process with
+nothing left to decode never loads the target. The folder is removed once the report is written.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -127,22 +131,31 @@ def _result_from_dict(d: dict) -> GenerationResult:
     return GenerationResult(**d)
 
 
-def _save_partial(path: Path, key: str, payload: dict) -> None:
-    write_json(path, {"key": key, **payload})
+def _saved_file(partial: Path, set_name: str, writer: str) -> Path:
+    """Where one decoding process (``writer``: ``main`` or ``worker-<w>-of-<n>``) saves a set's conversations."""
+    return partial / set_name / f"{writer}.json"
 
 
-def _load_partial(path: Path, key: str) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        data = read_json(path)
-    except ValueError:
-        log.warning("%s is not valid JSON: recomputing that set", path)
-        return None
-    if data.get("key") != key:
-        log.info("%s was computed with other inputs: recomputing that set", path)
-        return None
-    return data
+def _save_conversations(path: Path, key: str, records: dict[str, dict]) -> None:
+    """Save a set's decoded conversations (atomically): ``{"key": set key, "conversations": {id: record}}``."""
+    write_json(path, {"key": key, "conversations": records})
+
+
+def _load_saved(partial: Path, set_name: str, key: str) -> dict[str, dict]:
+    """Every conversation of a set that any decoding process saved with this key (a file that is not valid JSON
+    or was computed with other inputs is logged and left out): ``{conversation id: record}``."""
+    out: dict[str, dict] = {}
+    for path in sorted((partial / set_name).glob("*.json")):
+        try:
+            data = read_json(path)
+        except ValueError:
+            log.warning("%s is not valid JSON: its conversations are decoded again", path)
+            continue
+        if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("conversations"), dict):
+            log.info("%s was computed with other inputs: its conversations are decoded again", path)
+            continue
+        out.update(data["conversations"])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,16 +164,15 @@ def _load_partial(path: Path, key: str) -> dict | None:
 
 @dataclasses.dataclass
 class _Decoding:
-    """Everything decoding one prompt needs, built once per run (:func:`_prepare_decoding`)."""
+    """Everything decoding one prompt needs, built once per run (:func:`_prepare_decoding`). The target, the
+    drafter and the static path (``target``, ``dflash``, ``static``) are loaded by :meth:`load`, on the first
+    prompt that is not already saved: planning, resuming and merging need only the tokenizer and the configs."""
 
-    target: nn.Module
     tokenizer: object
     template_kwargs: dict
     tokenizer_fingerprint: str
     stops: list[int]
-    dflash: DFlashProposer
     lookup: PromptLookupProposer
-    static: object | None
     sampling: SamplingConfig
     seed: int
     rollback: str
@@ -168,7 +180,19 @@ class _Decoding:
     dtype: torch.dtype
     max_prompt_tokens: int
     max_positions: int
+    block_size: int  # the verify width B (evaluate.block_size, else the drafter's)
+    layer_ids: list[int]
+    mask_token_id: int | None
+    loader: object = None  # () -> (target, DFlashProposer, static or None)
+    target: nn.Module | None = None
+    dflash: DFlashProposer | None = None
+    static: object | None = None
     warmed: bool = False
+
+    def load(self) -> None:
+        """Load the target and the drafter and build the proposers and the static path (once)."""
+        if self.target is None:
+            self.target, self.dflash, self.static = self.loader()
 
     def fits(self, num_prompt_tokens: int, max_new: int) -> bool:
         return num_prompt_tokens <= self.max_prompt_tokens and num_prompt_tokens + max_new <= self.max_positions
@@ -183,6 +207,7 @@ class _Decoding:
     def decode(self, ids: list[int], max_new: int, gen_seed: int, rotate: int = 0) -> dict[str, GenerationResult]:
         """One prompt decoded by every method (in an order rotated by ``rotate``: no method always first) and,
         when greedy on the static path, the lossless reference (target-only at the verify width)."""
+        self.load()
         out = {}
         order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]
         for method in order:
@@ -204,14 +229,21 @@ class _Decoding:
 def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, evaluate_cfg: dict,
                       target_cfg: dict, device: torch.device | str | None, drafter_implementation: str
                       ) -> _Decoding:
-    """Tokenizer (checked against the one training used), stop policy, target, drafter, proposers and the
-    static decoding path.
+    """Tokenizer (checked against the one training used), stop policy, the decoding settings from the configs
+    and the drafter's ``config.json``; the target, drafter, DFlash proposer and static decoding path are loaded
+    by :meth:`_Decoding.load` when the first prompt is decoded.
 
     Raises:
         ValueError: another tokenizer / template than training's, the removed ``stop_tokens`` key, no stop
-            token, a drafter that does not fit the target.
+            token; when loading: a drafter that does not fit the target.
+        FileNotFoundError: no ``config.json`` in ``drafter_dir``.
     """
+    import types
+
+    from transformers import AutoConfig
+
     from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
+    from draftsmith.drafter_config import draft_value
     from draftsmith.target import default_device, load_target, resolve_dtype, text_config
     from draftsmith.tokenized import read_tokenized_metadata
 
@@ -233,110 +265,190 @@ def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, ev
         raise ValueError(f"{target_dir}: no stop token: the tokenizer, config.json and generation_config.json "
                          "name no eos_token_id and the chat template writes no end-of-turn token")
 
-    target = load_target(target_dir, dtype=target_cfg["dtype"], device=device,
-                         attn_implementation=target_cfg["attn_implementation"], trust_remote_code=trust)
-    drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
-    check_pair(drafter, target)
-    dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg["block_size"])
+    cfg_path = Path(drafter_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
+    drafter_cfg = types.SimpleNamespace(**read_json(cfg_path))
+    block_size = int(evaluate_cfg["block_size"] or draft_value(drafter_cfg, "block_size", 16))
+    layer_ids = [int(i) for i in draft_value(drafter_cfg, "target_layer_ids", [])]
+    mask = draft_value(drafter_cfg, "mask_token_id")
     lookup = PromptLookupProposer(int(evaluate_cfg["prompt_lookup_ngram"]),
-                                  int(evaluate_cfg["prompt_lookup_num_tokens"] or dflash.max_drafts))
-    max_positions = int(getattr(text_config(target.config), "max_position_embeddings", 1 << 30))
+                                  int(evaluate_cfg["prompt_lookup_num_tokens"] or block_size - 1))
+    target_config = text_config(AutoConfig.from_pretrained(target_dir, trust_remote_code=trust))
+    max_positions = int(getattr(target_config, "max_position_embeddings", None) or 1 << 30)
     max_prompt_tokens = int(evaluate_cfg["max_prompt_tokens"] or max_positions)
-    static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
+
+    def load_models():
+        target = load_target(target_dir, dtype=target_cfg["dtype"], device=device,
+                             attn_implementation=target_cfg["attn_implementation"], trust_remote_code=trust)
+        drafter = load_drafter(drafter_dir, device=device, dtype=dtype, implementation=drafter_implementation)
+        check_pair(drafter, target)
+        dflash = DFlashProposer(drafter, target, block_size=evaluate_cfg["block_size"])
+        if (dflash.block_size, dflash.layer_ids, dflash.mask_token_id) != (block_size, layer_ids, mask):
+            raise RuntimeError(f"{cfg_path}: the loaded drafter has block size {dflash.block_size}, target layer ids "
+                               f"{dflash.layer_ids}, mask token {dflash.mask_token_id}; its config.json read "
+                               f"{block_size}, {layer_ids}, {mask}")
+        static = _static_target(target, evaluate_cfg, dflash, lookup, max_prompt_tokens, max_positions, device)
+        return target, dflash, static
+
     sampling = SamplingConfig(float(evaluate_cfg["temperature"]), float(evaluate_cfg["top_p"]),
                               int(evaluate_cfg["top_k"]))
-    return _Decoding(target=target, tokenizer=tokenizer, template_kwargs=template_kwargs,
-                     tokenizer_fingerprint=fingerprint, stops=stops, dflash=dflash, lookup=lookup, static=static,
-                     sampling=sampling, seed=int(evaluate_cfg["seed"]),
+    return _Decoding(tokenizer=tokenizer, template_kwargs=template_kwargs, tokenizer_fingerprint=fingerprint,
+                     stops=stops, lookup=lookup, sampling=sampling, seed=int(evaluate_cfg["seed"]),
                      rollback=evaluate_cfg["rollback"], device=device, dtype=dtype,
-                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions)
+                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions, block_size=block_size,
+                     layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask), loader=load_models)
 
 
-def _decode_set(decoding: _Decoding, bset, decoded: dict, bar) -> dict:
+def _decode_set(decoding: _Decoding, bset, decoded: dict, bar, saved: dict | None = None, save=None,
+                interval: float = 60.0) -> dict:
     """Decode one benchmark set turn by turn: each later turn is asked after the target's own answer.
 
     ``decoded`` maps ``(prompt key, budget, draw seed)`` to earlier results: a prompt that sits in several sets
-    (a held-out row that is also a BFCL / MMATH set row) is decoded once.
+    (a held-out row that is also a BFCL / MMATH set row) is decoded once. ``saved`` maps conversation ids to
+    records an earlier run saved (:func:`_load_saved`): those conversations are not decoded again. ``save(records)``
+    is called with every conversation done so far (JSON records) at most ``interval`` seconds apart and once at the
+    end (when anything was decoded).
 
     Returns:
-        ``{"results": {method: [GenerationResult]}, "labels", "prompt_keys", "skipped_prompts", "planned"}``.
+        ``{"results": {method: [GenerationResult]}, "labels", "prompt_keys", "skipped_prompts", "planned"}``, in
+        the set's conversation and turn order.
     """
-    results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
-    labels: list[str] = []
-    keys: list[str] = []
-    skipped: dict[str, int] = {}
-    planned = 0
+    saved = saved or {}
+    records: dict[str, dict] = {}
+    labels_so_far = 0
+    so_far: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}  # the progress line's τ
+    last_save, fresh = time.monotonic(), 0
     for conv in bset.conversations:
-        history = list(conv.context)
-        planned += len(conv.user_turns)
-        for t, turn in enumerate(conv.user_turns):
-            history = history + turn
-            ids = decoding.render(history, conv.tools)
-            if not decoding.fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
-                left = len(conv.user_turns) - t  # later turns need this one's answer
-                skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + left
-                log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
-                            "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
-                            decoding.max_prompt_tokens, bset.max_new_tokens, decoding.max_positions, left - 1)
-                bar.update(left)
-                break
-            if not decoding.warmed:  # first-call costs (CUDA graphs, kernels) out of the timings
-                decoding.decode(ids, min(16, bset.max_new_tokens), decoding.seed)
-                decoding.warmed = True
-            label = f"{conv.id}#{t}"
-            pkey = prompt_key(ids)
-            again = decoded.get((pkey, bset.max_new_tokens, decoding.draw_seed(label)))
-            if again is not None:
-                res = again[0]
-                log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
-                         bset.name, label, again[1])
-            else:
-                res = decoding.decode(ids, bset.max_new_tokens, _gen_seed(decoding.seed, label), rotate=len(labels))
-                decoded[(pkey, bset.max_new_tokens, decoding.draw_seed(label))] = (res, f"{bset.name}:{label}")
-            for m, r in res.items():
-                results.setdefault(m, []).append(r)
-            labels.append(label)
-            keys.append(pkey)
-            answer = decoding.tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
-            history = history + [{"role": "assistant", "content": answer}]
-            log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
-                      bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
-                      res["dflash"].tau, res["prompt_lookup"].tau)
-            bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(results['dflash'])['tau']:.2f}"
-                                f", lookup {summarize(results['prompt_lookup'])['tau']:.2f}", refresh=False)
-            bar.update(1)
+        if conv.id in saved:
+            records[conv.id] = rec = saved[conv.id]
+            for k, (pkey, label) in enumerate(zip(rec["prompt_keys"], rec["labels"])):
+                decoded.setdefault((pkey, bset.max_new_tokens, decoding.draw_seed(label)),
+                                   ({m: _result_from_dict(rs[k]) for m, rs in rec["results"].items()},
+                                    f"{bset.name}:{label}"))
+            labels_so_far += len(rec["labels"])
+            bar.update(rec["planned"])
+            continue
+        rec = _decode_conversation(decoding, bset, conv, decoded, bar, labels_so_far, so_far)
+        records[conv.id] = rec
+        labels_so_far += len(rec["labels"])
+        fresh += 1
+        if save is not None and time.monotonic() - last_save >= interval:
+            save(records)
+            last_save = time.monotonic()
+    if save is not None and fresh:
+        save(records)
+    return _aggregate(bset, records)
+
+
+def _decode_conversation(decoding: _Decoding, bset, conv, decoded: dict, bar, rotate: int,
+                         so_far: dict[str, list[GenerationResult]]) -> dict:
+    """One conversation of a set, every user turn after the target's answer to the last: its JSON record
+    ``{"results": {method: [GenerationResult as dict]}, "labels", "prompt_keys", "skipped", "planned"}``
+    (``so_far``: this process's results of the set, for the progress line)."""
+    rec = {"results": {m: [] for m in METHODS}, "labels": [], "prompt_keys": [], "skipped": {},
+           "planned": len(conv.user_turns)}
+    history = list(conv.context)
+    for t, turn in enumerate(conv.user_turns):
+        history = history + turn
+        ids = decoding.render(history, conv.tools)
+        if not decoding.fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
+            left = len(conv.user_turns) - t  # later turns need this one's answer
+            rec["skipped"]["prompt_too_long"] = left
+            log.warning("set %s: %s turn %d has %d prompt tokens (limit %d, +%d new <= %d): "
+                        "skipped with %d later turn(s)", bset.name, conv.id, t, len(ids),
+                        decoding.max_prompt_tokens, bset.max_new_tokens, decoding.max_positions, left - 1)
+            bar.update(left)
+            break
+        if not decoding.warmed:  # first-call costs (loading, CUDA graphs, kernels) out of the timings
+            decoding.decode(ids, min(16, bset.max_new_tokens), decoding.seed)
+            decoding.warmed = True
+        label = f"{conv.id}#{t}"
+        pkey = prompt_key(ids)
+        again = decoded.get((pkey, bset.max_new_tokens, decoding.draw_seed(label)))
+        if again is not None:
+            res = again[0]
+            log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
+                     bset.name, label, again[1])
+        else:
+            res = decoding.decode(ids, bset.max_new_tokens, _gen_seed(decoding.seed, label),
+                                  rotate=rotate + len(rec["labels"]))
+            decoded[(pkey, bset.max_new_tokens, decoding.draw_seed(label))] = (res, f"{bset.name}:{label}")
+        for m, r in res.items():
+            rec["results"].setdefault(m, []).append(dataclasses.asdict(r))
+            so_far.setdefault(m, []).append(r)
+        rec["labels"].append(label)
+        rec["prompt_keys"].append(pkey)
+        answer = decoding.tokenizer.decode(res["target_only"].tokens, skip_special_tokens=True)
+        history = history + [{"role": "assistant", "content": answer}]
+        log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
+                  bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
+                  res["dflash"].tau, res["prompt_lookup"].tau)
+        bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(so_far['dflash'])['tau']:.2f}"
+                            f", lookup {summarize(so_far['prompt_lookup'])['tau']:.2f}", refresh=False)
+        bar.update(1)
+    return rec
+
+
+def _aggregate(bset, records: dict[str, dict]) -> dict:
+    """A set's conversation records (every conversation of ``bset`` present) joined in its conversation order:
+    ``{"results": {method: [GenerationResult]}, "labels", "prompt_keys", "skipped_prompts", "planned"}``.
+
+    Raises:
+        RuntimeError: a conversation of the set has no record.
+    """
+    missing = [c.id for c in bset.conversations if c.id not in records]
+    if missing:
+        raise RuntimeError(f"set {bset.name}: no decoded results for {len(missing)} of its conversations "
+                           f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
+    results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
+    labels, keys, skipped, planned = [], [], {}, 0
+    for conv in bset.conversations:
+        rec = records[conv.id]
+        for m, rs in rec["results"].items():
+            results.setdefault(m, []).extend(_result_from_dict(d) for d in rs)
+        labels += rec["labels"]
+        keys += rec["prompt_keys"]
+        for reason, n in rec["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        planned += rec["planned"]
     return {"results": results, "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
             "planned": planned}
 
 
 def _run_metadata(decoding: _Decoding, target_dir: str, drafter_dir: str, drafter_sha: str,
-                  drafter_implementation: str) -> dict:
-    """The report's ``run`` section: what was decoded, how, with which versions."""
-    static, sampling = decoding.static, decoding.sampling
+                  drafter_implementation: str, decoding_path: dict) -> dict:
+    """The report's ``run`` section: what was decoded, how (``decoding_path``: :func:`_decoding_path`), with which
+    versions."""
+    sampling = decoding.sampling
     return {
         "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
         "drafter_implementation": drafter_implementation,
-        "block_size": decoding.dflash.block_size, "target_layer_ids": decoding.dflash.layer_ids,
-        "mask_token_id": decoding.dflash.mask_token_id, "device": _device_name(decoding.device),
+        "block_size": decoding.block_size, "target_layer_ids": decoding.layer_ids,
+        "mask_token_id": decoding.mask_token_id, "device": _device_name(decoding.device),
         "dtype": str(decoding.dtype).replace("torch.", ""),
         "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": decoding.seed,
         "chat_template_kwargs": decoding.template_kwargs, "tokenizer_fingerprint": decoding.tokenizer_fingerprint,
         "stop_token_ids": decoding.stops,
         "prompt_lookup_ngram": decoding.lookup.max_ngram, "prompt_lookup_num_tokens": decoding.lookup.max_drafts,
+        **decoding_path,
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                     "python": platform.python_version()},
+    }
+
+
+def _decoding_path(decoding: _Decoding) -> dict:
+    """How the loaded target decodes: its rollback, the KV cache kind, the lossless reference (report ``run``)."""
+    decoding.load()
+    static = decoding.static
+    return {
         "rollback": _rollback_text(decoding.target, decoding.rollback),
         "decoding": ("static KV cache" + (", CUDA graphs" if static.cuda_graphs else "") if static is not None
                      else "dynamic KV cache"),
         "lossless_reference": (f"greedy target-only decoding with forwards padded to the verify width "
                                f"({static.verify_width} tokens: the kernels verification runs)"
                                if static is not None else "greedy target-only decoding"),
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
-                     "python": platform.python_version()},
     }
-
-
-def _serialised(done: dict) -> dict:
-    """A decoded set (:func:`_decode_set`) with its results as plain dicts (JSON)."""
-    return {**done, "results": {m: [dataclasses.asdict(r) for r in rs] for m, rs in done["results"].items()}}
 
 
 def _plan(decoding: _Decoding, inputs: dict) -> tuple[list, dict]:
@@ -355,7 +467,7 @@ def _plan(decoding: _Decoding, inputs: dict) -> tuple[list, dict]:
                 "target": target_fingerprint(inputs["target_dir"]),
                 "tokenizer": decoding.tokenizer_fingerprint, "template_kwargs": decoding.template_kwargs,
                 "sampling": dataclasses.asdict(decoding.sampling), "seed": decoding.seed,
-                "block_size": decoding.dflash.block_size,
+                "block_size": decoding.block_size,
                 "lookup": [decoding.lookup.max_ngram, decoding.lookup.max_drafts], "stops": decoding.stops,
                 "device": decoding.device.type, "dtype": str(decoding.dtype), "rollback": decoding.rollback,
                 "max_prompt_tokens": decoding.max_prompt_tokens}
@@ -393,13 +505,15 @@ def worker_of(conversation_id: str, workers: int) -> int:
     return int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % workers
 
 
-def _worker_file(partial: Path, set_name: str, worker: int, workers: int) -> Path:
-    return partial / f"{set_name}.worker-{worker}-of-{workers}.json"
+def _unsaved(bset, saved: dict[str, dict]) -> list:
+    """The conversations of a set that no decoding process has saved."""
+    return [c for c in bset.conversations if c.id not in saved]
 
 
-def _run_workers(workers: int, inputs: dict, device: torch.device | str | None) -> None:
-    """Start ``workers`` decoding processes (``python -m draftsmith.evaluate.worker``), each on one GPU of
-    ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all; their log lines go to this job's log file.
+def _run_workers(workers: int, inputs: dict, device: torch.device | str | None, which: list[int]) -> None:
+    """Start decoding processes ``which`` of ``workers`` (``python -m draftsmith.evaluate.worker``), worker ``w``
+    on GPU ``w`` of ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all; their log lines go to this job's
+    log file.
 
     Raises:
         RuntimeError: a worker exited with an error (naming it and its exit code).
@@ -418,24 +532,26 @@ def _run_workers(workers: int, inputs: dict, device: torch.device | str | None) 
                            "device": "cuda" if on_cuda else "cpu",
                            "threads": max(1, torch.get_num_threads() // workers)})
     procs = []
-    for w in range(workers):
+    for w in which:
         env = dict(os.environ)
         if on_cuda:
             env["CUDA_VISIBLE_DEVICES"] = gpus[w]
         procs.append(subprocess.Popen([sys.executable, "-m", "draftsmith.evaluate.worker", "--worker", str(w),
                                        "--args", str(args_file)], env=env))
-    log.info("evaluate: %d decoding workers started (%s)", workers,
-             ", ".join(f"worker {w} on GPU {gpus[w]}" if on_cuda else f"worker {w} on the CPU"
-                       for w in range(workers)))
+    log.info("evaluate: %d decoding workers started (%s)%s", len(which),
+             ", ".join(f"worker {w} on GPU {gpus[w]}" if on_cuda else f"worker {w} on the CPU" for w in which),
+             f"; {workers - len(which)} of {workers} had every conversation saved" if len(which) < workers else "")
     codes = [p.wait() for p in procs]
-    failed = [f"worker {w} (exit code {c})" for w, c in enumerate(codes) if c != 0]
+    failed = [f"worker {w} (exit code {c})" for w, c in zip(which, codes) if c != 0]
     if failed:
         raise RuntimeError(f"evaluate: decoding {', '.join(failed)} failed: the traceback is in the log above")
 
 
 def _decode_worker(worker: int, args: dict) -> None:
     """One decoding worker: the sets' conversations :func:`worker_of` gives it, decoded as :func:`run_evaluate`
-    decodes them, each set saved to ``partial/<set>.worker-<w>-of-<n>.json`` (a rerun skips saved sets)."""
+    decodes them and saved to ``partial/<set>/worker-<w>-of-<n>.json`` as it goes; conversations any earlier
+    process saved are reused, and a worker with nothing left never loads the target. A worker that loaded the
+    models writes how they decode (``partial/decoding.json``) for the report."""
     workers, partial = int(args["workers"]), Path(args["partial"])
     torch.set_num_threads(int(args["threads"]))
     device = torch.device("cuda", 0) if args["device"] == "cuda" else torch.device("cpu")
@@ -447,57 +563,19 @@ def _decode_worker(worker: int, args: dict) -> None:
     bar = progress(sum(len(c.user_turns) for b in mine for c in b.conversations), f"evaluate worker {worker}",
                    unit="prompt", logger=log, interval=float(args["evaluate_cfg"]["progress_interval"]))
     decoded: dict = {}
+    interval = float(args["evaluate_cfg"]["checkpoint_interval"])
     for bset, own in zip(sets, mine):
-        key = _set_key(base_key, bset)
-        path, wkey = _worker_file(partial, bset.name, worker, workers), f"{key}:{worker}/{workers}"
-        if _load_partial(partial / f"{bset.name}.json", key) is not None or _load_partial(path, wkey) is not None:
-            bar.update(sum(len(c.user_turns) for c in own.conversations))
-            continue
-        _save_partial(path, wkey, _serialised(_decode_set(decoding, own, decoded, bar)))
+        key, path = _set_key(base_key, bset), _saved_file(partial, bset.name, f"worker-{worker}-of-{workers}")
+        _decode_set(decoding, own, decoded, bar, _load_saved(partial, bset.name, key),
+                    lambda records, key=key, path=path: _save_conversations(path, key, records), interval)
     bar.close()
+    if decoding.target is not None:
+        write_json(partial / "decoding.json", _decoding_path(decoding))
     from draftsmith.gpu import log_peak_memory
 
-    log.info("evaluate worker %d done (GPU %s)", worker, os.environ.get("CUDA_VISIBLE_DEVICES", "none"))
+    log.info("evaluate worker %d done (GPU %s)%s", worker, os.environ.get("CUDA_VISIBLE_DEVICES", "none"),
+             "" if decoding.target is not None else ": every conversation was saved by an earlier run")
     log_peak_memory(log)  # each worker's own peak: the job's line after it is the merging process's
-
-
-def _merge_workers(partial: Path, bset, key: str, workers: int) -> dict:
-    """One set's results from the workers' files, in the set's conversation and turn order (what one process
-    would have saved); saved as the set's own partial file.
-
-    Raises:
-        RuntimeError: a worker's file is missing or was computed with other inputs.
-    """
-    parts = []
-    for w in range(workers):
-        path = _worker_file(partial, bset.name, w, workers)
-        data = _load_partial(path, f"{key}:{w}/{workers}")
-        if data is None:
-            raise RuntimeError(f"{path}: evaluate worker {w} left no results for set {bset.name}")
-        parts.append(data)
-    where = {label: (d, k) for d in parts for k, label in enumerate(d["labels"])}
-    results: dict[str, list] = {}
-    labels, keys = [], []
-    for conv in bset.conversations:
-        t = 0
-        while f"{conv.id}#{t}" in where:
-            d, k = where[f"{conv.id}#{t}"]
-            for m, rs in d["results"].items():
-                results.setdefault(m, []).append(rs[k])
-            labels.append(f"{conv.id}#{t}")
-            keys.append(d["prompt_keys"][k])
-            t += 1
-    if len(labels) != len(where):
-        raise RuntimeError(f"set {bset.name}: the workers decoded {len(where)} prompts, {len(labels)} of them belong "
-                           "to its conversations")
-    skipped: dict[str, int] = {}
-    for d in parts:
-        for reason, n in d["skipped_prompts"].items():
-            skipped[reason] = skipped.get(reason, 0) + n
-    done = {"results": results, "labels": labels, "prompt_keys": keys, "skipped_prompts": skipped,
-            "planned": sum(d["planned"] for d in parts)}
-    _save_partial(partial / f"{bset.name}.json", key, done)
-    return {"key": key, **done}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,9 +602,11 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                  trainer_state: str | None = None, workers: int | None = None) -> dict:
     """Run the evaluate stage and write report.json, report.md and the three plots.
 
-    Steps: prepare the decoders (:func:`_prepare_decoding`) -> read the sets (first prompts that fit) -> per set,
-    reuse the results an interrupted run saved or decode it (:func:`_decode_set`) and save them -> the report
-    (per set, and "all" counting a prompt in several sets once) -> report.md and plots.
+    Steps: prepare the decoders (:func:`_prepare_decoding`; the models load with the first prompt decoded) ->
+    read the sets (first prompts that fit) -> per set, reuse the conversations an interrupted run saved and
+    decode the others (:func:`_decode_set`, saving as it goes), or with several workers start those with
+    conversations left and join their saved results -> the report (per set, and "all" counting a prompt in
+    several sets once) -> report.md and plots.
 
     Args:
         target_dir: the target's Hugging Face folder.
@@ -539,7 +619,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         target_cfg: config ``target`` (dtype, attn_implementation, trust_remote_code).
         sources: config ``data.sources`` (``split: both`` sources form the ``heldout`` set).
         device: default: ``cuda`` if available else ``cpu``.
-        partial_dir: where per-set results are kept until the report is written (resume).
+        partial_dir: where decoded conversations are kept until the report is written (resume; default
+            ``partial/`` beside the report).
         trainer_state: the training run's ``trainer_state.json``: its held-out (teacher-forced) block τ is
             reported beside the decoded τ.
         workers: decoding processes (default :func:`decoding_workers`: one per GPU of ``evaluate.gpus`` when
@@ -561,11 +642,17 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     inputs = {"target_dir": str(target_dir), "drafter_dir": str(drafter_dir), "curated_eval": str(curated_eval),
               "tokenized_eval": str(tokenized_eval), "evaluate_cfg": evaluate_cfg, "target_cfg": target_cfg,
               "sources": sources, "drafter_implementation": drafter_implementation, "partial": str(partial)}
-    if workers > 1:  # every worker decodes its share of the conversations on its own GPU, then exits
-        _run_workers(workers, inputs, device)
     decoding = _prepare_decoding(target_dir, drafter_dir, tokenized_eval, evaluate_cfg, target_cfg, device,
                                  drafter_implementation)
     sets, base_key = _plan(decoding, inputs)
+    keys_of = {bset.name: _set_key(base_key, bset) for bset in sets}
+    if workers > 1:  # every worker with conversations left decodes its share on its own GPU, then exits
+        left = sorted({worker_of(c.id, workers) for bset in sets
+                       for c in _unsaved(bset, _load_saved(partial, bset.name, keys_of[bset.name]))})
+        if left:
+            _run_workers(workers, inputs, device, left)
+        else:
+            log.info("evaluate: every conversation was saved by an earlier run: no decoding worker started")
     bar = progress(sum(len(c.user_turns) for b in sets for c in b.conversations), "evaluate", unit="prompt",
                    logger=log, interval=float(evaluate_cfg["progress_interval"]))
     set_reports: dict[str, dict] = {}
@@ -575,26 +662,25 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     all_conversations: set[tuple[str, str]] = set()
     decoded: dict[tuple[str, int, int], tuple[dict[str, GenerationResult], str]] = {}
     for bset in sets:
-        key = _set_key(base_key, bset)
-        ppath = partial / f"{bset.name}.json"
-        cached = _load_partial(ppath, key)
-        if cached is None and workers > 1:
-            cached = _merge_workers(partial, bset, key, workers)
-        if cached is not None:
-            log.info("set %s: reusing results of %s (%s)", bset.name,
-                     f"{workers} decoding workers" if workers > 1 else "an interrupted run", ppath)
-            done = {**cached, "results": {m: [_result_from_dict(d) for d in rs]
-                                          for m, rs in cached["results"].items()}}
+        key = keys_of[bset.name]
+        saved = _load_saved(partial, bset.name, key)
+        reused = len(bset.conversations) - len(_unsaved(bset, saved))
+        if reused and workers == 1:
+            log.info("set %s: %d of its %d conversations were saved by an interrupted run (%s): reused",
+                     bset.name, reused, len(bset.conversations), partial / bset.name)
+        if workers > 1:  # the workers' saved conversations, in the set's order (RuntimeError if one is missing)
+            done = _aggregate(bset, saved)
             bar.update(done["planned"])
-            for k, (key_, lab) in enumerate(zip(done["prompt_keys"], done["labels"])):
-                decoded.setdefault((key_, bset.max_new_tokens, decoding.draw_seed(lab)),
-                                   ({m: rs[k] for m, rs in done["results"].items()}, f"{bset.name}:{lab}"))
         else:
-            done = _decode_set(decoding, bset, decoded, bar)
-            _save_partial(ppath, key, _serialised(done))
+            path = _saved_file(partial, bset.name, "main")
+            done = _decode_set(decoding, bset, decoded, bar, saved,
+                               lambda records, key=key, path=path: _save_conversations(path, key, records),
+                               float(evaluate_cfg["checkpoint_interval"]))
+            if decoding.target is not None and not (partial / "decoding.json").is_file():
+                write_json(partial / "decoding.json", _decoding_path(decoding))  # a resumed run's report needs it
         results, labels, keys = done["results"], done["labels"], done["prompt_keys"]
         set_reports[bset.name] = _set_report(bset, results, labels, keys, done["skipped_prompts"], done["planned"],
-                                             decoding.sampling, decoding.dflash.block_size)
+                                             decoding.sampling, decoding.block_size)
         for k, key_ in enumerate(keys):  # the "all" row counts a prompt in several sets once
             if key_ in all_keys:
                 continue
@@ -605,13 +691,19 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
         all_conversations.update((c.source, c.id) for c in bset.conversations)
     bar.close()
 
+    path_file = partial / "decoding.json"
+    if decoding.target is None and path_file.is_file():  # nothing decoded here: how the decoders ran
+        decoding_path = read_json(path_file)
+    else:
+        decoding_path = _decoding_path(decoding)
     report = {
         "format": REPORT_FORMAT,
-        "run": {**_run_metadata(decoding, target_dir, drafter_dir, base_key["drafter"], drafter_implementation),
+        "run": {**_run_metadata(decoding, target_dir, drafter_dir, base_key["drafter"], drafter_implementation,
+                                decoding_path),
                 "decoding_workers": workers},
         "sets": set_reports,
         "overall": _overall(set_reports, all_results, all_labels, all_conversations, decoding.sampling,
-                            decoding.dflash.block_size),
+                            decoding.block_size),
         "training": _training_summary(trainer_state),
     }
     write_json(outputs["json"], report)
