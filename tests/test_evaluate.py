@@ -944,6 +944,36 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
         assert "target_only_vs_reference" not in d
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_evaluate_stage_on_a_gpu_equals_the_cpu_and_resumes(stage_inputs, tmp_path, monkeypatch):
+    """On a GPU the stage decodes on the static cache with CUDA graphs (auto) and reports the CPU run's τ and
+    lossless sets; killed after its first conversation, it resumes from the saved one (float32: no near ties)."""
+    import draftsmith.evaluate.run as run_mod
+
+    cpu = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "cpu"))
+    kwargs = {**_stage_kwargs(stage_inputs, tmp_path / "gpu", checkpoint_interval=1e-6), "device": "cuda"}
+    calls, real = [], run_mod.speculative_generate
+
+    def killing(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:  # warm-up (2 proposers), c1 (2), then killed in c2
+            raise KeyboardInterrupt("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "speculative_generate", killing)
+    with pytest.raises(KeyboardInterrupt):
+        run_evaluate(**kwargs)
+    monkeypatch.undo()
+    assert list(json.loads((tmp_path / "gpu" / "partial" / "heldout" / "main.json").read_text())["conversations"]) \
+        == ["c1"]
+    gpu = run_evaluate(**kwargs)
+    assert gpu["run"]["decoding"] == "static KV cache, CUDA graphs" and cpu["run"]["decoding"] == "dynamic KV cache"
+    for name in ("heldout", "mtbench"):
+        g, c = gpu["sets"][name], cpu["sets"][name]
+        assert g["lossless"]["dflash"]["lossless"] and g["lossless"]["prompt_lookup"]["lossless"]
+        assert (g["dflash"]["tau"], g["prompt_lookup"]["tau"]) == (c["dflash"]["tau"], c["prompt_lookup"]["tau"])
+
+
 def test_auto_puts_hybrid_targets_on_the_static_cache_on_a_gpu(caplog):
     """evaluate.static_cache: auto on a GPU serves hybrid Gated DeltaNet targets from the static cache (their graph
     rollback ran lossless on an H200: docs/rehearsal-x2), keeps sliding-window targets on the dynamic one (logged,

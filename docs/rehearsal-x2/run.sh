@@ -52,7 +52,7 @@ start)
   ;;
 checks)
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v --durations=6 -p no:cacheprovider tests/test_regenerate.py \
-      tests/test_train.py tests/test_evaluate.py -k "${TESTS:-cuda_graphs or nccl or gpu_kernels}" \
+      tests/test_train.py tests/test_evaluate.py -k "${TESTS:-cuda_graphs or nccl or gpu_kernels or gpu_equals}" \
       > "$2/pytest-cuda.log" 2>&1 || echo "pytest rc $?"
   grep -E "PASSED|FAILED|ERROR|passed|failed|s call" "$2/pytest-cuda.log" | tail -20
   # batch-1 decoding of the 27B-shape hybrid target: dynamic cache vs static cache + CUDA graphs (forced τ 4, 16)
