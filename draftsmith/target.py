@@ -73,7 +73,9 @@ def fla_available() -> bool:
 def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.device | str | None = None,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 require_fla: bool = False) -> nn.Module:
-    """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode.
+    """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode, its weights placed on ``device``
+    as they are read (``device_map``) rather than all loaded into host memory first and then moved (eight shard jobs
+    of a 27B target start together on an 8-GPU node).
 
     Qwen3.5 / 3.6 checkpoints (``Qwen3_5ForConditionalGeneration``) load text-only this way.
     For hybrid GDN targets without flash-linear-attention a loud warning is logged (the torch
@@ -107,7 +109,7 @@ def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.d
         log.warning("!" * 20 + " " + msg)
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code)
+        trust_remote_code=trust_remote_code, device_map={"": device})
     return model.to(device).eval()
 
 

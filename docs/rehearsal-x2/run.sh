@@ -19,10 +19,12 @@
 #                                                 TESTS= narrows the -k selection, TEST_TIMEOUT= its seconds)
 #   docs/rehearsal-x2/run.sh bench-ddp OUT        the DDP bench at the 27B shape (GPUS processes vs 1, ~4 min)
 #   docs/rehearsal-x2/run.sh bench-extract OUT    extraction at the 27B shape vs the naive HF forward (~4 min)
+#   docs/rehearsal-x2/run.sh bench-load OUT       loading the target (after `target`): device_map vs host first,
+#                                                 time and peak host memory per job (~3 min)
 # GPUS (default 2) and CONFIG (default config/rehearsal-x2.yaml) pick the node: GPUS=8
 # CONFIG=config/rehearsal-x8.yaml for the eight-GPU run of docs/node-x8/README.md.
 set -euo pipefail
-cmd=${1:?setup, target, start, wait, checks, bench-ddp or bench-extract}
+cmd=${1:?setup, target, start, wait, checks, bench-ddp, bench-load or bench-extract}
 GPUS=${GPUS:-2} CONFIG=${CONFIG:-config/rehearsal-x2.yaml}
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
@@ -65,6 +67,11 @@ bench-ddp)
   python3 bench/bench_train.py --ddp "$GPUS" --shape qwen3.5-27b --config config/gpu-node.yaml --out "$2/ddp" \
       > "$2/ddp/bench.log" 2>&1 || true
   tail -6 "$2/ddp/bench.log"
+  ;;
+bench-load)
+  python3 bench/bench_load_target.py --target /tmp/random-qwen3.5-27b --json "$2/bench-load.json" \
+      > "$2/bench-load.log" 2>&1 || true
+  tail -3 "$2/bench-load.log"
   ;;
 bench-extract)
   python3 bench/bench_extract.py --tokens 196608 --token-budget 32768 --variants naive,tt,naive2 \
