@@ -56,6 +56,7 @@ def write_inputs(target_dir: Path, work: Path, turns: list[list[str]], drafter_l
 
     from draftsmith.chat import load_tokenizer, tokenizer_fingerprint
     from draftsmith.curate.normalize import normalize_conversation
+    from draftsmith.curate.schema import OUTPUT_SCHEMA
     from draftsmith.drafter_config import build_drafter_config, default_target_layer_ids
     from draftsmith.modeling import DFlashDraftModel
     from draftsmith.target import text_config
@@ -77,13 +78,7 @@ def write_inputs(target_dir: Path, work: Path, turns: list[list[str]], drafter_l
     rows = [{"id": normalize_conversation(m, prompt_only=True).id, "source": "mtbench",
              "messages": [{"role": x["role"], "content": x["content"], "reasoning_content": None, "tool_calls": None,
                            "tool_call_id": None, "name": None} for x in m], "tools": None} for m in messages]
-    tool_call = pa.struct([("id", pa.string()), ("type", pa.string()),
-                           ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                         ("tool_calls", pa.list_(tool_call)), ("tool_call_id", pa.string()), ("name", pa.string())])
-    curated = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(message)),
-                         ("tools", pa.string())])
-    pq.write_table(pa.Table.from_pylist(rows, schema=curated), work / "eval.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=OUTPUT_SCHEMA), work / "eval.parquet")
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32())],
                        metadata=tokenized_metadata({}, tokenizer_fingerprint(tok), 4096))

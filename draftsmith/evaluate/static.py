@@ -57,7 +57,8 @@ def capture_graph(device: torch.device, run, failures: dict, key, what: str, res
     """``run()`` captured as a CUDA graph: two warm-up runs on a side stream first (``torch.cuda.graphs`` requires
     them; Triton autotuning happens there), ``reset()`` before each run and before the capture (outside it: what
     ``reset`` does is not recorded). Returns ``(graph, run()'s output tensors from the capture)``; on failure
-    records ``failures[key]``, logs once that ``what`` runs eagerly, calls ``reset()`` and returns None."""
+    records ``failures[key]``, logs once that ``what`` runs eagerly (the traceback at DEBUG level), calls ``reset()``
+    and returns None."""
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -73,6 +74,7 @@ def capture_graph(device: torch.device, run, failures: dict, key, what: str, res
     except Exception as exc:  # noqa: BLE001 - what cannot be captured runs eagerly
         failures[key] = f"{type(exc).__name__}: {exc}"
         log.warning("CUDA graph capture of %s failed (%s): it runs eagerly", what, failures[key])
+        log.debug("CUDA graph capture of %s failed", what, exc_info=True)
         torch.cuda.synchronize(device)
         reset()
         return None
