@@ -948,8 +948,12 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     unsharded run does (the same rows, a sampling seed of ``seed`` and ``k``), so the shards' outputs in shard order
     (:func:`assemble_shards`) equal a one-shard run's row for row. A shard with no part (more shards than parts)
     writes an empty parquet of the input's schema, its counts zero. Finished parts are kept in
-    ``<output>.parts/part-<k>.parquet`` (``k`` global) with a key of everything that determines them, the part range
-    included; a rerun reuses those and redoes stale ones; the directory is removed once the output is written.
+    ``<output>.parts/part-<k>.parquet`` (``k`` global) with a key of everything that determines them (a part does not
+    depend on the shard that made it); a rerun reuses those, and those another shard layout left in the ``*.parts``
+    folders beside the output (moved into this shard's folder: a killed run resumes with another
+    ``regenerate.shards``), and redoes stale ones. Once the output is written this shard's parts are deleted, with
+    the stale files of its folder, and the folder if nothing else is left in it (:func:`assemble_shards` removes the
+    rest).
 
     The report holds the settings, ``input`` / ``input_sha256`` / ``input_rows``, ``chunk_size``, ``num_parts``
     (P), ``shard`` / ``num_shards`` / ``parts`` (``[first, last)``), ``counts`` (reconciled, see
@@ -978,7 +982,6 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         "stop_ids": regenerator.stop_ids, "chunk_size": chunk_size, "engine": regenerator.engine.name,
         "dtype": str(next(regenerator.model.parameters()).dtype) if regenerator.model is not None else None,
         "sampling": [s.temperature, s.top_p, s.num_answers, s.seed] if s.temperature > 0 else None,
-        "parts": [first, last],
     }, sort_keys=True).encode()).hexdigest()
     parts_dir = output_path.with_name(output_path.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
@@ -1001,15 +1004,11 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         for k, batch in _iter_parts(pf, chunk_size, first, last):
             part = parts_dir / f"part-{k:06d}.parquet"
             part_paths.append(part)
-            if part.exists():
-                meta = pq.read_schema(part).metadata or {}
-                info = json.loads(meta.get(PART_KEY, b"{}"))
-                if info.get("key") == key:
-                    total.update(info["stats"])
-                    log.info("part %d: reused (finished earlier)", k)
-                    bar.update(batch.num_rows)
-                    continue
-                log.info("part %d: stale (other input, settings or part range): redone", k)
+            info = _claim_part(part, key)
+            if info is not None:
+                total.update(info["stats"])
+                bar.update(batch.num_rows)
+                continue
             records = batch.to_pylist()
             if s.temperature > 0:
                 torch.manual_seed(_seed_of(s.seed, k))
@@ -1056,8 +1055,53 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         with pq.ParquetWriter(tmp, clean_schema.with_metadata({META_KEY: json.dumps(report).encode()})) as w:
             for part in part_paths:
                 w.write_table(pq.read_table(part).replace_schema_metadata(None).cast(clean_schema))
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    _clean_parts(parts_dir, part_paths, key)
     return report
+
+
+def _part_key(path: Path) -> dict:
+    """A finished part's ``{"key", "stats"}`` (``{}`` for a file that is not one)."""
+    try:
+        return json.loads((pq.read_schema(path).metadata or {}).get(PART_KEY, b"{}"))
+    except (OSError, ValueError, pa.ArrowException):
+        return {}
+
+
+def _claim_part(part: Path, key: str) -> dict | None:
+    """Part ``part`` finished with ``key``: in this shard's folder, or in a sibling ``*.parts`` folder (another shard
+    layout's), then moved here (``os.replace``: atomic; shards of one layout own disjoint parts). Its ``{"key",
+    "stats"}``, or None when it must be regenerated (missing, or stale: logged)."""
+    k = part.name
+    here = part.parent
+    for candidate in [part] + sorted(d / k for d in here.parent.glob("*.parts") if d != here):
+        if not candidate.is_file():
+            continue
+        info = _part_key(candidate)
+        if info.get("key") != key:
+            if candidate == part:
+                log.info("%s: stale (other input or settings): redone", part)
+            continue
+        if candidate != part:
+            os.replace(candidate, part)
+            log.info("%s: reused, finished by a run of another shard layout (%s)", part, candidate.parent.name)
+        else:
+            log.info("%s: reused (finished earlier)", part)
+        return info
+    return None
+
+
+def _clean_parts(parts_dir: Path, part_paths: list[Path], key: str) -> None:
+    """After the shard's output is written: delete its parts, the stale files and temporaries of its folder, and
+    the folder when empty. Parts of other shards finished with ``key`` (another layout's) stay for them."""
+    for path in part_paths:
+        path.unlink(missing_ok=True)
+    for path in parts_dir.iterdir():
+        if path.name.startswith(".") or _part_key(path).get("key") != key:
+            path.unlink(missing_ok=True)
+    try:
+        parts_dir.rmdir()
+    except OSError:
+        log.info("%s: kept, it holds parts of other shards", parts_dir)
 
 
 #: Report keys every shard of one regenerate run agrees on (:func:`assemble_shards` refuses a shard that does not).
@@ -1078,7 +1122,8 @@ def assemble_shards(shard_paths: Sequence[str | os.PathLike], output_path: str |
     ``seconds`` of the longest shard and ``new_tokens_per_s`` summed over the shards (they run at the same time;
     ``None`` if no shard generated anything), ``engine`` (the shards' engines, comma-separated when they differ),
     ``cuda_graphs`` / ``rows_capped_batches`` summed and ``memory_budget_gib`` the largest (``None`` where no shard
-    has one), and each shard's own report under ``shards``.
+    has one), and each shard's own report under ``shards``. The ``shard-*.parquet.parts`` folders beside the shards
+    (parts of an earlier shard layout that none of this run's shards needed) are removed.
 
     Args:
         shard_paths: the shard files, shard 0 first.
@@ -1163,6 +1208,9 @@ def assemble_shards(shard_paths: Sequence[str | os.PathLike], output_path: str |
             for path in paths:
                 for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
                     w.write_table(pa.Table.from_batches([batch]).replace_schema_metadata(None).cast(schema))
+    for folder in {p.parent for p in paths}:  # parts an earlier shard layout left and no shard of this one took
+        for parts in folder.glob("shard-*.parquet.parts"):
+            shutil.rmtree(parts, ignore_errors=True)
     return report
 
 

@@ -3,7 +3,8 @@
 # answers); tool-call turns are kept. regenerate.shards jobs, each with its own GPU lease, over
 # contiguous ranges of the conversation parts (regenerate.chunk_size each); the regenerate rule
 # assembles them in order (row for row a one-job run's output). Resumable: a shard's finished parts
-# are kept beside its output (results/regenerated/shard-{shard}.parquet.parts/) until it is assembled.
+# are kept beside its output (results/regenerated/shard-{shard}.parquet.parts/) until it is written,
+# and a rerun with another regenerate.shards takes the finished parts from the old shards' folders.
 
 
 rule regenerate_shard:

@@ -328,7 +328,7 @@ def test_assembly_refuses_a_missing_or_foreign_shard(tmp_path, model, tok, stop)
 def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, stop, monkeypatch):
     """Shard 1 of 2 (parts 2 and 3 of 4) killed during part 3 keeps part 2 in shard-1.parquet.parts; the rerun
     regenerates part 3 only and writes what an uninterrupted shard writes. A part finished for another part range
-    (the same folder under 3 shards) is stale: redone."""
+    (the same folder under 4 shards) is reused: a part does not depend on its shard."""
     regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
     full = rg.regenerate_file(src, tmp_path / "full" / "shard-1.parquet", regen, target_key="tiny", chunk_size=2,
@@ -358,7 +358,8 @@ def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, st
     assert report["counts"] == full["counts"] and report["parts"] == [2, 4]
     assert not (tmp_path / "shard-1.parquet.parts").exists()
 
-    # part 2 finished by shard 1 of 2 (parts [2, 4)), in the folder of a shard of parts [2, 3) (shard 2 of 4): redone
+    # part 2 finished by shard 1 of 2 (parts [2, 4)), resumed as shard 2 of 4 (parts [2, 3), its own folder): the
+    # part is taken from shard-1's folder, nothing is regenerated
     monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
@@ -367,8 +368,57 @@ def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, st
     calls.clear()
     monkeypatch.setattr(rg.Regenerator, "regenerate",
                         lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
-    report = rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=2, shards=4)
-    assert report["parts"] == [2, 3] and calls == [["b4", "c5"]]
+    report = rg.regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2,
+                                shards=4)
+    assert report["parts"] == [2, 3] and calls == [] and report["new_tokens_per_s"] is None
+    # shard 2's folder is gone; shard 1's, emptied, stays for assembly to remove (a running shard may still use it)
+    assert not (tmp_path / "shard-2.parquet.parts").exists() and not any((tmp_path / "shard-1.parquet.parts").iterdir())
+    # a stale part (other settings) is redone, never mixed in
+    other = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=5, batch_size=2), stop)
+    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        rg.regenerate_file(src, out, other, target_key="tiny", chunk_size=2, shard=1, shards=2)
+    calls.clear()
+    monkeypatch.setattr(rg.Regenerator, "regenerate",
+                        lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
+    rg.regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2, shards=4)
+    assert calls == [["b4", "c5"]]
+
+
+def test_a_killed_sharded_run_resumes_with_another_shard_count(tmp_path, model, tok, stop, monkeypatch):
+    """2 shards killed after part 0 (shard 0) and part 2 (shard 1) of 4, resumed with 3 shards: each finished part
+    is taken from the old layout's folders, only parts 1 and 3 are regenerated, the assembled output equals a
+    one-shard run's, and no parts folder is left."""
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    src = _write_groups(tmp_path / "train.parquet", _conversations(7))
+    one, _, _ = _sharded(src, tmp_path / "one", regen, 1)
+    run = tmp_path / "run"
+    real = rg.Regenerator.regenerate
+    calls = []
+
+    def dying(self, records):
+        calls.append([r["id"] for r in records])
+        if len(calls) % 2 == 0:  # the second part of each shard
+            raise KeyboardInterrupt("killed")
+        return real(self, records)
+
+    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    for shard in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            rg.regenerate_file(src, run / f"shard-{shard}.parquet", regen, target_key="tiny", chunk_size=2,
+                               shard=shard, shards=2)
+    assert sorted(p.name for p in run.glob("*.parts/*")) == ["part-000000.parquet", "part-000002.parquet"]
+    calls.clear()
+    monkeypatch.setattr(rg.Regenerator, "regenerate",
+                        lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
+    shards = [run / f"shard-{i}.parquet" for i in range(3)]  # parts [0, 1), [1, 2), [2, 4)
+    for i, path in enumerate(shards):
+        rg.regenerate_file(src, path, regen, target_key="tiny", chunk_size=2, shard=i, shards=3)
+    assert calls == [["c2", "a3"], ["a6"]]  # parts 1 and 3
+    rg.assemble_shards(shards, run / "train.parquet")
+    assert pq.read_table(run / "train.parquet").replace_schema_metadata(None).equals(one.replace_schema_metadata(None))
+    assert not list(run.glob("*.parts"))
 
 
 def test_sampled_answers_are_separate_rows_and_counts_reconcile(model, tok, stop):
