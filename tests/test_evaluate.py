@@ -1158,6 +1158,18 @@ def test_exported_drafter_loads_in_both_implementations(stage_inputs, official):
     assert runs[0].committed == runs[1].committed
 
 
+def test_evaluate_stage_with_the_official_drafter_class(stage_inputs, official, tmp_path):
+    """evaluate with ``drafter_implementation: dflash`` (the official class) reports what draftsmith's class
+    reports, timings aside: the block size, target layer ids and mask token the stage reads from config.json before
+    loading anything agree with what the official class loads."""
+    one = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "ours"))
+    two = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "official"), drafter_implementation="dflash")
+    assert two["run"].pop("drafter_implementation") == "dflash"
+    one["run"].pop("drafter_implementation")
+    assert _differences(_without_timings(two), _without_timings(one)) == []
+    assert two["run"]["block_size"] == BLOCK and two["run"]["target_layer_ids"] == [1, 2]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_static_drafter_drafts_what_the_dynamic_cache_drafts(kind):
     """The static drafter (fixed K/V buffers, context rows written in chunks of B, padded rows overwritten by the
