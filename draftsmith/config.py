@@ -97,6 +97,15 @@ def cross_key_errors(config: dict) -> list[str]:
             errors.append("regenerate.temperature > 0 samples the training answers, so the labels must be the "
                           "target's own greedy next tokens: set extract.store_target_tokens: true and "
                           "train.labels: target")
+    # the drafter's shape (draftsmith.drafter_config.build_drafter_config checks it again when training starts:
+    # here it fails before regenerate and extraction have run)
+    drafter = config.get("drafter", {})
+    layers, types = drafter.get("num_layers", 1), drafter.get("layer_types")
+    if types is not None and len(types) != layers:
+        errors.append(f"drafter.layer_types has {len(types)} entries for drafter.num_layers = {layers}: give one "
+                      "per layer, or null (all full_attention)")
+    if types and "sliding_attention" in types and not drafter.get("sliding_window"):
+        errors.append("drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set")
     return errors
 
 

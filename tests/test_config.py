@@ -210,6 +210,23 @@ def test_sampled_regeneration_needs_the_targets_own_labels():
     assert cross_key_errors({"regenerate": {"enabled": False, "temperature": 0.7}, "train": {"labels": "data"}}) == []
 
 
+def test_a_drafter_shape_that_cannot_train_is_refused_before_anything_runs():
+    """drafter.layer_types of another length than drafter.num_layers (an overlay that cuts num_layers but inherits
+    gpu-node.yaml's five layer types), or sliding layers without a window, are refused at parse time, naming the
+    keys: training would refuse them only after regenerate and extraction."""
+    from draftsmith.config import cross_key_errors
+
+    five = ["full_attention"] * 5
+    assert cross_key_errors({"drafter": {"num_layers": 5, "layer_types": five}}) == []
+    assert cross_key_errors({"drafter": {"num_layers": 2, "layer_types": None}}) == []
+    (err,) = cross_key_errors({"drafter": {"num_layers": 2, "layer_types": five}})
+    assert "drafter.layer_types has 5 entries for drafter.num_layers = 2" in err
+    (err,) = cross_key_errors({"drafter": {"num_layers": 1, "layer_types": ["sliding_attention"]}})
+    assert "drafter.sliding_window is not set" in err
+    assert cross_key_errors({"drafter": {"num_layers": 1, "layer_types": ["sliding_attention"],
+                                         "sliding_window": 64}}) == []
+
+
 def readme_commands() -> list[str]:
     """Every `snakemake ...` command the README gives (inline or in a code block), except piped or redirected
     ones and those that need a finished run (--report)."""
