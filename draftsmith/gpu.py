@@ -216,6 +216,40 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
     return lease.devices
 
 
+def capture_graph(device, run, failures: dict, key, what: str, reset=lambda: None,
+                  logger: logging.Logger | None = None):
+    """``run()`` captured as a CUDA graph on ``device`` (a ``torch.device``): two warm-up runs on a side stream first
+    (``torch.cuda.graphs`` requires them; Triton autotuning happens there), ``reset()`` before each run and before
+    the capture (outside it: what ``reset`` does is not recorded, and the capture itself executes nothing, so the
+    state afterwards is what ``reset`` made). Returns ``(graph, run()'s output tensors from the capture)``; on
+    failure records ``failures[key]``, logs once to ``logger`` that ``what`` runs eagerly (the traceback at DEBUG
+    level), calls ``reset()`` and returns None. Shared by evaluate's static decoding and regenerate's decode step.
+    """
+    import torch
+
+    logger = logger or log
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                reset()
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        reset()
+        with torch.cuda.graph(graph):
+            out = run()
+    except Exception as exc:  # noqa: BLE001 - what cannot be captured runs eagerly
+        failures[key] = f"{type(exc).__name__}: {exc}"
+        logger.warning("CUDA graph capture of %s failed (%s): it runs eagerly", what, failures[key])
+        logger.debug("CUDA graph capture of %s failed", what, exc_info=True)
+        torch.cuda.synchronize(device)
+        reset()
+        return None
+    return graph, out
+
+
 def log_peak_memory(logger: logging.Logger | None = None) -> dict[str, float]:
     """Log (and return, GiB by device) the peak GPU memory torch allocated in this process on each visible
     device (``torch.cuda.max_memory_allocated``) and that device's total. Nothing when torch never used CUDA

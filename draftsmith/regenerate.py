@@ -70,6 +70,7 @@ from draftsmith.target import (
     without_cudnn_attention,
 )
 from draftsmith.io import target_fingerprint
+from draftsmith.gpu import capture_graph
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.config import schema_defaults
 from draftsmith.chat import (check_generation_prompt, check_template_kwargs, render_prompt, stop_token_ids,
@@ -540,28 +541,15 @@ class StaticBatchEngine:
             ids_buf[:, 0].copy_(ids)
             pad_buf.copy_(pad)
             if state["graph"] is None:
-                saved = _snapshot(cache)  # warm-ups and capture run the step: the cache goes back after each
-                try:
-                    side = torch.cuda.Stream(self.device)
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):
-                        for _ in range(2):  # warm-ups
-                            self._forward(cache, ids_buf, pad_buf, current(cache), length)
-                            _restore(saved)
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        state["logits"] = self._forward(cache, ids_buf, pad_buf, current(cache), length)
-                    state["graph"] = graph
-                except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eagerly
-                    log.warning("CUDA graph capture of the decode step failed (%s: %s): decoding eagerly",
-                                type(exc).__name__, exc)
+                saved = _snapshot(cache)  # the warm-ups run the step: the cache goes back before each and the capture
+                captured = capture_graph(self.device, lambda: self._forward(cache, ids_buf, pad_buf, current(cache),
+                                                                            length),
+                                         {}, "decode", "the decode step", reset=lambda: _restore(saved), logger=log)
+                if captured is None:
                     state["failed"] = True
                     self.graph_failures += 1
-                    torch.cuda.synchronize(self.device)
-                    _restore(saved)
                     return eager(ids, pad)
-                _restore(saved)
+                state["graph"], state["logits"] = captured
                 self.graphs_captured += 1
             state["graph"].replay()
             return state["logits"]

@@ -304,51 +304,6 @@ def test_static_cache_decoding_equals_the_dynamic_cache(kind):
         StaticTarget(target("qwen3_sliding"), 64)
 
 
-def test_capture_graph_resets_before_every_run_and_after_a_failure(monkeypatch):
-    """The capture helper all static graphs share, with torch.cuda's stream and graph calls faked (no GPU here):
-    reset, run (warm-up) twice, then reset and the captured run, whose output it returns; a run that raises is
-    recorded under its key, and reset once more so the eager path starts from the state it expects."""
-    import contextlib
-
-    from draftsmith.evaluate.static import capture_graph
-
-    calls = []
-
-    class Stream:
-        def __init__(self, device):
-            pass
-
-        def wait_stream(self, other):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(device))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
-    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext(calls.append("capture")))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append("sync"))
-
-    def run():
-        calls.append("run")
-        return "out"
-
-    failures = {}
-    got = capture_graph(torch.device("cpu"), run, failures, 16, "a test", reset=lambda: calls.append("reset"))
-    assert got == ("graph", "out") and failures == {}
-    assert calls == ["reset", "run", "reset", "run", "reset", "capture", "run"]
-
-    calls.clear()
-
-    def broken():
-        calls.append("run")
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    assert capture_graph(torch.device("cpu"), broken, failures, -3, "a test",
-                         reset=lambda: calls.append("reset")) is None
-    assert failures == {-3: "RuntimeError: operation not permitted when stream is capturing"}
-    assert calls == ["reset", "run", "sync", "reset"]
-
-
 def test_static_hybrid_rollback_is_what_keeps_the_output():
     """Control for the hybrid static path: with the snapshot / replay rollback switched off (commit a no-op, as
     for attention-only targets) the recurrent state keeps rejected drafts and padding, and the output changes."""

@@ -182,3 +182,51 @@ def test_lease_log_shows_which_gpu_ran_which_job_and_when(tmp_path):
     assert c["leased"] >= min(a["released"], b["released"]) - 0.05  # the third job waited for a free GPU
     waited = float(next(r["seconds"] for r in rows if r["job"] == "extract_shard 2" and r["event"] == "leased"))
     assert waited > 0.5
+
+
+def test_capture_graph_resets_before_every_run_and_after_a_failure(monkeypatch):
+    """The capture helper every CUDA graph shares (evaluate's static decoding, regenerate's decode step), with
+    torch.cuda's stream and graph calls faked (no GPU here): reset, run (warm-up) twice, then reset and the captured
+    run, whose output it returns; a run that raises is recorded under its key, and reset once more so the eager
+    path starts from the state it expects."""
+    import contextlib
+
+    import torch
+
+    from draftsmith.gpu import capture_graph
+
+    calls = []
+
+    class Stream:
+        def __init__(self, device):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext(calls.append("capture")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append("sync"))
+
+    def run():
+        calls.append("run")
+        return "out"
+
+    failures = {}
+    got = capture_graph(torch.device("cpu"), run, failures, 16, "a test", reset=lambda: calls.append("reset"))
+    assert got == ("graph", "out") and failures == {}
+    assert calls == ["reset", "run", "reset", "run", "reset", "capture", "run"]
+
+    calls.clear()
+
+    def broken():
+        calls.append("run")
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert capture_graph(torch.device("cpu"), broken, failures, -3, "a test",
+                         reset=lambda: calls.append("reset")) is None
+    assert failures == {-3: "RuntimeError: operation not permitted when stream is capturing"}
+    assert calls == ["reset", "run", "sync", "reset"]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.evaluate.cache import _hidden_arg
+from draftsmith.gpu import capture_graph
 from draftsmith.target import (  # noqa: F401 - static_supported re-exported
     LayerCapture,
     cache_kwargs,
@@ -51,34 +52,6 @@ from draftsmith.target import (  # noqa: F401 - static_supported re-exported
 )
 
 log = logging.getLogger("draftsmith.evaluate")
-
-
-def capture_graph(device: torch.device, run, failures: dict, key, what: str, reset=lambda: None):
-    """``run()`` captured as a CUDA graph: two warm-up runs on a side stream first (``torch.cuda.graphs`` requires
-    them; Triton autotuning happens there), ``reset()`` before each run and before the capture (outside it: what
-    ``reset`` does is not recorded). Returns ``(graph, run()'s output tensors from the capture)``; on failure
-    records ``failures[key]``, logs once that ``what`` runs eagerly (the traceback at DEBUG level), calls ``reset()``
-    and returns None."""
-    try:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                reset()
-                run()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        reset()
-        with torch.cuda.graph(graph):
-            out = run()
-    except Exception as exc:  # noqa: BLE001 - what cannot be captured runs eagerly
-        failures[key] = f"{type(exc).__name__}: {exc}"
-        log.warning("CUDA graph capture of %s failed (%s): it runs eagerly", what, failures[key])
-        log.debug("CUDA graph capture of %s failed", what, exc_info=True)
-        torch.cuda.synchronize(device)
-        reset()
-        return None
-    return graph, out
 
 
 def static_decoding_supported(target: nn.Module) -> tuple[bool, str]:
@@ -221,7 +194,7 @@ class StaticTarget:
         """Capture the rollback to ``keep`` tokens (idempotent: it starts from the snapshot, so the warm-ups leave
         the very state the replay makes). Failures are logged once and that count rolls back eagerly."""
         captured = capture_graph(self.device, lambda: self._replay(keep), self.graph_failures, -keep,
-                                 f"the rollback to {keep} tokens")
+                                 f"the rollback to {keep} tokens", logger=log)
         if captured is not None:
             self._replays[keep] = captured[0]
         return self._replays.get(keep)
@@ -346,7 +319,7 @@ class StaticTarget:
                 return self._block(ids_buf, pos_buf)
 
         captured = capture_graph(self.device, run, self.graph_failures, width,
-                                 f"the {width}-token target forward", reset)
+                                 f"the {width}-token target forward", reset, logger=log)
         if captured is None:
             return None
         graph, (logits, feats) = captured
@@ -476,7 +449,7 @@ class StaticDrafter:
         """Capture the width-``width`` step (:func:`capture_graph`; the warm-ups write the same K/V the real step
         writes). On failure that width drafts eagerly from then on (logged once)."""
         captured = capture_graph(self.device, lambda: self._step(width), self.graph_failures, width,
-                                 f"the {width}-token drafting step")
+                                 f"the {width}-token drafting step", logger=log)
         if captured is None:
             return None
         graph, logits = captured
