@@ -1,6 +1,6 @@
 """Which forwards of a tiny Qwen3-Next (MoE hybrid) target StaticTarget can capture as CUDA graphs, per experts
 kernel (transformers' grouped_mm, batched_mm, eager) and dtype; every failed capture's traceback is logged
-(evaluate.static.capture_graph logs it at DEBUG level).
+(draftsmith.gpu.capture_graph logs it at DEBUG level to the stage logger).
 
     PYTHONPATH=/tmp/site:$PWD python3 docs/rehearsal-x2/x1-2026-12-01b/moe_capture.py      # on a GPU (moe.log)
 
