@@ -72,12 +72,7 @@ def load_drafter(folder: str | os.PathLike, *, device: torch.device | str, dtype
         ValueError: a DFlash-2 checkpoint (candidate selector; not supported), or an unknown implementation.
     """
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
-    raw = read_json(cfg_path)
-    if "DFlash2DraftModel" in (raw.get("architectures") or []):
-        raise ValueError(f"{cfg_path}: DFlash2DraftModel checkpoints (candidate selector) are not supported")
+    drafter_config(folder)  # the folder's checks, before loading weights
     if implementation == "draftsmith":
         from draftsmith.modeling import DFlashDraftModel
 
@@ -87,6 +82,22 @@ def load_drafter(folder: str | os.PathLike, *, device: torch.device | str, dtype
 
         return Official.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     raise ValueError(f"unknown drafter implementation {implementation!r} (draftsmith, dflash)")
+
+
+def drafter_config(folder: str | os.PathLike) -> dict:
+    """An exported drafter folder's ``config.json`` (a dict), read without loading weights.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` (naming the path).
+        ValueError: a DFlash-2 checkpoint (candidate selector; not supported).
+    """
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
+    raw = read_json(cfg_path)
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise ValueError(f"{cfg_path}: DFlash2DraftModel checkpoints (candidate selector) are not supported")
+    return raw
 
 
 def check_pair(drafter: nn.Module, target: nn.Module) -> None:
@@ -236,7 +247,7 @@ def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, ev
     Raises:
         ValueError: another tokenizer / template than training's, the removed ``stop_tokens`` key, no stop
             token; when loading: a drafter that does not fit the target.
-        FileNotFoundError: no ``config.json`` in ``drafter_dir``.
+        FileNotFoundError / ValueError: ``drafter_dir`` is not an exported DFlash drafter (:func:`drafter_config`).
     """
     import types
 
@@ -266,9 +277,7 @@ def _prepare_decoding(target_dir: str, drafter_dir: str, tokenized_eval: str, ev
                          "name no eos_token_id and the chat template writes no end-of-turn token")
 
     cfg_path = Path(drafter_dir) / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
-    drafter_cfg = types.SimpleNamespace(**read_json(cfg_path))
+    drafter_cfg = types.SimpleNamespace(**drafter_config(drafter_dir))
     block_size = int(evaluate_cfg["block_size"] or draft_value(drafter_cfg, "block_size", 16))
     layer_ids = [int(i) for i in draft_value(drafter_cfg, "target_layer_ids", [])]
     mask = draft_value(drafter_cfg, "mask_token_id")
