@@ -73,9 +73,12 @@ def fla_available() -> bool:
 def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.device | str | None = None,
                 attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                 require_fla: bool = False) -> nn.Module:
-    """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode, its weights placed on ``device``
-    as they are read (``device_map``) rather than all loaded into host memory first and then moved (eight shard jobs
-    of a 27B target start together on an 8-GPU node).
+    """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode, on ``device``.
+
+    ``from_pretrained`` then ``.to(device)``: on an H200, a 26.9 B-parameter Qwen3.5-27B-shape target (54 GB of bf16
+    safetensors in the page cache) loaded in 19.4 s at a peak host resident set of 5.7 GiB this way, and in 20.1 s at
+    51.1 GiB through ``device_map={"": device}`` (bench/bench_load_target.py, docs/rehearsal-x2): eight shard jobs
+    start together on an 8-GPU node, so the host memory of a load counts eight times.
 
     Qwen3.5 / 3.6 checkpoints (``Qwen3_5ForConditionalGeneration``) load text-only this way.
     For hybrid GDN targets without flash-linear-attention a loud warning is logged (the torch
@@ -109,7 +112,7 @@ def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.d
         log.warning("!" * 20 + " " + msg)
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, device_map={"": device})
+        trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
