@@ -70,6 +70,7 @@ from draftsmith.target import (
     without_cudnn_attention,
 )
 from draftsmith.io import target_fingerprint
+from draftsmith import fused
 from draftsmith.gpu import capture_graph
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.config import schema_defaults
@@ -131,11 +132,16 @@ class GenerationSettings:
         seed: sampling seed (each part of the run seeds from it and the part number).
         memory_gib: GPU memory the regenerate job may use, in GiB (weights + cache + prefill workspace); ``None`` =
             90% of the GPU's memory; ignored on the CPU. The static engine lowers its batch rows to fit it.
+        fuse: fuse the target's elementwise work while engines ``static`` and ``generate`` run
+            (:func:`draftsmith.fused.fused_target`: compiled norms / MLPs, flash-linear-attention's conv1d for the
+            Gated DeltaNet prefill); ``"auto"`` = on a GPU (:func:`draftsmith.fused.resolve_fuse`).
     """
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"regenerate engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.fuse not in (True, False, "auto"):
+            raise ValueError(f"regenerate fuse must be true, false or 'auto', got {self.fuse!r}")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ValueError(f"regenerate memory_gib must be > 0 (or None), got {self.memory_gib}")
         if self.num_answers > 1 and self.temperature <= 0:
@@ -153,9 +159,13 @@ class GenerationSettings:
     num_answers: int = _DEFAULTS["num_answers"]
     seed: int = _DEFAULTS["seed"]
     memory_gib: float | None = _DEFAULTS["memory_gib"]
+    fuse: bool | str = _DEFAULTS["fuse"]
 
 
 ENGINES = ("auto", "static", "generate", "continuous", "vllm")
+#: engines that run the target's own modules eagerly or in their own CUDA graphs, so ``fuse`` applies to them
+#: (``continuous`` runs transformers' own graphs, ``vllm`` its own model)
+FUSED_ENGINES = ("static", "generate")
 
 
 def static_engine_supported(model) -> tuple[bool, str]:
@@ -400,8 +410,9 @@ class StaticBatchEngine:
     ``generate``), and the decode-step capture puts the states back after its warm-up and capture forwards.
 
     Memory: before each batch the rows are lowered (never below 1) so that the memory allocated now (weights, less
-    the last batch's cache) plus the batch's cache (:func:`cache_bytes_per_row`) and prefill workspace
-    (:func:`prefill_workspace_bytes`) stay within ``memory_budget_bytes`` (default on a GPU: 90% of its memory;
+    the last batch's cache and decode graph) plus the batch's cache (:func:`cache_bytes_per_row`), prefill workspace
+    (:func:`prefill_workspace_bytes`) and captured decode step (:meth:`decode_graph_bytes`: a hybrid target's new
+    recurrent states) stay within ``memory_budget_bytes`` (default on a GPU: 90% of its memory;
     the CPU: no cap); the prompts a cut batch leaves go first into the next batch, whose cache length follows its own
     longest prompt. Each new (rows, cache length) is logged with its projection; ``rows_capped_batches`` counts
     the cut batches. (A Qwen3.5-27B-shape target, 64 rows of 3,072-token prompts + 256 new tokens, peaked at 81.9
@@ -433,6 +444,9 @@ class StaticBatchEngine:
         self.memory_budget = memory_budget_bytes  # bytes; None: no cap (the CPU)
         self.rows_capped_batches = 0  # batches run with fewer rows than batch_size (and prompts left) allowed
         self._planned: set[tuple[int, int]] = set()  # (rows, length) already logged
+        # where the time goes (:meth:`phase_report`): batches, rows, prefill tokens (rows x width, padding
+        # included) and seconds, decode steps, row-steps and seconds (graph captures included), capture seconds
+        self.phases: collections.Counter = collections.Counter()
         use_grouped_sdpa(model)  # masked GQA without copying the cache per layer and step
 
     def allocated_bytes(self) -> int:
@@ -442,25 +456,41 @@ class StaticBatchEngine:
 
     def projected_bytes(self, rows: int, width: int, length: int) -> int:
         """What a batch of ``rows`` prompts (the longest ``width`` tokens) on a cache of ``length`` positions adds
-        to the allocated memory, in bytes: ``rows x`` :func:`cache_bytes_per_row` plus
-        :func:`prefill_workspace_bytes`."""
+        to the allocated memory, in bytes: ``rows x`` :func:`cache_bytes_per_row`, :func:`prefill_workspace_bytes`
+        and :meth:`decode_graph_bytes` (a batch after the first of a shape prefills while the captured decode step
+        still holds its memory, so the three add up)."""
         cfg = self.model.config
-        return rows * cache_bytes_per_row(cfg, length, self.dtype) + prefill_workspace_bytes(
-            cfg, rows=rows, width=width, length=length, prefill_tokens=self.prefill_tokens, dtype=self.dtype)
+        return (rows * cache_bytes_per_row(cfg, length, self.dtype) + self.decode_graph_bytes(rows)
+                + prefill_workspace_bytes(cfg, rows=rows, width=width, length=length,
+                                          prefill_tokens=self.prefill_tokens, dtype=self.dtype))
+
+    def decode_graph_bytes(self, rows: int) -> int:
+        """Bytes the captured decode step of ``rows`` rows keeps in its CUDA graph's memory pool, for as long as the
+        graph lives: for a hybrid target, the new conv and recurrent states of every Gated DeltaNet layer
+        (``rows x cache_bytes_per_row(config, 0)``: flash-linear-attention's recurrent kernel returns each layer's
+        new float32 state in a fresh tensor that the cache then copies in, and within the capture those tensors
+        were not reused from layer to layer). Measured on an H200 at the Qwen3.5-27B shape (48 Gated DeltaNet
+        layers, 147.8 MiB of states per row): a 256-row capture allocated 37.1 GiB beyond weights and cache and ran
+        out of memory (bench/bench_regenerate_step.py, docs/rehearsal-x2); this estimate says 36.9 GiB. 0 without
+        CUDA graphs or recurrent layers (attention layers update the static cache in place)."""
+        if not (self.cuda_graphs and self.hybrid):
+            return 0
+        return rows * cache_bytes_per_row(self.model.config, 0, self.dtype)
 
     def _held_cache_bytes(self) -> int:
-        """Bytes of the static cache the engine holds from its last batch (freed or reused by the next one): its
-        (rows, length) key times :func:`cache_bytes_per_row` (tested equal to the cache's tensors)."""
+        """Bytes of the static cache and captured decode step the engine holds from its last batch (freed or reused
+        by the next one): its (rows, length) key times :func:`cache_bytes_per_row` (tested equal to the cache's
+        tensors) plus :meth:`decode_graph_bytes`."""
         if self._graph is None:
             return 0
         rows, length = self._graph[0]
-        return rows * cache_bytes_per_row(self.model.config, length, self.dtype)
+        return rows * cache_bytes_per_row(self.model.config, length, self.dtype) + self.decode_graph_bytes(rows)
 
     def _rows(self, want: int, width: int, length: int) -> int:
         """Rows of the next batch: the most rows up to ``want`` (``batch_size``, or the prompts left) for which the
-        allocated memory (less the cache of the last batch, which this one replaces) plus :meth:`projected_bytes`
-        stays within the budget; at least 1 (a warning then says by how much the budget is short). Logs each new
-        (rows, length) with its projection."""
+        allocated memory (less the cache and decode graph of the last batch, which this one replaces) plus
+        :meth:`projected_bytes` stays within the budget; at least 1 (a warning then says by how much the budget is
+        short). Logs each new (rows, length) with its projection."""
         if self.memory_budget is None:
             return want
         base = self.allocated_bytes() - self._held_cache_bytes()
@@ -472,16 +502,19 @@ class StaticBatchEngine:
             self._planned.add((rows, length))
             projected = self.projected_bytes(rows, width, length)
             cache = rows * cache_bytes_per_row(self.model.config, length, self.dtype)
+            graph = self.decode_graph_bytes(rows)
             gib = 2 ** 30
             if projected > room:
                 log.warning("static engine: the memory budget of %.2f GiB is %.2f GiB too small for one row on a "
-                            "%d-position cache (%.2f GiB allocated + %.2f GiB cache + %.2f GiB prefill workspace): "
-                            "running 1 row", self.memory_budget / gib, (projected - room) / gib, length, base / gib,
-                            cache / gib, (projected - cache) / gib)
+                            "%d-position cache (%.2f GiB allocated + %.2f GiB cache + %.2f GiB prefill workspace + "
+                            "%.2f GiB decode-step graph): running 1 row", self.memory_budget / gib,
+                            (projected - room) / gib, length, base / gib, cache / gib,
+                            (projected - cache - graph) / gib, graph / gib)
             else:
                 log.info("static engine: %d of %d rows on a %d-position cache: %.2f GiB allocated + %.2f GiB cache + "
-                         "%.2f GiB prefill workspace projected, budget %.2f GiB", rows, want, length, base / gib,
-                         cache / gib, (projected - cache) / gib, self.memory_budget / gib)
+                         "%.2f GiB prefill workspace + %.2f GiB decode-step graph projected, budget %.2f GiB", rows,
+                         want, length, base / gib, cache / gib, (projected - cache - graph) / gib, graph / gib,
+                         self.memory_budget / gib)
         return rows
 
     def _mask(self, pad: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -541,6 +574,7 @@ class StaticBatchEngine:
             ids_buf[:, 0].copy_(ids)
             pad_buf.copy_(pad)
             if state["graph"] is None:
+                t0 = time.perf_counter()
                 saved = _snapshot(cache)  # the warm-ups run the step: the cache goes back before each and the capture
                 captured = capture_graph(self.device, lambda: self._forward(cache, ids_buf, pad_buf, current(cache),
                                                                             length),
@@ -551,11 +585,36 @@ class StaticBatchEngine:
                     return eager(ids, pad)
                 state["graph"], state["logits"] = captured
                 self.graphs_captured += 1
+                self._sync()
+                self.phases["capture_s"] += time.perf_counter() - t0
             state["graph"].replay()
             return state["logits"]
 
         self._graph = (key, cache, step)
         return cache, step
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def phase_report(self) -> dict:
+        """Where the engine's time went, summed over the batches so far: ``batches``, ``mean_rows``,
+        ``prefill_tokens`` (rows x the batch's longest prompt, padding included), ``prefill_s`` and
+        ``prefill_tokens_per_s``, ``decode_steps`` (one-token forwards of the whole batch), ``decode_row_steps``
+        (those x rows: the tokens they produced, stopped rows included), ``decode_s`` (CUDA graph captures
+        included), ``capture_s``, ``decode_ms_per_step`` (captures excluded) and ``decode_row_steps_per_s``.
+        Seconds are wall clock between device synchronisations at each batch's phase boundaries."""
+        p = self.phases
+        steps, decode = p["decode_steps"], p["decode_s"] - p["capture_s"]
+        return {
+            "batches": p["batches"], "mean_rows": round(p["rows"] / p["batches"], 2) if p["batches"] else None,
+            "prefill_tokens": p["prefill_tokens"], "prefill_s": round(p["prefill_s"], 3),
+            "prefill_tokens_per_s": round(p["prefill_tokens"] / p["prefill_s"], 1) if p["prefill_s"] else None,
+            "decode_steps": steps, "decode_row_steps": p["decode_row_steps"], "decode_s": round(p["decode_s"], 3),
+            "capture_s": round(p["capture_s"], 3),
+            "decode_ms_per_step": round(1e3 * decode / steps, 3) if steps else None,
+            "decode_row_steps_per_s": round(p["decode_row_steps"] / decode, 1) if steps and decode > 0 else None,
+        }
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
@@ -576,6 +635,7 @@ class StaticBatchEngine:
             ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
             for r, i in enumerate(idx):
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+            t_start = time.perf_counter()
             ids = ids.to(self.device)
             pad = torch.tensor([width - len(prompts[i]) for i in idx], dtype=torch.long, device=self.device)
             cache, step = self._decoder(len(idx), length)
@@ -590,6 +650,8 @@ class StaticBatchEngine:
                 q_pos = torch.arange(c, c1, device=self.device)[None].expand(len(idx), c1 - c)
                 logits = self._forward(cache, ids[:, c:c1], pad, q_pos, length, logits_to_keep=1)
             token = self._next(logits)
+            self._sync()
+            t_prefilled = time.perf_counter()
             generated = torch.empty((len(idx), self.max_new), dtype=torch.long, device=self.device)
             done = torch.zeros(len(idx), dtype=torch.bool, device=self.device)
             for t in range(self.max_new):
@@ -598,7 +660,11 @@ class StaticBatchEngine:
                 if t + 1 == self.max_new or ((t + 1) % self.check_every == 0 and bool(done.all())):
                     break
                 token = self._next(step(token, pad))
-            rows = generated[:, :t + 1].tolist()
+            rows = generated[:, :t + 1].tolist()  # waits for the device
+            self.phases.update(batches=1, rows=len(idx), prefill_tokens=len(idx) * width, decode_steps=t,
+                               decode_row_steps=len(idx) * t)
+            self.phases["prefill_s"] += t_prefilled - t_start
+            self.phases["decode_s"] += time.perf_counter() - t_prefilled
             for r, i in enumerate(idx):
                 out[i] = rows[r]
             if on_done is not None:
@@ -708,6 +774,7 @@ class Regenerator:
         self.pad_id = int(pad)
         self.engine = engine if engine is not None else self._build_engine()
         self.progress = None  # a progress bar counting conversations, set by regenerate_file
+        self.fused = None  # what draftsmith.fused.fused_target changed while this regenerates (set by run)
         self._last_line = time.monotonic()
 
     def _build_engine(self):
@@ -1034,6 +1101,9 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
         "memory_budget_gib": (round(regenerator.engine.memory_budget / 2 ** 30, 3)
                               if getattr(regenerator.engine, "memory_budget", None) is not None else None),
         "rows_capped_batches": getattr(regenerator.engine, "rows_capped_batches", None),
+        "static_engine": (regenerator.engine.phase_report() if hasattr(regenerator.engine, "phase_report")
+                          else None),
+        "fused": regenerator.fused,
         "temperature": s.temperature, "top_p": s.top_p, "num_answers": s.num_answers, "seed": s.seed,
         "counts": dict(sorted(total.items())),
         "seconds": round(time.perf_counter() - t0, 3),
@@ -1220,11 +1290,16 @@ def summary(report: dict) -> str:
     dropped = {k: v for k, v in c.items() if k.startswith("dropped.")}
     cuts = {k: v for k, v in c.items() if k.startswith("cut.")}
     exact = 100 * c.get("turns_retokenize_exact", 0) / max(c.get("turns_regenerated", 0), 1)
+    phases = report.get("static_engine") or {}
+    engine = (f"; static engine: prefill {phases['prefill_tokens_per_s']:,.0f} tok/s ({phases['prefill_s']:.1f} s), "
+              f"decode {phases['decode_ms_per_step']:.1f} ms a step at {phases['mean_rows']} rows on average "
+              f"({phases['decode_s']:.1f} s, {phases['capture_s']:.1f} s of it graph captures)"
+              if phases.get("decode_steps") and phases.get("prefill_s") else "")
     return (f"{where}{report['new_tokens_per_s']} new tokens/s; {c.get('conversations_in', 0)} conversations in -> "
             f"{c.get('regenerated', 0)} regenerated, {c.get('kept_original', 0)} kept original, dropped {dropped}; "
             f"{c.get('turns_regenerated', 0)} turns regenerated ({c.get('tokens_generated', 0)} tokens, {exact:.1f}% "
             f"re-tokenize exactly), {c.get('turns_kept_tool_call', 0)} tool-call turns kept, cuts {cuts}; "
-            f"{report['seconds']:.1f} s")
+            f"{report['seconds']:.1f} s{engine}")
 
 
 def run(*, conversations: str, target_dir: str, output: str, settings: GenerationSettings, dtype: str = "auto",
@@ -1252,7 +1327,10 @@ def run(*, conversations: str, target_dir: str, output: str, settings: Generatio
     log.info("target %s (%s), engine %s, stop ids %s, pad id %d, settings %s", target_dir,
              next(model.parameters()).dtype if model is not None else dtype, regen.engine.name, regen.stop_ids,
              regen.pad_id, settings)
-    report = regenerate_file(conversations, output, regen, target_key=target_fingerprint(target_dir),
-                             chunk_size=chunk_size, shard=shard, shards=shards)
+    fuse = (regen.engine.name in FUSED_ENGINES
+            and fused.resolve_fuse(settings.fuse, next(model.parameters()).device))
+    with fused.fused_target(model, enabled=fuse) as regen.fused:
+        report = regenerate_file(conversations, output, regen, target_key=target_fingerprint(target_dir),
+                                 chunk_size=chunk_size, shard=shard, shards=shards)
     log.info("%s", summary(report))
     return report

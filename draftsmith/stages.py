@@ -34,7 +34,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         # each shard job writes (the assembled output stays the same rows)
         "regenerate": {"output": ("max_new_tokens", "temperature", "top_p", "num_answers", "seed", "max_turns",
                                   "shards"),
-                       "runtime": ("engine", "batch_size", "memory_gib", "chunk_size", "gpus")},
+                       "runtime": ("engine", "batch_size", "memory_gib", "fuse", "chunk_size", "gpus")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "tokenize": {"output": ("chat_template_kwargs", "max_length")},
     },

@@ -36,7 +36,7 @@ run(
                                 chat_template_kwargs=dict(settings["tokenize"]["chat_template_kwargs"]),
                                 engine=cfg["engine"],
                                 temperature=cfg["temperature"], top_p=cfg["top_p"], num_answers=cfg["num_answers"],
-                                seed=cfg["seed"], memory_gib=cfg["memory_gib"]),
+                                seed=cfg["seed"], memory_gib=cfg["memory_gib"], fuse=cfg["fuse"]),
     dtype=settings["target"]["dtype"],
     attn_implementation=settings["target"]["attn_implementation"],
     trust_remote_code=settings["target"]["trust_remote_code"],

@@ -200,6 +200,25 @@ def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypat
     assert calls == ["a", "b", "c"]
 
 
+def test_fuse_compiles_the_target_and_keeps_the_answers(tmp_path, target_dir):
+    """regenerate.fuse: true runs the stage with the target's norms and MLPs compiled (draftsmith.fused) and writes
+    the same rows as the eager run (float32); the report says what was fused; "auto" on the CPU fuses nothing;
+    afterwards the target's modules are eager again (fused_target is scoped)."""
+    src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    out = {}
+    for fuse in ("auto", True):
+        settings = rg.GenerationSettings(max_new_tokens=12, batch_size=2, engine="static", fuse=fuse)
+        report = rg.run(conversations=src, target_dir=target_dir, output=tmp_path / f"{fuse}.parquet",
+                        settings=settings, device="cpu")
+        out[fuse] = (pq.read_table(tmp_path / f"{fuse}.parquet").replace_schema_metadata(None), report["fused"])
+    assert out["auto"][1]["enabled"] is False and out["auto"][1]["compiled"] == {}
+    assert out[True][1]["enabled"] is True
+    assert out[True][1]["compiled"] == {"LlamaRMSNorm": 9, "LlamaMLP": 4}  # 4 layers x 2 norms + the final norm
+    assert out[True][0].equals(out["auto"][0])
+    with pytest.raises(ValueError, match="fuse must be true, false or 'auto'"):
+        rg.GenerationSettings(fuse="yes")
+
+
 def _conversations(n: int, tag: str = "") -> list[dict]:
     """``n`` curated conversations cycling through CONVERSATIONS, each with its own id and user text."""
     out = []
@@ -482,6 +501,36 @@ def test_static_engine_equals_unbatched_generate(kind):
                              batch_size=2, max_new_tokens=4)
 
 
+def test_static_engine_phase_report_counts_every_forward(tmp_path, model, tok, stop):
+    """The engine's phase report reconciles with what it ran: 5 prompts in batches of 2, 2, 1 rows, each batch
+    prefilled at its longest prompt (padding counted) and decoded max_new_tokens - 1 one-token steps (no row
+    stops: the stop id is never generated), so decode row-steps + one token per row from the prefill = the tokens
+    generated; the stage report and its log line carry it."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (9, 4, 30, 12, 6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+    engine = rg.StaticBatchEngine(model, pad_id=0, stop_ids=[10 ** 6], batch_size=2, max_new_tokens=7)
+    out = engine.generate(prompts)
+    assert [len(o) for o in out] == [7] * 5
+    p = engine.phase_report()
+    assert (p["batches"], p["mean_rows"]) == (3, 1.67)  # 5 rows / 3 batches
+    assert p["prefill_tokens"] == 2 * 30 + 2 * 9 + 1 * 4  # longest first: (30, 12), (9, 6), (4,)
+    assert (p["decode_steps"], p["decode_row_steps"]) == (3 * 6, 5 * 6)
+    assert p["decode_row_steps"] + 5 == sum(len(o) for o in out)
+    assert p["prefill_s"] > 0 and p["decode_s"] > 0 and p["capture_s"] == 0  # no graphs on the CPU
+    assert p["decode_ms_per_step"] == pytest.approx(1e3 * engine.phases["decode_s"] / 18, abs=1e-3)
+    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, batch_size=3), stop,
+                           engine=rg.StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3,
+                                                       max_new_tokens=12))
+    src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    report = rg.regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny")
+    phases = report["static_engine"]
+    assert phases == regen.engine.phase_report() and phases["batches"] >= 2
+    # rows keep decoding after their stop token until the batch stops: at least the tokens the answers kept
+    assert phases["decode_row_steps"] + regen.engine.phases["rows"] >= report["counts"]["tokens_generated"]
+    assert "static engine: prefill" in rg.summary(report) and "ms a step" in rg.summary(report)
+
+
 def _held_bytes(cache) -> int:
     """Bytes of every tensor the cache's layers hold that has a row dimension (keys, values, conv and recurrent
     states, whatever the layer class names them; the 0-d length counters left out)."""
@@ -592,6 +641,40 @@ def test_static_engine_caps_rows_to_the_memory_budget(kind, model, tok, caplog, 
         rg.GenerationSettings(memory_gib=0)
 
 
+def test_memory_plan_counts_the_captured_decode_step_of_hybrid_targets(monkeypatch):
+    """With CUDA graphs, a hybrid target's captured decode step keeps every Gated DeltaNet layer's new states in its
+    graph pool (rows x cache_bytes_per_row(config, 0)): the projection adds it, the last batch's graph counts as
+    held, and a budget that fits a batch's cache and prefill but not its graph cuts the rows. Attention-only targets
+    and runs without graphs add nothing. At the Qwen3.5-27B shape, 256 rows: 36.9 GiB (measured: 37.1)."""
+    import sys
+    from pathlib import Path
+
+    hybrid, plain = tiny_target("qwen3_5"), tiny_target("llama")
+    graphs = rg.StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
+    graphs.cuda_graphs = True  # as on a GPU
+    eager = rg.StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4, cuda_graphs=False)
+    attention = rg.StaticBatchEngine(plain, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
+    attention.cuda_graphs = True
+    states = rg.cache_bytes_per_row(hybrid.config, 0, torch.float32)
+    assert states > 0 and graphs.decode_graph_bytes(8) == 8 * states
+    assert eager.decode_graph_bytes(8) == 0 and attention.decode_graph_bytes(8) == 0
+    assert graphs.projected_bytes(8, 40, 128) == eager.projected_bytes(8, 40, 128) + 8 * states
+    graphs._graph = ((8, 128), None, None)  # the last batch's shape
+    assert graphs._held_cache_bytes() == 8 * (rg.cache_bytes_per_row(hybrid.config, 128, torch.float32) + states)
+    graphs._graph = None
+    # a budget of exactly what 8 rows need without the graph term: the graph engine cuts the batch
+    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: 0)
+    for engine in (graphs, eager):
+        engine.memory_budget = eager.projected_bytes(8, 40, 128)
+    assert eager._rows(8, 40, 128) == 8 and graphs._rows(8, 40, 128) < 8
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_extract import QWEN35_27B, qwen35_config
+
+    per_row = rg.cache_bytes_per_row(qwen35_config(QWEN35_27B), 0, torch.bfloat16)
+    assert round(256 * per_row / 2 ** 30, 1) == 36.9
+
+
 def test_report_holds_the_memory_budget_and_capped_batches(tmp_path, model, tok, stop, monkeypatch):
     """The stage report names the static engine's memory budget (GiB) and how many batches it cut to fit it."""
     monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: 2 ** 30 - 1)  # a full fake GPU
@@ -607,18 +690,24 @@ def test_report_holds_the_memory_budget_and_capped_batches(tmp_path, model, tok,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager-modules", "fused"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-def test_static_engine_with_cuda_graphs_equals_unbatched_generate(kind):
+def test_static_engine_with_cuda_graphs_equals_unbatched_generate(kind, fuse):
     """On a GPU the decode step is a captured CUDA graph (hybrid targets: their recurrent states in the graph's
     static buffers, put back after the capture's warm-up forwards): float32 answers equal unbatched greedy
-    generate, batch after batch on one captured graph."""
+    generate, batch after batch on one captured graph; also with the target fused (regenerate.fuse: compiled
+    norms / MLPs inside the captured graph, fla's conv1d in the prefill)."""
+    from draftsmith import fused
+
     tgt = tiny_target(kind, initializer_range=0.1).cuda()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 12, 25, 6, 17)]
     refs = [tgt.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     engine = rg.StaticBatchEngine(tgt, pad_id=7, stop_ids=[1], batch_size=2, max_new_tokens=24)
-    out = engine.generate(prompts)
+    with fused.fused_target(tgt, enabled=fuse) as report:
+        out = engine.generate(prompts)
+    assert report["enabled"] is fuse and bool(report["compiled"]) is fuse
     assert engine.graphs_captured >= 1 and engine.graph_failures == 0
     for ref, got in zip(refs, out):
         cut = next((i + 1 for i, t in enumerate(ref) if t == 1), len(ref))
