@@ -33,18 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from bench_extract import QWEN35_27B, TINY, build_target  # noqa: E402
+from bench_extract import QWEN35_27B, TINY, build_target, sync  # noqa: E402
 
 from draftsmith import fused  # noqa: E402
 from draftsmith import regenerate as rg  # noqa: E402
 
 SHAPES = {"qwen3.5-27b": QWEN35_27B, "tiny-hybrid": TINY}
 PATHS = ("graph", "fused", "eager")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> float:
@@ -54,11 +49,11 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> f
     dst = torch.empty_like(src)
     for _ in range(2):
         dst.copy_(src)
-    sync(device)
+    sync(device.type)
     t0 = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    sync(device)
+    sync(device.type)
     return 2 * src.numel() * src.element_size() * iters / (time.perf_counter() - t0)
 
 
@@ -77,7 +72,7 @@ def run_engine(model, prompts, new_tokens: int, path: str, device) -> tuple[dict
     with fused.fused_target(model, enabled=path == "fused"):
         engine.generate(prompts)
         engine.phases.clear()
-        sync(device)
+        sync(device.type)
         engine.generate(prompts)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {**engine.phase_report(), "allocated_before_gib": before / 2 ** 30, "peak_gib": peak / 2 ** 30}, engine
@@ -94,10 +89,10 @@ def profile_steps(model, rows: int, path: str, device, out: Path | None) -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with fused.fused_target(model, enabled=path == "fused"):
         engine.generate(prompts)
-        sync(device)
+        sync(device.type)
         with profile(activities=activities) as prof:
             engine.generate(prompts)
-            sync(device)
+            sync(device.type)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90)
     if out is not None:
