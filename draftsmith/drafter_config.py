@@ -3,9 +3,9 @@
 A drafter is a ``Qwen3Config`` (``model_type: "qwen3"``, ``architectures: ["DFlashDraftModel"]``) with a
 ``dflash_config`` (``target_layer_ids``, ``block_size``, ``mask_token_id``, optional ``layer_types`` /
 ``sliding_window`` / ``is_causal``): the checkpoint contract of the official z-lab ``dflash`` package, vLLM and
-SGLang. Here: building it from the target's config (:func:`build_drafter_config`), the official default target
-layer ids, the mask token choice, the loss decay, and which layers are causal or sliding. Used by extract (the
-tapped layers), train and export; :mod:`draftsmith.modeling` holds the model itself.
+SGLang. Here: building it from the target's config (:func:`build_drafter_config`), the mask token choice, the loss
+decay, and which layers are causal or sliding. Used by train, export and evaluate; :mod:`draftsmith.modeling` holds
+the model itself and :mod:`draftsmith.target_layers` the rule for the tapped target layers.
 """
 
 from __future__ import annotations
@@ -21,31 +21,6 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Weight names of a z-lab DFlash checkpoint besides the per-layer ones.
 TOP_LEVEL_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
-
-
-def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
-    """Target layer ids tapped by default (the official z-lab formula, ``dflash.model.build_target_layer_ids``).
-
-    ``n = 1`` -> ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (n - 1))`` for ``i = 0 .. n - 1``: spread from
-    layer 1 to layer L - 3. Python's ``round`` (banker's rounding) as in the official code.
-
-    Args:
-        num_target_layers: L, decoder layers of the target (>= 4 when ``num_layers > 1``).
-        num_layers: n, how many target layers to tap (the drafter's layer count by convention).
-
-    Raises:
-        ValueError: ``num_layers < 1``, or the formula would give ids outside ``0 .. L - 1`` or duplicates.
-    """
-    if num_layers < 1:
-        raise ValueError(f"need at least one tapped layer, got {num_layers}")
-    if num_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    ids = [round(start + i * (end - start) / (num_layers - 1)) for i in range(num_layers)]
-    if min(ids) < 0 or max(ids) >= num_target_layers or len(set(ids)) != len(ids):
-        raise ValueError(f"the default formula gives target layer ids {ids} for a {num_target_layers}-layer "
-                         f"target and {num_layers} taps; set drafter.target_layer_ids explicitly")
-    return ids
 
 
 def default_loss_gamma(block_size: int) -> float:

@@ -54,7 +54,7 @@ from torch import nn
 
 from draftsmith import fused
 from draftsmith.config import schema_defaults
-from draftsmith.drafter_config import default_target_layer_ids
+from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids, validate_layer_ids
 from draftsmith.features import (
     FEATURES_FORMAT,
     LAYER_SEMANTICS,
@@ -77,7 +77,6 @@ from draftsmith.target import (
     load_target,
     resolve_dtype,
     text_config,
-    validate_layer_ids,
 )
 from draftsmith.io import target_fingerprint
 
@@ -108,13 +107,12 @@ def resolve_layer_ids(drafter_cfg: dict | None, num_target_layers: int) -> list[
         ValueError: an id outside 0..L-1, duplicates, or an empty list.
     """
     cfg = drafter_cfg or {}
-    ids = cfg.get("target_layer_ids")
-    if ids is None:
-        n = cfg.get("num_target_features") or cfg.get("num_layers") or 1
-        ids = default_target_layer_ids(num_target_layers, int(n))
-        log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s",
-                 num_target_layers, int(n), ids)
-    return validate_layer_ids(list(ids), num_target_layers)
+    given = cfg.get("target_layer_ids")
+    n = num_tapped_layers(given, cfg.get("num_target_features"), cfg.get("num_layers"))
+    ids = tapped_layer_ids(given, cfg.get("num_target_features"), cfg.get("num_layers"), num_target_layers)
+    if given is None:
+        log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s", num_target_layers, n, ids)
+    return ids
 
 
 def balance_shards(num_tokens: list[int] | np.ndarray, num_shards: int) -> list[list[int]]:

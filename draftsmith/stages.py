@@ -22,6 +22,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from draftsmith.target_layers import num_tapped_layers
+
 #: rule -> section -> {"output": keys, "runtime": keys}
 STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "fetch_dataset": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
@@ -110,7 +112,7 @@ def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
     value = config[section].get(key)
     if (stage, section, key) == ("extract_plan", "drafter", "num_target_features") and value is None \
             and config[section].get("target_layer_ids") is None:
-        value = config[section].get("num_layers") or 1  # draftsmith.extract.resolve_layer_ids's fallback
+        value = num_tapped_layers(None, None, config[section].get("num_layers"))
     return value
 
 

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from draftsmith.io import check_model_folder
+from draftsmith.target_layers import validate_layer_ids
 
 log = logging.getLogger("draftsmith.target")
 
@@ -139,19 +140,6 @@ def num_layers(model_or_config) -> int:
     """Number of decoder layers L of a target model or config."""
     config = getattr(model_or_config, "config", model_or_config)
     return int(text_config(config).num_hidden_layers)
-
-
-def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
-    """Check target layer ids against L. Raises ``ValueError`` naming the bad id."""
-    if not layer_ids:
-        raise ValueError("target_layer_ids is empty")
-    for i in layer_ids:
-        if not 0 <= int(i) < num_target_layers:
-            raise ValueError(f"target layer id {i} is outside 0..{num_target_layers - 1} "
-                             f"(id i = output of decoder layer i)")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"target_layer_ids {layer_ids} has duplicates")
-    return [int(i) for i in layer_ids]
 
 
 class LayerCapture:

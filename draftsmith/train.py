@@ -48,13 +48,13 @@ from draftsmith.io import progress, read_json, sha256_file, write_json
 from draftsmith.drafter_config import (
     build_drafter_config,
     default_loss_gamma,
-    default_target_layer_ids,
     drafter_config_dict,
     resolve_mask_token_id,
 )
 from draftsmith.modeling import DFlashDraftModel, PackedBatch, sample_anchors
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.stages import STAGE_KEYS
+from draftsmith.target_layers import default_target_layer_ids, num_tapped_layers
 
 log = logging.getLogger("draftsmith.train")
 
@@ -581,7 +581,7 @@ def build_model_config(index: FeatureIndex, target_dir: Path, drafter_cfg: dict,
     if ids is not None and [int(i) for i in ids] != index.layer_ids:
         raise ValueError(f"drafter.target_layer_ids {ids} differ from the features' layer_ids {index.layer_ids} "
                          f"({index.path}); re-extract or fix the config")
-    n_feat = drafter_cfg.get("num_target_features") or drafter_cfg["num_layers"]
+    n_feat = num_tapped_layers(None, drafter_cfg.get("num_target_features"), drafter_cfg["num_layers"])
     if ids is None and index.layer_ids != default_target_layer_ids(index.num_target_layers, n_feat):
         log.warning("features were extracted at layers %s, not the default formula's %s; using the features' ids",
                     index.layer_ids, default_target_layer_ids(index.num_target_layers, n_feat))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from draftsmith import extract as ex
+from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.features import chunk_hidden_states, dequantize_fp8, load_chunk
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.target import decoder_layers
@@ -112,9 +113,9 @@ def alone(model, ids: np.ndarray, layer_ids=LAYER_IDS):
 
 def test_default_layer_ids_follow_the_official_formula():
     # values of z-lab dflash.model.build_target_layer_ids (dflash 0.1.0)
-    assert ex.default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
-    assert ex.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert ex.default_target_layer_ids(28, 1) == [14]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 1) == [14]
     assert ex.resolve_layer_ids({"num_layers": 2, "target_layer_ids": None}, 30) == [1, 27]
     assert ex.resolve_layer_ids({"num_layers": 1, "num_target_features": 3}, 12) == [1, 5, 9]
     with pytest.raises(ValueError, match="target layer id 4 is outside 0..3"):

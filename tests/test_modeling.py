@@ -32,9 +32,9 @@ from draftsmith.modeling import (
 from draftsmith.drafter_config import (
     build_drafter_config,
     default_loss_gamma,
-    default_target_layer_ids,
     resolve_mask_token_id,
 )
+from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.flops import attended_pairs, step_flops, training_flops
 from tiny import tiny_target

@@ -103,7 +103,8 @@ def drafter_config(folder: str | os.PathLike) -> dict:
 def check_pair(drafter: nn.Module, target: nn.Module) -> None:
     """Raise ``ValueError`` (naming the field) unless the drafter was built for this target: width,
     number of target layers, tapped layer ids within range, mask token inside the embedding."""
-    from draftsmith.target import num_layers, text_config, validate_layer_ids
+    from draftsmith.target import num_layers, text_config
+    from draftsmith.target_layers import validate_layer_ids
 
     L = num_layers(target)
     tcfg = text_config(target.config)
