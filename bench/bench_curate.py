@@ -74,12 +74,13 @@ print(n, time.perf_counter() - t, ru.ru_maxrss, ru.ru_utime + ru.ru_stime - ru0.
 
 CURATE = """
 import json, resource, sys, time
-from draftsmith.curate import curate
+from draftsmith.curate import CurateSettings, curate
 out = sys.argv[2]
 ru0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 r = curate([{"name": "synthetic", "path": sys.argv[1], "adapter": "sharegpt", "split": "both"}],
-           out + "/train.parquet", out + "/eval.parquet", out + "/report.json", seed=0, eval_fraction=0.05)
+           out + "/train.parquet", out + "/eval.parquet", out + "/report.json",
+           CurateSettings.from_config(data={"seed": 0, "eval_fraction": 0.05}))
 ru = resource.getrusage(resource.RUSAGE_SELF)
 cpu_s = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
 print(r["totals"]["read"], time.perf_counter() - t, ru.ru_maxrss, cpu_s)

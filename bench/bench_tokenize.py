@@ -119,7 +119,8 @@ def main() -> None:
         base = time.perf_counter() - t0
         results = [("baseline: 1 render / conversation", base, None)]
 
-        worker = tk.ConversationTokenizer(tok, max_length=args.max_length, stop_ids=tk.stop_token_ids(tok, tok_dir))
+        worker = tk.ConversationTokenizer(tok, tk.TokenizeOptions.from_mapping(max_length=args.max_length),
+                                          stop_ids=tk.stop_token_ids(tok, tok_dir))
         fp = tk.tokenizer_fingerprint(tok)
         counts = sorted({1, *(int(x) for x in args.threads.split(","))})
         for threads in counts:

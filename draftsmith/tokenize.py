@@ -54,7 +54,7 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -76,6 +76,7 @@ from draftsmith.chat import (
     load_tokenizer,
 )
 from draftsmith.io import atomic_path, write_json
+from draftsmith.settings import SectionSettings, StageSettings, thaw
 from draftsmith.tokenized import (
     TOKENIZED_SCHEMA,
     tokenized_metadata,
@@ -103,6 +104,52 @@ DROP_NO_PAIR_TRUNCATED = "no_supervised_pair_after_truncation"
 
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class TokenizeOptions(SectionSettings):
+    """The ``tokenize`` keys the stage reads.
+
+    ``max_length``: longest row in tokens (>= 2); ``overflow``: ``truncate`` (keep a longer row's first
+    ``max_length`` tokens) or ``drop`` (drop it); ``chat_template_kwargs``: keyword arguments for the chat
+    template (``enable_thinking`` ...), checked by :func:`check_template_kwargs`; ``threads``: worker processes.
+
+    Raises:
+        ValueError: ``max_length`` < 2 or an unknown ``overflow``.
+    """
+
+    SECTION: ClassVar[str] = "tokenize"
+    max_length: int
+    overflow: str
+    chat_template_kwargs: Mapping[str, Any]
+    threads: int
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"tokenize.max_length must be >= 2, got {self.max_length}")
+        if self.overflow not in ("truncate", "drop"):
+            raise ValueError(f"tokenize.overflow must be 'truncate' or 'drop', got {self.overflow!r}")
+
+
+@dataclass(frozen=True)
+class TokenizeTargetOptions(SectionSettings):
+    """The ``target`` key the stage reads: ``trust_remote_code`` (allow tokenizer code from the target folder)."""
+
+    SECTION: ClassVar[str] = "target"
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class TokenizeSettings(StageSettings):
+    """What rule ``tokenize`` reads (:func:`run`)."""
+
+    STAGE: ClassVar[str] = "tokenize"
+    tokenize: TokenizeOptions
+    target: TokenizeTargetOptions
 
 
 def has_supervised_pair(mask: np.ndarray) -> bool:
@@ -172,26 +219,21 @@ class ConversationTokenizer:
 
     Args:
         tokenizer: the target's Hugging Face tokenizer (fast tokenizers batch-encode in Rust).
-        chat_template_kwargs: keyword arguments for the template (``enable_thinking`` ...).
-        max_length: longest row in tokens (>= 2).
-        overflow: ``truncate`` (keep the first ``max_length`` tokens) or ``drop``.
+        options: ``chat_template_kwargs`` (keyword arguments for the template, ``enable_thinking`` ...),
+            ``max_length`` (longest row in tokens) and ``overflow`` (``truncate``: keep the first ``max_length``
+            tokens, or ``drop``) of :class:`TokenizeOptions`.
         stop_ids: stop token ids (default :func:`stop_token_ids`, the policy regenerate and evaluate share);
             the first one in an answer ends its mask.
 
     Raises:
-        ValueError: bad ``max_length`` / ``overflow`` / template kwargs.
+        ValueError: bad template kwargs.
     """
 
-    def __init__(self, tokenizer, *, chat_template_kwargs: dict | None = None, max_length: int = 2048,
-                 overflow: str = "truncate", stop_ids: Iterable[int] | None = None):
-        if max_length < 2:
-            raise ValueError(f"tokenize.max_length must be >= 2, got {max_length}")
-        if overflow not in ("truncate", "drop"):
-            raise ValueError(f"tokenize.overflow must be 'truncate' or 'drop', got {overflow!r}")
+    def __init__(self, tokenizer, options: TokenizeOptions, *, stop_ids: Iterable[int] | None = None):
         self.tokenizer = tokenizer
-        self.kwargs = check_template_kwargs(chat_template_kwargs)
-        self.max_length = int(max_length)
-        self.overflow = overflow
+        self.kwargs = check_template_kwargs(thaw(options.chat_template_kwargs))
+        self.max_length = int(options.max_length)
+        self.overflow = options.overflow
         stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, chat_template_kwargs=self.kwargs)
         self.stop_ids = np.array(sorted(set(stop)), dtype=np.int64)
         self.special_ids = np.array(sorted(special_token_ids(tokenizer)), dtype=np.int64)
@@ -651,22 +693,23 @@ def _log_drop(examples: collections.Counter, limit: int, path, row: int, reason:
         log.warning("%s: further '%s' drops are counted in the report only", path, reason)
 
 
-def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, chat_template_kwargs: dict | None = None,
-        max_length: int = 2048, overflow: str = "truncate", threads: int = 1,
-        trust_remote_code: bool = False) -> dict:
-    """The tokenize stage: both splits plus ``report.json``, from the target folder's tokenizer.
+def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, settings: TokenizeSettings) -> dict:
+    """The tokenize stage: both splits plus ``report.json``, from the target folder's tokenizer (loaded with
+    ``settings.target.trust_remote_code``), rendered and cut as ``settings.tokenize`` says
+    (:class:`TokenizeOptions`), with ``settings.tokenize.threads`` worker processes.
 
     Raises:
         TemplateError: the target's tokenizer has no chat template / no generation prompt.
         ValueError: bad config values or unreadable inputs (naming the file).
     """
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
-    kwargs = check_template_kwargs(chat_template_kwargs)
+    options = settings.tokenize
+    max_length, overflow, threads = options.max_length, options.overflow, options.threads
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=settings.target.trust_remote_code)
+    kwargs = check_template_kwargs(thaw(options.chat_template_kwargs))
     generation_prompt = check_generation_prompt(tokenizer, kwargs)
     fingerprint = tokenizer_fingerprint(tokenizer)
     stop_ids = stop_token_ids(tokenizer, target_dir, kwargs)
-    worker = ConversationTokenizer(tokenizer, chat_template_kwargs=kwargs, max_length=max_length,
-                                   overflow=overflow, stop_ids=stop_ids)
+    worker = ConversationTokenizer(tokenizer, options, stop_ids=stop_ids)
     log.info("tokenizer %s (fingerprint %s), generation prompt %r, stop token ids %s, kwargs %s, "
              "max_length %d (%s), %d worker(s)", target_dir, fingerprint[:16], generation_prompt, stop_ids,
              kwargs, max_length, overflow, threads)

@@ -2,15 +2,8 @@
 
 from draftsmith import assets
 from draftsmith.io import setup_logging
-from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-cfg = stage_config("fetch_dataset", {}, snakemake.config)["assets"]  # noqa: F821
-folder = assets.fetch_dataset(
-    snakemake.wildcards.dataset,  # noqa: F821
-    cfg["dir"],
-    dest=snakemake.output[0],  # noqa: F821
-    index_url=cfg.get("index_url"),
-    wheelhouse=cfg.get("wheelhouse"),
-)
+settings = assets.FetchDatasetSettings.from_rule({}, snakemake.config)  # noqa: F821 (the rule has no params)
+folder = assets.fetch_dataset(snakemake.wildcards.dataset, settings.assets, dest=snakemake.output[0])  # noqa: F821
 log.info("dataset ready in %s", folder)

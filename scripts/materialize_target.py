@@ -10,17 +10,9 @@ import torch  # noqa: E402
 
 from draftsmith import assets  # noqa: E402
 from draftsmith.io import setup_logging  # noqa: E402
-from draftsmith.stages import stage_config  # noqa: E402
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
 torch.set_num_threads(snakemake.threads)  # noqa: F821
-cfg = stage_config("materialize_target", snakemake.params.settings, snakemake.config)["assets"]  # noqa: F821
-folder = assets.materialize_target(
-    snakemake.wildcards.target,  # noqa: F821
-    cfg["dir"],
-    dest=snakemake.output[0],  # noqa: F821
-    index_url=cfg.get("index_url"),
-    wheelhouse=cfg.get("wheelhouse"),
-    dtype=cfg["target_dtype"],
-)
+settings = assets.MaterializeTargetSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+folder = assets.materialize_target(snakemake.wildcards.target, settings.assets, dest=snakemake.output[0])  # noqa: F821
 log.info("target ready in %s", folder)

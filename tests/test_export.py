@@ -8,13 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export import ExportError, export_drafter
+from draftsmith.export import ExportError, ExportSettings, export_drafter
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.drafter_config import build_drafter_config
 from test_modeling import official  # noqa: F401 - the official z-lab dflash.model fixture
 from tiny import tiny_target
 
 MASK = 3
+DEFAULTS = ExportSettings.from_config()  # the schema's drafter.export_dtype (bfloat16)
 ZLAB_WEIGHTS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{name}" for i in range(2) for name in (
         "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -37,7 +38,8 @@ def trained(tmp_path):
 
 
 def test_export_writes_the_zlab_format_and_the_official_package_loads_it(official, trained):  # noqa: F811
-    summary = export_drafter(trained / "trained", trained / "target", trained / "final", dtype="bfloat16")
+    summary = export_drafter(trained / "trained", trained / "target", trained / "final",
+                             ExportSettings.from_config(drafter={"export_dtype": "bfloat16"}))
     assert summary["readback_max_abs_diff"] == 0.0 and summary["dtype"] == "bfloat16"
     cfg = json.loads((trained / "final" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
@@ -70,7 +72,7 @@ def test_export_refuses_without_explicit_ids(trained, field):
     del cfg["dflash_config"][field]
     path.write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match=f"config.json: dflash_config.{field} is not set explicitly"):
-        export_drafter(trained / "trained", trained / "target", trained / "final")
+        export_drafter(trained / "trained", trained / "target", trained / "final", DEFAULTS)
     assert not (trained / "final" / "model.safetensors").exists()
 
 
@@ -78,13 +80,13 @@ def test_export_refuses_a_drafter_that_does_not_fit_the_target(trained):
     other = tiny_target("llama", hidden_size=32)
     other.save_pretrained(trained / "other")
     with pytest.raises(ExportError, match="hidden_size 64 != target hidden_size 32"):
-        export_drafter(trained / "trained", trained / "other", trained / "final")
+        export_drafter(trained / "trained", trained / "other", trained / "final", DEFAULTS)
     path = trained / "trained" / "config.json"
     cfg = json.loads(path.read_text())
     cfg["dflash_config"]["target_layer_ids"] = [0, 4]
     path.write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match=r"target_layer_ids \[0, 4\] outside 0..3"):
-        export_drafter(trained / "trained", trained / "target", trained / "final")
+        export_drafter(trained / "trained", trained / "target", trained / "final", DEFAULTS)
 
 
 def test_export_refuses_non_finite_weights(trained):
@@ -93,4 +95,4 @@ def test_export_refuses_non_finite_weights(trained):
     w["layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(w, str(path))
     with pytest.raises(ExportError, match="non-finite values in \\['layers.1.mlp.up_proj.weight'\\]"):
-        export_drafter(trained / "trained", trained / "target", trained / "final")
+        export_drafter(trained / "trained", trained / "target", trained / "final", DEFAULTS)

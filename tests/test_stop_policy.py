@@ -122,7 +122,8 @@ def test_tokenize_supervises_through_the_first_end_of_turn_only(tok, target_dir,
     pq.write_table(pa.Table.from_pylist([], schema=CURATED), tmp_path / "eval.parquet")
     report = tk.run(train_in=tmp_path / "train.parquet", eval_in=tmp_path / "eval.parquet", target_dir=target_dir,
                     train_out=tmp_path / "tok_train.parquet", eval_out=tmp_path / "tok_eval.parquet",
-                    report_out=tmp_path / "report.json", max_length=256)
+                    report_out=tmp_path / "report.json",
+                    settings=tk.TokenizeSettings.from_config(tokenize={"max_length": 256, "threads": 1}))
     assert report["stop_token_ids"] == [EOS, EOT] and report["end_of_turn_token_ids"] == [EOT]
     got = {r["id"]: r for r in pq.read_table(tmp_path / "tok_train.parquet").to_pylist()}
     answer = tok(clean, add_special_tokens=False)["input_ids"]

@@ -55,6 +55,11 @@ def one(worker, record):
     return worker.tokenize_batch([record])[0]
 
 
+def options(**tokenize) -> tk.TokenizeOptions:
+    """The ``tokenize`` keys given, schema defaults otherwise."""
+    return tk.TokenizeOptions.from_mapping(**tokenize)
+
+
 # --------------------------------------------------------------------------------------------------
 # fixtures: real tokenizers
 
@@ -143,7 +148,7 @@ def test_golden_chatml_smollm2(smollm2_dir):
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert (im_start, im_end) == (1, 2) and tok.eos_token_id == 2
     assert tk.check_generation_prompt(tok) == "<|im_start|>assistant\n"
-    worker = tk.ConversationTokenizer(tok, max_length=4096, stop_ids=tk.stop_token_ids(tok, smollm2_dir))
+    worker = tk.ConversationTokenizer(tok, options(max_length=4096), stop_ids=tk.stop_token_ids(tok, smollm2_dir))
     messages = [msg("system", "Be brief."), msg("user", "What is 2+2?"), msg("assistant", "2+2 = 4."),
                 msg("user", "And 3+3?"), msg("assistant", "3+3 = 6.")]
     res = one(worker, conv("c1", messages))
@@ -190,7 +195,7 @@ def test_golden_qwen25_tools(qwen25_dir):
     tok = tk.load_tokenizer(qwen25_dir)
     assert len(enc(tok, "<tool_response>")) > 1, "Qwen2.5 has no <tool_response> token"
     assert tok.convert_tokens_to_ids("<tool_call>") == 151657 and tok.eos_token_id == 151645
-    worker = tk.ConversationTokenizer(tok, max_length=4096)
+    worker = tk.ConversationTokenizer(tok, options(max_length=4096))
     messages = [
         msg("user", "Weather in Paris?"),
         msg("assistant", None, tool_calls=[{"id": "call_1", "type": "function",
@@ -240,7 +245,7 @@ def test_golden_qwen3_thinking_reasoning_in_history(qwen3_dir):
                 msg("user", "Q2"), msg("assistant", "A2", reasoning_content="R2")]
 
     # thinking on (the template default): past reasoning is dropped from history -> one row per turn
-    worker = tk.ConversationTokenizer(tok, max_length=4096)
+    worker = tk.ConversationTokenizer(tok, options(max_length=4096))
     res = one(worker, conv("q", messages))
     assert res.mode == "per_turn" and [r.id for r in res.rows] == ["q#1", "q#3"]
     p1 = "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
@@ -254,7 +259,8 @@ def test_golden_qwen3_thinking_reasoning_in_history(qwen3_dir):
         check_row_is_serving_prompt_plus_answer(tok, row, messages, j, a + "\n")
 
     # thinking off: the empty think block is part of the serving prompt, never supervised
-    worker_off = tk.ConversationTokenizer(tok, max_length=4096, chat_template_kwargs={"enable_thinking": False})
+    worker_off = tk.ConversationTokenizer(tok, options(max_length=4096,
+                                                       chat_template_kwargs={"enable_thinking": False}))
     plain = [msg("user", "Q1"), msg("assistant", "A1"), msg("user", "Q2"), msg("assistant", "A2")]
     res = one(worker_off, conv("p", plain))
     assert res.mode == "per_turn" and [r.id for r in res.rows] == ["p#1", "p#3"]
@@ -295,7 +301,8 @@ def test_template_without_generation_prompt_fails_the_stage(tmp_path):
     write_curated(tmp_path / "eval.parquet", rows)
     with pytest.raises(TemplateError, match="no generation prompt"):
         tk.run(train_in=tmp_path / "train.parquet", eval_in=tmp_path / "eval.parquet", target_dir=tmp_path / "target",
-               train_out=tmp_path / "t.parquet", eval_out=tmp_path / "e.parquet", report_out=tmp_path / "r.json")
+               train_out=tmp_path / "t.parquet", eval_out=tmp_path / "e.parquet", report_out=tmp_path / "r.json",
+               settings=tk.TokenizeSettings.from_config(tokenize={"threads": 1}))
     assert not (tmp_path / "t.parquet").exists()
 
 
@@ -312,7 +319,7 @@ def test_prefix_unstable_template_falls_back_to_rows_per_turn():
         "{% if m['role'] == 'assistant' and not loop.last %}{{ '(earlier) ' }}{% endif %}"
         "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"))
-    worker = tk.ConversationTokenizer(tok, max_length=512)
+    worker = tk.ConversationTokenizer(tok, options(max_length=512))
     messages = [msg("user", "Hello!"), msg("assistant", "How are you?"), msg("user", "fine"),
                 msg("assistant", "The answer is 42.")]
     res = one(worker, conv("u", messages))
@@ -323,13 +330,13 @@ def test_prefix_unstable_template_falls_back_to_rows_per_turn():
         assert row.loss_mask.tolist() == [0] * start + [1] * (len(answer) - 1) + [0]
     assert "(earlier) How are you?" in tok.decode(res.rows[1].input_ids)
     # the stable ChatML template keeps the same conversation as one row
-    res = one(tk.ConversationTokenizer(tiny_tokenizer(), max_length=512), conv("s", messages))
+    res = one(tk.ConversationTokenizer(tiny_tokenizer(), options(max_length=512)), conv("s", messages))
     assert res.mode == "single" and [r.id for r in res.rows] == ["s"]
 
 
 def test_answer_mask_end_of_turn_supervised_trailing_newline_not():
     tok = tiny_tokenizer()
-    worker = tk.ConversationTokenizer(tok, max_length=512)
+    worker = tk.ConversationTokenizer(tok, options(max_length=512))
     ids = enc(tok, "Hello!<|im_end|>\n")
     mask, found = worker.answer_mask(ids)
     assert found and ids[-2] == 2 and mask.tolist() == [1] * (len(ids) - 1) + [0]
@@ -341,24 +348,24 @@ def test_truncation_keeps_prefix_and_is_counted():
     tok = tiny_tokenizer()
     messages = [msg("user", "Write a function that adds two numbers."),
                 msg("assistant", "def add(a, b): return a + b. " * 8)]
-    full = one(tk.ConversationTokenizer(tok, max_length=10_000), conv("t", messages)).rows[0]
+    full = one(tk.ConversationTokenizer(tok, options(max_length=10_000)), conv("t", messages)).rows[0]
     n = len(full.input_ids)
     limit = n - 7
-    res = one(tk.ConversationTokenizer(tok, max_length=limit), conv("t", messages))
+    res = one(tk.ConversationTokenizer(tok, options(max_length=limit)), conv("t", messages))
     row = res.rows[0]
     assert row.input_ids.tolist() == full.input_ids[:limit].tolist()
     assert row.loss_mask.tolist() == full.loss_mask[:limit].tolist()
     assert res.truncated_tokens == [7]
-    res = one(tk.ConversationTokenizer(tok, max_length=limit, overflow="drop"), conv("t", messages))
+    res = one(tk.ConversationTokenizer(tok, options(max_length=limit, overflow="drop")), conv("t", messages))
     assert res.rows == [] and res.row_drops == [(tk.DROP_OVER_MAX_LENGTH, n)]
     # multi-turn: every cut point gives the prefix of the untruncated row, masks included (turns starting
     # beyond max_length are not token-checked: they are cut away)
     multi = messages + [msg("user", "The answer?"), msg("assistant", "The answer is 42."),
                         msg("user", "Hello!"), msg("assistant", "How are you today?")]
-    whole = one(tk.ConversationTokenizer(tok, max_length=10_000), conv("m", multi)).rows[0]
+    whole = one(tk.ConversationTokenizer(tok, options(max_length=10_000)), conv("m", multi)).rows[0]
     assert whole.loss_mask.sum() > 0
     for cut in range(2, len(whole.input_ids) + 1, 5):
-        res = one(tk.ConversationTokenizer(tok, max_length=cut), conv("m", multi))
+        res = one(tk.ConversationTokenizer(tok, options(max_length=cut)), conv("m", multi))
         if res.rows:
             assert res.mode == "single"
             assert res.rows[0].input_ids.tolist() == whole.input_ids[:cut].tolist()
@@ -367,7 +374,7 @@ def test_truncation_keeps_prefix_and_is_counted():
             assert not tk.has_supervised_pair(whole.loss_mask[:cut])
     # truncated inside the prompt: nothing supervised is left
     prompt_len = int(np.argmax(full.loss_mask))
-    res = one(tk.ConversationTokenizer(tok, max_length=prompt_len + 1), conv("t", messages))
+    res = one(tk.ConversationTokenizer(tok, options(max_length=prompt_len + 1)), conv("t", messages))
     assert res.rows == [] and res.row_drops == [(tk.DROP_NO_PAIR_TRUNCATED, n)]
 
 
@@ -411,12 +418,13 @@ def stage_dirs(tmp_path):
     return tmp_path
 
 
-def _run(d, threads=1, **kw):
-    args = dict(train_in=d / "train.parquet", eval_in=d / "eval.parquet", target_dir=d / "target",
-                train_out=d / "out" / "train.parquet", eval_out=d / "out" / "eval.parquet",
-                report_out=d / "out" / "report.json", max_length=64, threads=threads)
-    args.update(kw)
-    return tk.run(**args)
+def _run(d, threads=1, **tokenize):
+    """The stage on ``stage_dirs`` with ``max_length`` 64, ``threads`` workers and the other ``tokenize`` keys
+    given (schema defaults otherwise)."""
+    settings = tk.TokenizeSettings.from_config(tokenize={"max_length": 64, "threads": threads, **tokenize})
+    return tk.run(train_in=d / "train.parquet", eval_in=d / "eval.parquet", target_dir=d / "target",
+                  train_out=d / "out" / "train.parquet", eval_out=d / "out" / "eval.parquet",
+                  report_out=d / "out" / "report.json", settings=settings)
 
 
 def test_stage_counts_every_drop_and_reconciles(stage_dirs, caplog):

@@ -351,13 +351,14 @@ def test_torchrun_ddp_nccl_two_gpus(qwen3_setup, tmp_path):
 @pytest.mark.slow
 def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_setup, tmp_path, monkeypatch):  # noqa: F811
     dm = official
-    from draftsmith.export import export_drafter
+    from draftsmith.export import ExportSettings, export_drafter
 
     cfg = dict(TINY_TRAIN, max_steps=300, lr=1e-2, warmup_ratio=0.05, num_anchors=64, tokens_per_batch=96)
     drafter = dict(TINY_DRAFTER, num_layers=2)
     state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, cfg, drafter, threads=1)
     assert state["last_train"]["loss"] < 0.05, state["last_train"]
-    export_drafter(tmp_path / "trained", qwen3_setup["target_dir"], tmp_path / "final", dtype="float32")
+    export_drafter(tmp_path / "trained", qwen3_setup["target_dir"], tmp_path / "final",
+                   ExportSettings.from_config(drafter={"export_dtype": "float32"}))
 
     monkeypatch.setattr(dm, "_cuda_time", time.perf_counter)  # its timing calls assume CUDA; semantics untouched
     model = dm.DFlashDraftModel.from_pretrained(str(tmp_path / "final")).eval()

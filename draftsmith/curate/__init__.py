@@ -30,7 +30,8 @@ groups to temporary names and renamed into place (:func:`draftsmith.io.atomic_pa
 Package layout: :mod:`.schema` (output schema, drop reasons, errors), :mod:`.readers` (streaming
 readers), :mod:`.normalize` (validation, normalisation, row id), :mod:`.adapters` (``adapter:`` name ->
 reader + converter, :data:`ADAPTERS`; each ``convert_*`` documents its mapping), :mod:`.pipeline`
-(:func:`curate`: sources, de-duplication, sampling, split, outputs, report).
+(:func:`curate`: sources, de-duplication, sampling, split, outputs, report; its settings
+:class:`CurateSettings`).
 
 Row order in the outputs: grouped by source (config order), then the source's own order; the trainer
 shuffles.
@@ -44,8 +45,8 @@ from .adapters import (ADAPTERS, BFCL_TYPES, CHAMP_SYSTEM, CHAMP_USER, COLUMN_FI
                        iter_bfcl)
 from .normalize import (ROLE_ALIASES, Conversation, canonical_json, conversation_id,
                         normalize_conversation, normalize_tool_calls, normalize_tools)
-from .pipeline import (ROW_GROUP_ROWS, SPLITS, Source, check_sources, curate, eval_mask, id_to_u64,
-                       plan_copies, sampling_keys, splitmix64)
+from .pipeline import (ROW_GROUP_ROWS, SPLITS, CurateDataOptions, CurateSettings, Source, check_sources, curate,
+                       eval_mask, id_to_u64, plan_copies, sampling_keys, splitmix64)
 from .readers import (is_hf_dataset_dir, iter_hf_disk, iter_json_array, iter_json_array_items,
                       iter_json_document, iter_jsonl, iter_parquet, iter_records)
 from .schema import (DROP_REASONS, EXAMPLES_PER_REASON, MESSAGE_TYPE, OUTPUT_SCHEMA, REPORT_FORMAT,
@@ -55,7 +56,8 @@ __all__ = [
     "ADAPTERS", "BFCL_TYPES", "CHAMP_SYSTEM", "CHAMP_USER", "COLUMN_FIELDS", "DROP_REASONS",
     "EXAMPLES_PER_REASON", "HUMANEVAL_USER", "MESSAGE_TYPE", "MMATH_PROMPTS", "OUTPUT_SCHEMA",
     "REPORT_FORMAT", "ROLE_ALIASES", "ROW_GROUP_ROWS", "SPLITS", "TOOLTALK_SYSTEM", "TOOL_CALL_TYPE",
-    "Adapter", "Conversation", "CurateError", "DropRow", "Malformed", "Source",
+    "Adapter", "Conversation", "CurateDataOptions", "CurateError", "CurateSettings", "DropRow", "Malformed",
+    "Source",
     "bfcl_arguments", "bfcl_ground_truth_value", "bfcl_schema", "canonical_json", "check_sources",
     "conversation_id",
     "convert_alpaca", "convert_auto", "convert_bfcl", "convert_champ", "convert_humaneval",

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from draftsmith.io import atomic_path, write_json
+from draftsmith.settings import SectionSettings, StageSettings
 
 from .adapters import ADAPTERS, COLUMN_FIELDS
 from .normalize import normalize_conversation
@@ -36,6 +37,34 @@ ROW_GROUP_ROWS = 4096  # rows per Parquet row group in the outputs
 SPLITS = ("train", "eval", "both")
 # Salt of the split hash. Changing it moves rows between splits: never change it.
 _SPLIT_SALT = 0x5EED_C0FF_EE15_D1CE
+
+# ----------------------------------------------------------------------------------------------
+# Settings
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CurateDataOptions(SectionSettings):
+    """The ``data`` keys curate reads besides the sources (the rule passes those, resolved, apart).
+
+    ``seed``: sampling seed (``max_samples``, ``weight``); ``eval_fraction``: share of ``split: both`` rows held
+    out, in [0, 1] (checked by :func:`curate`); ``max_chars``: optional length limit of a conversation in
+    characters (see :func:`normalize_conversation`), None for none.
+    """
+
+    SECTION: ClassVar[str] = "data"
+    seed: int
+    eval_fraction: float
+    max_chars: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CurateSettings(StageSettings):
+    """What rule ``curate`` reads (:func:`curate`)."""
+
+    STAGE: ClassVar[str] = "curate"
+    data: CurateDataOptions
+
 
 # ----------------------------------------------------------------------------------------------
 # Sources, sampling and the split
@@ -458,8 +487,7 @@ def check_sources(sources: list[dict | Source]) -> list[Source]:
 
 
 def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str | Path,
-           report_path: str | Path, *, seed: int = 0, eval_fraction: float = 0.05,
-           max_chars: int | None = None) -> dict:
+           report_path: str | Path, settings: CurateSettings) -> dict:
     """Curate every source into the train / eval Parquet files and write the report.
 
     Sources are processed in config order; a conversation already kept from an earlier source is
@@ -471,9 +499,9 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
             :class:`Source` objects.
         train_path, eval_path, report_path: outputs (written atomically; nothing is renamed into
             place unless every source succeeded).
-        seed: sampling seed (max_samples, weight).
-        eval_fraction: share of ``split: both`` rows held out, in [0, 1].
-        max_chars: optional length limit (see :func:`normalize_conversation`).
+        settings: ``data.seed`` (sampling seed of max_samples, weight), ``data.eval_fraction`` (share of
+            ``split: both`` rows held out, in [0, 1]) and ``data.max_chars`` (optional length limit, see
+            :func:`normalize_conversation`).
 
     Returns:
         The report dict (also written to ``report_path``).
@@ -482,6 +510,7 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
         CurateError: bad source configuration; a missing path; a source with no readable record, or
             whose every row was dropped (the message names the source, path, adapter and main reason).
     """
+    seed, eval_fraction, max_chars = settings.data.seed, settings.data.eval_fraction, settings.data.max_chars
     srcs = check_sources(sources)
     for s in srcs:
         if not s.path.exists():
