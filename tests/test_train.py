@@ -272,6 +272,40 @@ def settings(train_cfg: dict, drafter: dict = TINY_DRAFTER) -> TrainSettings:
     return TrainSettings.from_config(train=train_cfg, drafter=drafter)
 
 
+def test_train_settings_hold_exactly_the_stage_keys():
+    """TrainSettings' fields are rule train's keys in draftsmith.stages (output + runtime), no more, no fewer."""
+    from draftsmith.stages import STAGE_KEYS
+
+    want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
+            for section, kinds in STAGE_KEYS["train"].items()}
+    assert {section: set(keys) for section, keys in TrainSettings.keys().items()} == want
+    with pytest.raises(ValueError, match="did you mean 'warmup_ratio'"):
+        TrainSettings.from_config(train={"warmup_ratios": 0.1})
+
+
+def test_run_fingerprint_is_pinned():
+    """The run fingerprint names the checkpoint folder (run-<fingerprint[:12]>): the same configuration must keep
+    it, or a rerun would not resume its own checkpoints. The hex is what draftsmith.train gave before it became a
+    package (settings as a dict). Cadence keys and ``gpus`` (it enters as the world size) leave it alone."""
+    from draftsmith.train import run_fingerprint
+
+    train_cfg = {"gpus": 2, "seed": 7, "epochs": 1.5, "max_steps": None, "lr": 3e-3, "weight_decay": 0.01,
+                 "warmup_ratio": 0.02, "grad_clip": 1.0, "tokens_per_batch": 1024, "grad_accum": 2, "num_anchors": 32,
+                 "max_anchors_per_row": 256, "activation_checkpointing": True, "loader_workers": 4,
+                 "progress_interval": 30, "logits_chunk_mib": 512, "loss_gamma": 7.0, "labels": "target",
+                 "save_every": 200, "eval_every": 100, "eval_fraction": 0.02, "min_lr_ratio": 0.1,
+                 "keep_checkpoints": 3, "prefetch": 4, "attention": "flex", "compile": True, "log_every": 10}
+    drafter_config = {"target_layer_ids": [1, 2], "mask_token_id": 3, "block_size": 4}
+    meta = {"num_samples": 8, "num_tokens": 384, "layer_ids": [1, 2], "target_fingerprint": "test",
+            "tokenizer_fingerprint": "test", "storage_dtype": "bfloat16", "chunks": []}
+    pinned = "3d9412799996d19b90c2747b7984b8a17835e7da8c405b6382c7310a61528ba5"
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 2) == pinned
+    cadence = dict(train_cfg, save_every=7, loader_workers=1, gpus=1, log_every=1, keep_checkpoints=1)
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=cadence).train, meta, 2) == pinned
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=dict(train_cfg, lr=1e-3)).train, meta,
+                           2) != pinned
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 1) != pinned
+
 def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     cfg = dict(TINY_TRAIN, max_steps=8, save_every=3, eval_fraction=0.15, eval_every=4, grad_accum=2,
                tokens_per_batch=64)
