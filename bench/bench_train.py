@@ -334,12 +334,12 @@ def run_e2e(workdir: Path, steps: int = 40, compile_layers: bool = False) -> dic
     """The real training loop (``draftsmith.train.train``: prefetch thread, pinned copies, flex, fused AdamW,
     checkpoints, held-out metrics) on :func:`write_synthetic` features. Checks that it runs on this device and
     that the loss falls; not a speed figure."""
-    from draftsmith.train import train
+    from draftsmith.train import TrainSettings, train
 
     index, tdir = write_synthetic(workdir)
     cfg = synthetic_cfg(steps, compile_layers)
     t = time.perf_counter()
-    state = train(index, tdir, workdir / "out", cfg["train"], cfg["drafter"])
+    state = train(index, tdir, workdir / "out", TrainSettings.from_config(cfg))
     first = state["history"][0]["loss"] if state["history"] else None
     return {"wall_s": time.perf_counter() - t, "steps": state["steps"], "heldout_first": first,
             "heldout_final": state["heldout"], "last_train": state["last_train"],
@@ -535,21 +535,22 @@ def bench_flops_per_token(index_path: Path, tdir: Path, cfg: dict, on_gpu: bool,
     and power-of-two anchor buckets); the drafter is built on the meta device (no memory). A cross-check of the
     trainer's own ``model_tflops_per_gpu`` and the MFU fallback when the trainer does not report it."""
     from draftsmith.features import FeatureIndex
-    from draftsmith.train import DRAFTER_DEFAULTS, TRAIN_DEFAULTS, build_model_config, make_batch, pack_rows
+    from draftsmith.train import TrainSettings, build_model_config, make_batch, pack_rows
 
-    train, drafter = {**TRAIN_DEFAULTS, **cfg["train"]}, {**DRAFTER_DEFAULTS, **cfg["drafter"]}
+    settings = TrainSettings.from_config(cfg)
+    train, drafter = settings.train, settings.drafter
     index = FeatureIndex(index_path)
     config = build_model_config(index, tdir, drafter, embedding_rows(tdir))
     with torch.device("meta"):
         model = DFlashDraftModel(config)
-    cap, block = int(train["tokens_per_batch"]), int(drafter["block_size"])
+    cap, block = int(train.tokens_per_batch), int(drafter.block_size)
     lengths = [s.num_tokens for s in index.samples]
     flops, ctx = 0.0, 0
     for r, row in enumerate(pack_rows(lengths, list(range(len(lengths))), cap)[:rows]):
-        batch = make_batch(index, row, num_anchors=train["num_anchors"], seed=r, feature_dtype=torch.bfloat16,
+        batch = make_batch(index, row, num_anchors=train.num_anchors, seed=r, feature_dtype=torch.bfloat16,
                            pad_tokens_to=-(-cap // 128) * 128 if on_gpu else 1,
                            pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,
-                           max_anchors_per_row=train["max_anchors_per_row"])
+                           max_anchors_per_row=train.max_anchors_per_row)
         flops += step_flops(model, batch)
         ctx += int((batch.doc_ids >= 0).sum())
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -630,16 +631,17 @@ def ddp_one_process(mode: str, argv: list[str]) -> int:
     ``python -m draftsmith.train`` with ``argv``; returns its exit status."""
     import torch.distributed as dist
 
-    from draftsmith import train
+    from draftsmith.train import distributed
+    from draftsmith.train.__main__ import main
 
     if torch.cuda.is_available():
         dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     else:
         dist.init_process_group("gloo")
     if mode == "split":
-        train.whole_layer_graphs_under_ddp = lambda: None
+        distributed.whole_layer_graphs_under_ddp = lambda: None
     try:
-        return train.main(argv)
+        return main(argv)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -37,9 +37,10 @@ import yaml
 from draftsmith.evaluate import DFlashProposer, PromptLookupProposer, speculative_generate, target_generate
 from draftsmith.evaluate.run import load_drafter
 from draftsmith.extract import FeatureExtractor
+from draftsmith.features import FeatureIndex
 from draftsmith.target import default_device, load_target, resolve_dtype
 from draftsmith.chat import load_tokenizer, stop_token_ids
-from draftsmith.train import TRAIN_DEFAULTS, FeatureIndex, pack_documents, split_samples
+from draftsmith.train import TrainSettings, pack_documents, split_samples
 
 
 def merged_config(paths: list[str]) -> dict:
@@ -89,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = merged_config(args.config)
-    train_cfg = {**TRAIN_DEFAULTS, **(cfg.get("train") or {})}
+    train_cfg = TrainSettings.from_config(cfg).train
     target_dir = args.target or str(Path("resources/targets") / str(cfg["target"]["model"]).split(":", 1)[-1])
     device = default_device()
     dtype = resolve_dtype(cfg["target"].get("dtype", "auto"), device)
@@ -116,7 +117,7 @@ def main() -> None:
     layer_ids = [int(i) for i in tf_drafters["sdpa"].target_layer_ids]
     if list(index.layer_ids) != layer_ids:
         raise SystemExit(f"{args.index}: layer ids {index.layer_ids} != the drafter's {layer_ids}")
-    _, heldout = split_samples([s.row for s in index.samples], train_cfg["eval_fraction"], train_cfg["seed"])
+    _, heldout = split_samples([s.row for s in index.samples], train_cfg.eval_fraction, train_cfg.seed)
     draft_model = load_drafter(args.drafter, device=device, dtype=dtype)
     dflash = DFlashProposer(draft_model, target)
     lookup = PromptLookupProposer(3, dflash.max_drafts)

@@ -1,8 +1,9 @@
 """Entry point of rule train: lease the GPUs, then torchrun ``python -m draftsmith.train`` (one process per leased
 GPU; one on the CPU when the rule asks for none), its output to the console and to the rule's log.
 
-The processes get the keys the weights depend on (the rule's params) and train's runtime keys (cadence,
-loader; draftsmith.stages) from the config, which Snakemake does not rerun training for.
+The processes get the stage's settings (:class:`draftsmith.train.TrainSettings`: the keys the weights depend on,
+the rule's params, and train's runtime keys from the config, cadence and loader, which Snakemake does not rerun
+training for) as ``--args`` JSON.
 """
 
 import json
@@ -13,17 +14,17 @@ from pathlib import Path
 
 from draftsmith.gpu import LEASE_LOG, lease_gpus
 from draftsmith.io import setup_logging
-from draftsmith.stages import stage_config
+from draftsmith.train import TrainSettings
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
-cfg = stage_config("train", snakemake.params.settings, snakemake.config)  # noqa: F821
+settings = TrainSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
 gpus = int(snakemake.resources.gpu)  # noqa: F821
 lease_gpus(gpus, logger=log, job="train", record=LEASE_LOG)  # exports CUDA_VISIBLE_DEVICES; held while training runs
 out_dir = Path(snakemake.output.state).parent.parent  # noqa: F821  (results/drafter)
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(max(1, gpus)),
        "-m", "draftsmith.train", "--index", snakemake.input.index, "--target", snakemake.input.target,  # noqa: F821
        "--out", str(out_dir), "--threads", str(snakemake.threads),  # noqa: F821
-       "--args", json.dumps({section: dict(values) for section, values in cfg.items()})]
+       "--args", json.dumps(settings.to_dict())]
 log.info("torchrun: %d process(es)", max(1, gpus))
 # the training processes' lines go through the log file's own handler, so they and this script's lines share one
 # file position (a second handle on the file would overwrite one with the other)

@@ -20,11 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.features import FeatureIndex
 from draftsmith.target import capture_layers
 from draftsmith.train import (
     BatchPlan,
-    FeatureIndex,
     Prefetcher,
+    TrainSettings,
     expected_acceptance_length,
     load_latest_checkpoint,
     lr_factor,
@@ -266,12 +267,51 @@ def test_lr_schedule_and_expected_tau():
 # checkpoints and resume
 # ------------------------------------------------------------------------------------------------------------
 
+def settings(train_cfg: dict, drafter: dict = TINY_DRAFTER) -> TrainSettings:
+    """The trainer's settings: ``train_cfg`` and ``drafter`` over the schema defaults."""
+    return TrainSettings.from_config(train=train_cfg, drafter=drafter)
+
+
+def test_train_settings_hold_exactly_the_stage_keys():
+    """TrainSettings' fields are rule train's keys in draftsmith.stages (output + runtime), no more, no fewer."""
+    from draftsmith.stages import STAGE_KEYS
+
+    want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
+            for section, kinds in STAGE_KEYS["train"].items()}
+    assert {section: set(keys) for section, keys in TrainSettings.keys().items()} == want
+    with pytest.raises(ValueError, match="did you mean 'warmup_ratio'"):
+        TrainSettings.from_config(train={"warmup_ratios": 0.1})
+
+
+def test_run_fingerprint_is_pinned():
+    """The run fingerprint names the checkpoint folder (run-<fingerprint[:12]>): the same configuration must keep
+    it, or a rerun would not resume its own checkpoints. The hex is what draftsmith.train gave before it became a
+    package (settings as a dict). Cadence keys and ``gpus`` (it enters as the world size) leave it alone."""
+    from draftsmith.train import run_fingerprint
+
+    train_cfg = {"gpus": 2, "seed": 7, "epochs": 1.5, "max_steps": None, "lr": 3e-3, "weight_decay": 0.01,
+                 "warmup_ratio": 0.02, "grad_clip": 1.0, "tokens_per_batch": 1024, "grad_accum": 2, "num_anchors": 32,
+                 "max_anchors_per_row": 256, "activation_checkpointing": True, "loader_workers": 4,
+                 "progress_interval": 30, "logits_chunk_mib": 512, "loss_gamma": 7.0, "labels": "target",
+                 "save_every": 200, "eval_every": 100, "eval_fraction": 0.02, "min_lr_ratio": 0.1,
+                 "keep_checkpoints": 3, "prefetch": 4, "attention": "flex", "compile": True, "log_every": 10}
+    drafter_config = {"target_layer_ids": [1, 2], "mask_token_id": 3, "block_size": 4}
+    meta = {"num_samples": 8, "num_tokens": 384, "layer_ids": [1, 2], "target_fingerprint": "test",
+            "tokenizer_fingerprint": "test", "storage_dtype": "bfloat16", "chunks": []}
+    pinned = "3d9412799996d19b90c2747b7984b8a17835e7da8c405b6382c7310a61528ba5"
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 2) == pinned
+    cadence = dict(train_cfg, save_every=7, loader_workers=1, gpus=1, log_every=1, keep_checkpoints=1)
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=cadence).train, meta, 2) == pinned
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=dict(train_cfg, lr=1e-3)).train, meta,
+                           2) != pinned
+    assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 1) != pinned
+
 def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     cfg = dict(TINY_TRAIN, max_steps=8, save_every=3, eval_fraction=0.15, eval_every=4, grad_accum=2,
                tokens_per_batch=64)
     a, b = tmp_path / "a", tmp_path / "b"
-    train(qwen3_setup["index"], qwen3_setup["target_dir"], a, cfg, TINY_DRAFTER, threads=1)
-    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, cfg, TINY_DRAFTER, threads=1,
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], a, settings(cfg), threads=1)
+    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(cfg), threads=1,
                     stop_after_steps=5)
     assert stopped["stopped_at"] == 5 and not (b / "trained").exists()
     (ckpts,) = (b / "checkpoints").glob("run-*")  # one folder per configuration
@@ -282,7 +322,7 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     junk = ckpts / ".step-00000006.tmp-999"
     junk.mkdir()
     (junk / "model.safetensors").write_bytes(b"\0" * 10)
-    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, cfg, TINY_DRAFTER, threads=1)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(cfg), threads=1)
     assert state["resumed_from_step"] == 5 and state["steps"] == 8
     wa = load_file(str(a / "trained" / "model.safetensors"))
     wb = load_file(str(b / "trained" / "model.safetensors"))
@@ -299,8 +339,8 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     assert load_latest_checkpoint(ckpts)[1]["step"] == 6
     # a changed configuration (Snakemake reruns train on changed params) starts fresh, never resumes another
     # configuration's checkpoint, and leaves it in place
-    state2 = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, dict(cfg, lr=1e-4, max_steps=2),
-                   TINY_DRAFTER, threads=1)
+    state2 = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(dict(cfg, lr=1e-4, max_steps=2)),
+                   threads=1)
     assert state2["resumed_from_step"] == 0 and len(list((b / "checkpoints").glob("run-*"))) == 2
     assert ckpts.is_dir()
     assert any((a / "tensorboard").iterdir())
@@ -355,7 +395,7 @@ def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_s
 
     cfg = dict(TINY_TRAIN, max_steps=300, lr=1e-2, warmup_ratio=0.05, num_anchors=64, tokens_per_batch=96)
     drafter = dict(TINY_DRAFTER, num_layers=2)
-    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, cfg, drafter, threads=1)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=1)
     assert state["last_train"]["loss"] < 0.05, state["last_train"]
     export_drafter(tmp_path / "trained", qwen3_setup["target_dir"], tmp_path / "final",
                    ExportSettings.from_config(drafter={"export_dtype": "float32"}))
@@ -398,10 +438,10 @@ def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path):
     and a run stopped after a checkpoint resumes to the planned step count."""
     cfg = dict(TINY_TRAIN, max_steps=60, lr=1e-2, eval_fraction=0.25, eval_every=30, compile=True,
                save_every=30)
-    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, cfg, TINY_DRAFTER, threads=2,
+    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=2,
                     stop_after_steps=30)
     assert stopped == {"stopped_at": 30, "total_steps": 60}
-    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, cfg, TINY_DRAFTER, threads=2)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=2)
     assert state["resumed_from_step"] == 30 and state["steps"] == 60 and state["device"].startswith("cuda")
     assert [h["step"] for h in state["history"]] == [30, 60] and math.isfinite(state["heldout"]["loss"])
     chance = math.log(qwen3_setup["target"].config.vocab_size)  # the loss of a uniform guess
@@ -436,7 +476,7 @@ def test_prefetcher_keeps_the_order_with_several_workers_and_reraises():
 def test_throughput_windows_leave_out_evaluation_and_count_flops(monkeypatch):
     """Window rates cover only the steps since the last log line or skip (held-out evaluation, checkpoint); the
     overall rate covers everything since the loop started; model TFLOP/s are per GPU."""
-    from draftsmith import train as train_module
+    from draftsmith.train import metrics as train_module
 
     clock = iter([100.0, 102.0, 110.0, 111.0, 112.0])
     monkeypatch.setattr(train_module.time, "time", lambda: next(clock))
@@ -548,7 +588,7 @@ def test_training_in_a_one_process_ddp_group_equals_the_plain_run(qwen3_setup, t
 
     cfg = dict(TINY_TRAIN, max_steps=4, grad_accum=2, tokens_per_batch=64, eval_fraction=0.15)
     plain, wrapped = tmp_path / "plain", tmp_path / "ddp"
-    train(qwen3_setup["index"], qwen3_setup["target_dir"], plain, cfg, TINY_DRAFTER, threads=1)
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], plain, settings(cfg), threads=1)
     wrapped_steps = []
 
     class CountingDDP(torch.nn.parallel.DistributedDataParallel):
@@ -559,7 +599,7 @@ def test_training_in_a_one_process_ddp_group_equals_the_plain_run(qwen3_setup, t
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", CountingDDP)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        state = train(qwen3_setup["index"], qwen3_setup["target_dir"], wrapped, cfg, TINY_DRAFTER, threads=1)
+        state = train(qwen3_setup["index"], qwen3_setup["target_dir"], wrapped, settings(cfg), threads=1)
     finally:
         dist.destroy_process_group()
     assert state["world_size"] == 1 and state["steps"] == 4 and wrapped_steps == ["_TrainStep"]
@@ -576,7 +616,7 @@ def test_collectives_outwait_a_checkpoint_on_a_slow_file_system(monkeypatch):
     shared file system."""
     import torch.distributed as dist
 
-    from draftsmith import train as train_mod
+    from draftsmith.train import distributed as train_mod
 
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")

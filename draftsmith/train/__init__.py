@@ -1,0 +1,67 @@
+"""train: the DFlash drafter on the extracted target features (single process or torchrun DDP).
+
+Reading order, nanoGPT style: :mod:`.settings` (:class:`TrainSettings`, the ``train`` and ``drafter`` keys),
+:mod:`.plan` (held-out split, packed rows, :class:`BatchPlan`, the learning-rate schedule), :mod:`.batches`
+(:func:`make_batch` / :func:`pack_documents`: packed rows with document ids and per-document anchors;
+:class:`Prefetcher`, a background reader that overlaps reading with compute), :mod:`.model` (the drafter's config
+and optimizer), :mod:`.checkpoint` (:func:`save_checkpoint`, :func:`load_latest_checkpoint`, the run fingerprint),
+:mod:`.metrics` (:func:`evaluate`: held-out loss, per-position accuracy, expected acceptance length; throughput,
+GPU memory), :mod:`.distributed` (torchrun, DDP, compiled layers) and finally :mod:`.trainer`, whose
+:func:`train` is the run and the loop. ``python -m draftsmith.train`` (:mod:`.__main__`) is one process of it.
+
+The batch plan is a pure function of (seed, epoch): epoch ``e`` shuffles the training samples with seed
+``(seed, e)`` and packs them greedily into rows of at most ``tokens_per_batch`` tokens; optimizer step ``s`` of
+rank ``r`` takes row ``(s_e * accum + m) * world + r`` for micro-batch ``m`` (``s_e`` = step within the
+epoch, :class:`BatchPlan`); the anchors of a row are drawn from a generator seeded by (seed, epoch, row). So a
+resumed run replays exactly the batches an uninterrupted one would see, and "data position" is the step counter.
+
+Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder per configuration):
+``model.safetensors`` (drafter weights), ``optimizer.safetensors``
+(AdamW moments and step counts), ``rng.safetensors`` (torch CPU / CUDA generator states), ``state.json`` (step,
+epoch, scheduler, data position, run fingerprint, sha256 of the other files; written last). A folder is
+assembled under a temporary name and renamed into place, then ``latest.json`` is replaced atomically; resume
+verifies the hashes, so a half-written checkpoint is never accepted.
+"""
+
+from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, cap_anchors, make_batch, pack_documents
+from draftsmith.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    load_latest_checkpoint,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    resume,
+    run_fingerprint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from draftsmith.train.distributed import (
+    COLLECTIVE_TIMEOUT_S,
+    Dist,
+    barrier,
+    prepare_step,
+    setup_device,
+    setup_distributed,
+    whole_layer_graphs_under_ddp,
+)
+from draftsmith.train.metrics import (
+    Metrics,
+    StepMemory,
+    Throughput,
+    evaluate,
+    expected_acceptance_length,
+    peak_memory_gib,
+)
+from draftsmith.train.model import build_model_config, make_optimizer
+from draftsmith.train.plan import BatchPlan, TrainData, lr_factor, pack_rows, plan_data, seed_of, split_samples
+from draftsmith.train.settings import CADENCE_KEYS, DrafterOptions, TrainOptions, TrainSettings
+from draftsmith.train.trainer import train
+
+__all__ = [
+    "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "Metrics",
+    "Prefetcher", "StepMemory", "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainSettings", "barrier",
+    "batch_maker", "build_model_config", "cap_anchors", "evaluate", "expected_acceptance_length",
+    "load_latest_checkpoint", "load_optimizer_tensors", "lr_factor", "make_batch", "make_optimizer",
+    "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib", "plan_data", "prepare_step", "resume",
+    "run_fingerprint", "save_checkpoint", "seed_of", "setup_device", "setup_distributed", "split_samples", "train",
+    "verify_checkpoint", "whole_layer_graphs_under_ddp",
+]

@@ -1,0 +1,174 @@
+"""Checkpoints: the run fingerprint that names their folder, atomic writes, verified reads, resume.
+
+A checkpoint is ``<out>/checkpoints/run-<fingerprint[:12]>/step-XXXXXXXX/`` (the layout is described in
+:mod:`draftsmith.train`): :func:`save_checkpoint` assembles it under a temporary name, fsyncs and renames it into
+place, then replaces ``latest.json``; :func:`load_latest_checkpoint` returns the newest one whose files match their
+recorded sha256; :func:`resume` loads its weights, optimizer state and RNG states into a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.io import read_json, sha256_file, write_json
+from draftsmith.modeling import DFlashDraftModel
+from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
+
+log = logging.getLogger("draftsmith.train")
+
+CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
+
+
+def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: dict, world: int) -> str:
+    """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
+    keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
+    ``world``), the features' identity (sample and token counts, layer ids, target and tokenizer fingerprints,
+    storage dtype) and the world size."""
+    payload = {
+        "drafter": drafter_config,
+        "train": {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS},
+        "features": {k: index_meta.get(k) for k in ("num_samples", "num_tokens", "layer_ids", "target_fingerprint",
+                                                     "tokenizer_fingerprint", "storage_dtype")},
+        "world_size": world,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer ``state_dict`` into safetensors-able tensors (``state.<param>.<name>``) and JSON."""
+    sd = opt.state_dict()
+    tensors = {}
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"state.{pid}.{name}"] = t.detach().contiguous().cpu()
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Inverse of :func:`optimizer_tensors`."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = t
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder (its entries: a rename into it survives a crash); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: torch.optim.Optimizer,
+                    state: dict, keep: int = 2) -> Path:
+    """Write ``ckpt_dir/step-XXXXXXXX/`` atomically, point ``latest.json`` at it, keep the newest ``keep``.
+
+    ``state`` (JSON) gets the sha256 of every tensor file; ``state.json`` is written last inside the
+    temporary folder, which is then renamed into place.
+    """
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"step-{step:08d}"
+    tmp = ckpt_dir / f".step-{step:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    opt_tensors, opt_meta = optimizer_tensors(opt)
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = s
+    files = {"model.safetensors": model.trainable_state_dict(), "optimizer.safetensors": opt_tensors,
+             "rng.safetensors": rng}
+    hashes = {}
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        hashes[name] = sha256_file(tmp / name)
+    full = dict(state, format=CHECKPOINT_FORMAT, step=step, files=hashes, optimizer=opt_meta)
+    write_json(tmp / "state.json", full)
+    for name in list(files) + ["state.json"]:
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_dir)
+    write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
+    done = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify_checkpoint(path: Path) -> dict | None:
+    """``state.json`` of a complete checkpoint folder whose files match their recorded sha256, else None."""
+    try:
+        state = read_json(path / "state.json")
+    except (FileNotFoundError, ValueError):
+        return None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        return None
+    for name, digest in (state.get("files") or {}).items():
+        if not (path / name).is_file() or sha256_file(path / name) != digest:
+            log.warning("checkpoint %s: %s is missing or does not match its sha256; ignoring it", path, name)
+            return None
+    return state
+
+
+def load_latest_checkpoint(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest verified checkpoint: ``latest.json``'s target when valid, else the newest valid
+    ``step-*`` folder (temporary ``.step-*`` folders of killed writers are ignored)."""
+    if not ckpt_dir.is_dir():
+        return None
+    candidates = []
+    latest = ckpt_dir / "latest.json"
+    if latest.is_file():
+        try:
+            candidates.append(ckpt_dir / read_json(latest)["path"])
+        except (ValueError, KeyError):
+            log.warning("%s is unreadable; scanning the step folders", latest)
+    candidates += sorted((p for p in ckpt_dir.glob("step-*") if p.is_dir()), reverse=True)
+    for path in candidates:
+        state = verify_checkpoint(path)
+        if state is not None:
+            return path, state
+    return None
+
+
+def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer: torch.optim.Optimizer,
+           device: torch.device, total_steps: int) -> tuple[int, list]:
+    """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history)``,
+    ``(0, [])`` when there is none.
+
+    Raises:
+        ValueError: the checkpoint's fingerprint is not the folder's (edited by hand).
+    """
+    found = load_latest_checkpoint(ckpt_dir)
+    if found is None:
+        return 0, []
+    path, state = found
+    if state.get("fingerprint") != fingerprint:
+        raise ValueError(f"{path}: its run fingerprint {state.get('fingerprint', '?')[:12]} does not match "
+                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
+    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
+    load_optimizer_tensors(optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)),
+                           state["optimizer"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["torch_cpu"])
+    if device.type == "cuda" and f"torch_cuda_{device.index or 0}" in rng:
+        torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
+    log.info("resumed from %s (step %d of %d)", path, int(state["step"]), total_steps)
+    return int(state["step"]), list(state.get("history", []))

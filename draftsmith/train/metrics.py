@@ -1,0 +1,235 @@
+"""What a run measures: loss and acceptance metrics, throughput, GPU memory, and where they are written.
+
+:class:`Metrics` sums the drafter's training outputs over micro-batches and ranks (loss, per-position CE and
+accuracy, :func:`expected_acceptance_length`); :func:`evaluate` runs them over the held-out rows;
+:class:`Throughput` gives context tokens/s and model TFLOP/s per GPU; :class:`StepMemory` and
+:func:`peak_memory_gib` account GPU memory; :func:`log_train_step` and :func:`log_heldout` write the log lines and
+TensorBoard scalars.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from draftsmith.modeling import DFlashDraftModel
+
+log = logging.getLogger("draftsmith.train")
+
+
+def expected_acceptance_length(acc: list[float]) -> float:
+    """E[tau] = 1 + sum_k prod_{j<=k} acc_j from per-position accuracies ``acc_1..acc_{B-1}`` (bonus included;
+    positions treated as independent)."""
+    tau, surv = 1.0, 1.0
+    for a in acc:
+        surv *= a
+        tau += surv
+    return tau
+
+
+class Metrics:
+    """Sums of :class:`draftsmith.modeling.DFlashTrainOutput` fields over batches (and ranks), float64 on
+    ``device``: ``nslot`` = block size - 1 predicted positions per block."""
+
+    def __init__(self, nslot: int, device: torch.device):
+        self.t = {"loss_w": torch.zeros((), dtype=torch.float64, device=device),
+                  "weight": torch.zeros((), dtype=torch.float64, device=device),
+                  "ce": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "correct": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "count": torch.zeros(nslot, dtype=torch.float64, device=device),
+                  "accept": torch.zeros((), dtype=torch.float64, device=device),
+                  "blocks": torch.zeros((), dtype=torch.float64, device=device)}
+
+    def add(self, out) -> None:
+        self.t["loss_w"] += out.loss.detach().double() * out.weight_sum.double()
+        self.t["weight"] += out.weight_sum.detach().double()
+        self.t["ce"] += out.ce_sum.double()
+        self.t["correct"] += out.correct.double()
+        self.t["count"] += out.count.double()
+        self.t["accept"] += out.accept_sum.double()
+        self.t["blocks"] += out.full_blocks.double()
+
+    def all_reduce(self) -> None:
+        if dist.is_initialized():
+            for v in self.t.values():
+                dist.all_reduce(v)
+
+    def summary(self) -> dict[str, Any]:
+        t = {k: v.cpu() for k, v in self.t.items()}
+        count = t["count"].clamp_min(1)
+        acc = (t["correct"] / count).tolist()
+        return {
+            "loss": float(t["loss_w"] / t["weight"].clamp_min(1e-12)),
+            "ce_per_position": (t["ce"] / count).tolist(),
+            "accuracy_per_position": acc,
+            "predictions_per_position": [int(c) for c in t["count"].tolist()],
+            "tau_expected": expected_acceptance_length(acc),
+            "tau_blocks": float(1 + t["accept"] / t["blocks"].clamp_min(1)),
+            "full_blocks": int(t["blocks"]),
+        }
+
+
+def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use_target_tokens: bool,
+             device: torch.device, autocast, logits_chunk_bytes: int = 1 << 30) -> dict[str, Any]:
+    """Held-out metrics over ``batches`` (this rank's share; summed over ranks): loss, CE and accuracy per
+    position, ``tau_expected`` (from per-position accuracies) and ``tau_blocks`` (mean accepted prefix + 1 over
+    fully supervised blocks)."""
+    was_training = model.training
+    model.eval()
+    metrics = Metrics(model.block_size - 1, device)
+    with torch.no_grad():
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            with autocast():
+                out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+                                             logits_chunk_bytes=logits_chunk_bytes)
+            metrics.add(out)
+    metrics.all_reduce()
+    model.train(was_training)
+    return metrics.summary()
+
+
+class Throughput:
+    """Context tokens and model FLOPs per second, summed over ranks: since the loop started, and over the
+    current window (the steps since the last log line; held-out evaluations and checkpoints are left out, so the
+    window rate is the training rate once compilation has warmed up).
+
+    The model FLOPs are :func:`draftsmith.flops.step_flops` (PaLM-style MFU: matmuls only, no recomputation);
+    ``model_tflops_per_gpu`` divided by the GPU's dense bf16 peak is the MFU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t_start = self.t_window = time.time()
+        self.tokens = self.window_tokens = 0
+        self.window_flops = 0.0
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.tokens += tokens
+        self.window_tokens += tokens
+        self.window_flops += flops
+
+    def skip(self, now: float | None = None) -> None:
+        """Start a new window (now, or at ``now``): the time since the last call is not training (evaluation,
+        checkpoint)."""
+        self.t_window = time.time() if now is None else now
+        self.window_tokens, self.window_flops = 0, 0.0
+
+    def rates(self, world: int) -> dict[str, float]:
+        """``{"tokens_per_s", "window_tokens_per_s", "model_tflops_per_gpu"}`` over all ranks (a collective under
+        torch.distributed), then a new window."""
+        now = time.time()
+        sums = torch.tensor([self.tokens, self.window_tokens, self.window_flops], dtype=torch.float64,
+                            device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        tokens, window_tokens, window_flops = sums.tolist()
+        window_s = max(now - self.t_window, 1e-9)
+        out = {"tokens_per_s": tokens / max(now - self.t_start, 1e-9),
+               "window_tokens_per_s": window_tokens / window_s,
+               "model_tflops_per_gpu": window_flops / window_s / world / 1e12}
+        self.skip(now)
+        return out
+
+
+class StepMemory:
+    """GPU memory of each phase of one optimizer step: what the step starts with and, per phase, the peak
+    allocated during it and what stays allocated after it (GiB, torch's caching-allocator counters).
+
+    The phases are ``forward`` / ``backward`` per micro-batch (``forward.2``, ... when ``grad_accum`` > 1), then
+    ``clip`` (gradient norm), ``optimizer`` (AdamW step) and ``zero_grad``. Reading the counters needs no GPU
+    sync: allocations are made when the host enqueues the kernels. Each phase resets the allocator's peak, so
+    the whole run's peak is carried in :attr:`run_peak` (bytes) and :func:`peak_memory_gib` takes it as a floor.
+    Written to trainer_state.json as ``memory_by_phase_gib`` (rank 0's); the question it answers: where DDP's
+    extra memory over one process sits.
+
+    Args:
+        allocated, peak, reset: the counters (default ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` /
+            ``reset_peak_memory_stats`` of ``device``), replaceable for tests.
+    """
+
+    def __init__(self, device: torch.device | None = None, *, allocated=None, peak=None, reset=None):
+        self.allocated = allocated or (lambda: torch.cuda.memory_allocated(device))
+        self.peak = peak or (lambda: torch.cuda.max_memory_allocated(device))
+        self.reset = reset or (lambda: torch.cuda.reset_peak_memory_stats(device))
+        self.run_peak = 0
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def start(self) -> None:
+        """Before the step: records what is allocated (weights, optimizer state, DDP buckets) and resets the peak."""
+        self.run_peak = max(self.run_peak, self.peak())
+        self.phases = {"start": {"allocated_gib": round(self.allocated() / 2 ** 30, 2)}}
+        self.reset()
+
+    def mark(self, phase: str) -> None:
+        """At the end of ``phase``: its peak and what it left allocated; resets the peak for the next phase."""
+        peak = self.peak()
+        self.run_peak = max(self.run_peak, peak)
+        name, k = phase, 1
+        while name in self.phases:
+            k += 1
+            name = f"{phase}.{k}"
+        self.phases[name] = {"peak_gib": round(peak / 2 ** 30, 2), "after_gib": round(self.allocated() / 2 ** 30, 2)}
+        self.reset()
+
+    def summary(self) -> str:
+        """One log line: ``start 30.1; forward peak 60.2 -> 58.0; ...`` (GiB)."""
+        parts = [f"start {self.phases['start']['allocated_gib']:.1f}"] if "start" in self.phases else []
+        parts += [f"{k} peak {v['peak_gib']:.1f} -> {v['after_gib']:.1f}" for k, v in self.phases.items()
+                  if k != "start"]
+        return "; ".join(parts) + " GiB"
+
+
+def peak_memory_gib(device: torch.device, floor_bytes: int = 0) -> list[float] | None:
+    """Peak GPU memory allocated by torch on each rank (GiB, ``torch.cuda.max_memory_allocated``, or
+    ``floor_bytes`` when higher: the peak of phases whose counter :class:`StepMemory` reset; rank order);
+    None on the CPU. A collective under torch.distributed."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor([max(torch.cuda.max_memory_allocated(device), floor_bytes) / 2 ** 30], dtype=torch.float64,
+                        device=device)
+    every = [peak]
+    if dist.is_initialized():
+        every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, peak)
+    return [round(float(t), 2) for t in every]
+
+
+def log_train_step(writer, step: int, metrics: Metrics, lr: float, grad_norm: torch.Tensor, throughput: Throughput,
+                   *, world: int, on_gpu: bool, bar) -> dict[str, Any]:
+    """The training line of step ``step``: loss and accuracy summed over ranks (a collective), learning rate,
+    gradient norm, rates (:meth:`Throughput.rates`) to TensorBoard (``writer``, None on ranks > 0) and the progress
+    bar; returns it as ``{"step", "loss", "lr", "grad_norm", **rates}``."""
+    grad_norm = float(grad_norm)
+    metrics.all_reduce()
+    summary = metrics.summary()
+    rates = throughput.rates(world)
+    if writer is not None:
+        writer.add_scalar("train/loss", summary["loss"], step)
+        writer.add_scalar("train/lr", lr, step)
+        writer.add_scalar("train/grad_norm", grad_norm, step)
+        writer.add_scalar("train/tokens_per_s", rates["window_tokens_per_s"], step)
+        writer.add_scalar("train/model_tflops_per_gpu", rates["model_tflops_per_gpu"], step)
+        writer.add_scalar("train/accuracy_pos01", summary["accuracy_per_position"][0], step)
+    flops = f", {rates['model_tflops_per_gpu']:.0f} TFLOP/s/GPU" if on_gpu else ""
+    bar.set_postfix_str(f"loss {summary['loss']:.4f}, lr {lr:.2e}, {rates['window_tokens_per_s']:,.0f} ctx "
+                        f"tok/s{flops}", refresh=False)
+    return {"step": step, "loss": summary["loss"], "lr": lr, "grad_norm": grad_norm, **rates}
+
+
+def log_heldout(writer, metrics: dict, step: int) -> None:
+    """The held-out metrics of ``step`` (:func:`evaluate`) to TensorBoard (``writer``, None on ranks > 0) and the
+    log."""
+    if writer is not None:
+        writer.add_scalar("eval/loss", metrics["loss"], step)
+        writer.add_scalar("eval/tau_expected", metrics["tau_expected"], step)
+        writer.add_scalar("eval/tau_blocks", metrics["tau_blocks"], step)
+        for k, a in enumerate(metrics["accuracy_per_position"], start=1):
+            writer.add_scalar(f"eval/accuracy_pos{k:02d}", a, step)
+    log.info("step %d held-out: loss %.4f, tau_expected %.3f, tau_blocks %.3f, acc %s", step, metrics["loss"],
+             metrics["tau_expected"], metrics["tau_blocks"],
+             " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))

@@ -1,0 +1,87 @@
+"""The train stage's settings: the ``train`` and ``drafter`` config keys it reads, frozen.
+
+Fields are exactly the keys :data:`draftsmith.stages.STAGE_KEYS` lists for rule ``train`` (output keys first, then
+runtime keys); defaults come from the schema (:mod:`draftsmith.settings`). ``scripts/train.py`` builds them with
+:meth:`TrainSettings.from_rule` and hands ``to_dict()`` to ``python -m draftsmith.train --args``, which rebuilds them
+with :meth:`TrainSettings.from_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.stages import STAGE_KEYS
+
+
+@dataclass(frozen=True)
+class TrainOptions(SectionSettings):
+    """The ``train`` section: optimisation, batching and labels (output keys), then checkpoint / eval / log
+    cadence, loader and memory switches (runtime keys)."""
+
+    SECTION: ClassVar[str] = "train"
+    # output keys: the trained weights depend on them
+    gpus: int
+    seed: int
+    epochs: float
+    max_steps: int | None
+    lr: float
+    weight_decay: float
+    warmup_ratio: float
+    min_lr_ratio: float
+    grad_clip: float
+    tokens_per_batch: int
+    grad_accum: int
+    num_anchors: int
+    max_anchors_per_row: int | None
+    loss_gamma: float | None
+    labels: str
+    eval_fraction: float
+    attention: str
+    compile: bool
+    # runtime keys: how the run goes, not what it trains
+    save_every: int
+    eval_every: int
+    keep_checkpoints: int
+    prefetch: int
+    log_every: int
+    loader_workers: int
+    progress_interval: float
+    logits_chunk_mib: int
+    activation_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class DrafterOptions(SectionSettings):
+    """The ``drafter`` section: the drafter's shape, its tapped target layers and its mask token."""
+
+    SECTION: ClassVar[str] = "drafter"
+    num_layers: int
+    block_size: int
+    target_layer_ids: tuple[int, ...] | None
+    num_target_features: int | None
+    mask_token_id: int | None
+    layer_types: tuple[str, ...] | None
+    sliding_window: int | None
+    intermediate_size: int | None
+    is_causal: bool | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    rope_theta: float | None
+
+
+@dataclass(frozen=True)
+class TrainSettings(StageSettings):
+    """Everything the train stage reads: ``settings.train.lr``, ``settings.drafter.block_size``, ..."""
+
+    STAGE: ClassVar[str] = "train"
+    train: TrainOptions
+    drafter: DrafterOptions
+
+
+#: The ``train`` keys that leave the training trajectory alone (save / eval / log cadence, loader, memory-saving
+#: switches: the rule's runtime keys, which Snakemake does not rerun training for either), plus ``gpus``, which
+#: enters the run fingerprint as the world size. :func:`draftsmith.train.checkpoint.run_fingerprint` leaves them out.
+CADENCE_KEYS: frozenset[str] = frozenset(STAGE_KEYS["train"]["train"]["runtime"]) | {"gpus"}
