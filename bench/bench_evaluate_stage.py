@@ -90,17 +90,19 @@ def write_inputs(target_dir: Path, work: Path, turns: list[list[str]], drafter_l
 def run(target_dir: Path, work: Path, drafter: Path, curated: Path, tokenized: Path, static: str, prompts: int,
         new_tokens: int, dtype: str) -> tuple[dict, float]:
     """One evaluate run: ``(report, wall seconds)``."""
-    from draftsmith.evaluate import run_evaluate
+    from draftsmith.evaluate import EvaluateSettings, run_evaluate
 
     out = work / f"static-{static}"
     outputs = {k: str(out / f) for k, f in [("json", "report.json"), ("md", "report.md"), ("tau", "tau.png"),
                                             ("positions", "per_position.png"), ("histogram", "hist.png")]}
-    cfg = {"sets": {"mtbench": {"source": "mtbench", "max_prompts": prompts, "max_new_tokens": new_tokens}},
-           "static_cache": static, "max_prompt_tokens": 2048}
+    settings = EvaluateSettings.from_config(
+        evaluate={"sets": {"mtbench": {"source": "mtbench", "max_prompts": prompts, "max_new_tokens": new_tokens}},
+                  "static_cache": static, "max_prompt_tokens": 2048},
+        target={"dtype": dtype})
     t0 = time.perf_counter()
     report = run_evaluate(target_dir=str(target_dir), drafter_dir=str(drafter), curated_eval=str(curated),
-                          tokenized_eval=str(tokenized), outputs=outputs, evaluate_cfg=cfg,
-                          target_cfg={"dtype": dtype}, sources=[{"name": "mtbench", "split": "eval"}], workers=1)
+                          tokenized_eval=str(tokenized), outputs=outputs, settings=settings,
+                          sources=[{"name": "mtbench", "split": "eval"}], workers=1)
     return report, time.perf_counter() - t0
 
 

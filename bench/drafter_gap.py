@@ -34,8 +34,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from draftsmith.evaluate import DFlashProposer, PromptLookupProposer, speculative_generate, target_generate
-from draftsmith.evaluate.run import load_drafter
+from draftsmith.evaluate import (
+    DFlashProposer,
+    PromptLookupProposer,
+    load_drafter,
+    speculative_generate,
+    target_generate,
+)
 from draftsmith.extract import FeatureExtractor
 from draftsmith.features import FeatureIndex
 from draftsmith.target import default_device, load_target, resolve_dtype

@@ -44,6 +44,26 @@ def schema_defaults(section: str) -> dict:
     return {key: node.get("default") for key, node in props.items()}
 
 
+def schema_entry_defaults(section: str, key: str) -> dict:
+    """``{field: default}`` of each entry of a mapping-valued key, from its ``additionalProperties`` in
+    :data:`SCHEMA_PATH` (``evaluate.sets``: every set's ``max_prompts`` and ``max_new_tokens``); fields without a
+    default (a set's ``source``) are left out.
+
+    Raises:
+        FileNotFoundError: the schema is not beside the package.
+        KeyError: no such section or key, or the key's entries declare no fields.
+    """
+    if not SCHEMA_PATH.is_file():
+        raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
+                                "schema of its checkout")
+    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    try:
+        props = schema["properties"][section]["properties"][key]["additionalProperties"]["properties"]
+    except (KeyError, TypeError):
+        raise KeyError(f"{SCHEMA_PATH}: {section}.{key} is not a mapping whose entries declare fields") from None
+    return {field: node["default"] for field, node in props.items() if "default" in node}
+
+
 def _key_path(error, config: dict | None = None) -> str:
     """Dotted key of a schema error; a data source is also named (``data.sources.1 (bfcl).adapter``)."""
     parts = [str(p) for p in error.absolute_path]

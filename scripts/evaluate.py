@@ -6,15 +6,15 @@ import torch
 
 from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
-from draftsmith.stages import stage_config
 
 log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake injects it)
-cfg = stage_config("evaluate", snakemake.params.settings, snakemake.config)  # noqa: F821
 lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG)  # noqa: F821
 torch.set_num_threads(snakemake.threads)  # noqa: F821
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from draftsmith.evaluate import run_evaluate  # noqa: E402
+from draftsmith.evaluate import EvaluateSettings, run_evaluate  # noqa: E402
+
+settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
 
 report = run_evaluate(
     target_dir=snakemake.input.target,  # noqa: F821
@@ -22,8 +22,7 @@ report = run_evaluate(
     curated_eval=snakemake.input.eval,  # noqa: F821
     tokenized_eval=snakemake.input.tokenized,  # noqa: F821
     outputs={k: snakemake.output[k] for k in ("json", "md", "tau", "positions", "histogram")},  # noqa: F821
-    evaluate_cfg=cfg["evaluate"],
-    target_cfg=cfg["target"],
+    settings=settings,
     sources=snakemake.params.sources,  # noqa: F821
     trainer_state=snakemake.input.trainer_state,  # noqa: F821
 )

@@ -24,6 +24,7 @@ import torch
 
 from draftsmith.evaluate import (
     DFlashProposer,
+    EvaluateSettings,
     GenerationResult,
     PromptLookupProposer,
     SamplingConfig,
@@ -759,6 +760,27 @@ def test_load_sets(tmp_path):
     assert held.skipped == {"prompt_too_long": 1, "no_user_turn": 1} and held.rows_read == 4
 
 
+def test_evaluate_settings_hold_the_stage_keys_and_the_schema_defaults():
+    """EvaluateSettings holds exactly the keys rule evaluate reads (draftsmith.stages.STAGE_KEYS), keeps the sets
+    in config order (through the JSON the decoding workers get too), refuses the removed evaluate.stop_tokens, and
+    a set's omitted sizes take the schema's defaults."""
+    from draftsmith.config import REMOVED_STOP_TOKENS, schema_entry_defaults
+    from draftsmith.evaluate.prompts import set_config
+    from draftsmith.stages import STAGE_KEYS
+
+    assert EvaluateSettings.keys() == {section: kinds.get("output", ()) + kinds.get("runtime", ())
+                                       for section, kinds in STAGE_KEYS["evaluate"].items()}
+    settings = EvaluateSettings.from_config(evaluate={"sets": {"z": {"source": "heldout"}, "a": {"source": "mt"}}})
+    assert list(settings.evaluate.sets) == ["z", "a"]
+    assert list(EvaluateSettings.from_config(json.loads(json.dumps(settings.to_dict()))).evaluate.sets) == ["z", "a"]
+    with pytest.raises(ValueError, match="evaluate.stop_tokens is no longer read") as refused:
+        EvaluateSettings.from_config(evaluate={"stop_tokens": ["</s>"]})
+    assert str(refused.value) == REMOVED_STOP_TOKENS
+    assert schema_entry_defaults("evaluate", "sets") == {"max_prompts": 16, "max_new_tokens": 128}
+    assert set_config("z", settings.evaluate.sets["z"]) == {"source": "heldout", "max_prompts": 16,
+                                                            "max_new_tokens": 128}
+
+
 @pytest.fixture(scope="module")
 def stage_inputs(tmp_path_factory):
     """A tiny target folder (llama + tiny ChatML tokenizer), an exported drafter, curated and tokenized
@@ -807,10 +829,10 @@ def _stage_kwargs(inputs, out, **cfg):
     state.write_text(json.dumps({"steps": 7, "labels": "target", "block_size": BLOCK, "last_train": {},
                                  "heldout": {"tau_blocks": 1.75, "tau_expected": 1.5, "loss": 3.0,
                                              "accuracy_per_position": [0.4, 0.2, 0.1]}}))
+    settings = EvaluateSettings.from_config(evaluate=evaluate_cfg, target={"dtype": "float32"})
     return dict(target_dir=inputs["target"], drafter_dir=inputs["drafter"], curated_eval=inputs["curated"],
-                tokenized_eval=inputs["tokenized"], outputs=outputs, evaluate_cfg=evaluate_cfg,
-                trainer_state=str(state),
-                target_cfg={"dtype": "float32"}, device="cpu",
+                tokenized_eval=inputs["tokenized"], outputs=outputs, settings=settings,
+                trainer_state=str(state), device="cpu",
                 sources=[{"name": "chat", "split": "both"}, {"name": "mtbench", "split": "eval"}])
 
 
@@ -819,11 +841,11 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     """run_evaluate writes a reconciled report (lossless, τ, speedups, histogram), report.md and valid
     PNGs; MT-Bench turn 2 is asked after the target's answer; an over-long prompt is a counted skip; a
     run killed after the first set resumes without redoing it; a tokenizer mismatch is refused."""
-    import draftsmith.evaluate.run as run_mod
+    import draftsmith.evaluate.decoders as decoders_mod
 
     kwargs = _stage_kwargs(stage_inputs, tmp_path)
     calls, rendered = [], []
-    real_generate, real_render = run_mod.target_generate, run_mod.render
+    real_generate, real_render = decoders_mod.target_generate, decoders_mod.render
 
     def counting_generate(*a, **k):
         calls.append(1)
@@ -831,8 +853,9 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
             raise KeyboardInterrupt("killed")
         return real_generate(*a, **k)
 
-    monkeypatch.setattr(run_mod, "target_generate", counting_generate)
-    monkeypatch.setattr(run_mod, "render", lambda tok, msgs, *a: rendered.append(msgs) or real_render(tok, msgs, *a))
+    monkeypatch.setattr(decoders_mod, "target_generate", counting_generate)
+    monkeypatch.setattr(decoders_mod, "render",
+                        lambda tok, msgs, *a: rendered.append(msgs) or real_render(tok, msgs, *a))
     kill_at = 4  # warm-up, two heldout prompts, then killed on the first MT-Bench turn
     with pytest.raises(KeyboardInterrupt):
         run_evaluate(**kwargs)
@@ -903,11 +926,11 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
 def test_evaluate_stage_on_a_gpu_equals_the_cpu_and_resumes(stage_inputs, tmp_path, monkeypatch):
     """On a GPU the stage decodes on the static cache with CUDA graphs (auto) and reports the CPU run's τ and
     lossless sets; killed after its first conversation, it resumes from the saved one (float32: no near ties)."""
-    import draftsmith.evaluate.run as run_mod
+    import draftsmith.evaluate.decoders as decoders_mod
 
     cpu = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "cpu"))
     kwargs = {**_stage_kwargs(stage_inputs, tmp_path / "gpu", checkpoint_interval=1e-6), "device": "cuda"}
-    calls, real = [], run_mod.speculative_generate
+    calls, real = [], decoders_mod.speculative_generate
 
     def killing(*a, **k):
         calls.append(1)
@@ -915,7 +938,7 @@ def test_evaluate_stage_on_a_gpu_equals_the_cpu_and_resumes(stage_inputs, tmp_pa
             raise KeyboardInterrupt("killed")
         return real(*a, **k)
 
-    monkeypatch.setattr(run_mod, "speculative_generate", killing)
+    monkeypatch.setattr(decoders_mod, "speculative_generate", killing)
     with pytest.raises(KeyboardInterrupt):
         run_evaluate(**kwargs)
     monkeypatch.undo()
@@ -933,25 +956,26 @@ def test_auto_puts_hybrid_targets_on_the_static_cache_on_a_gpu(caplog):
     """evaluate.static_cache: auto on a GPU serves hybrid Gated DeltaNet targets from the static cache (their graph
     rollback ran lossless on an H200: docs/rehearsal-x2), keeps sliding-window targets on the dynamic one (logged,
     with the reason), and never uses it on the CPU; ``true`` refuses a target it cannot serve."""
-    from draftsmith.evaluate.run import _static_target
+    from draftsmith.evaluate.decoders import static_target
+    from draftsmith.evaluate.settings import EvaluateOptions
     from draftsmith.evaluate.static import StaticTarget
 
     cuda = torch.device("cuda")  # the model stays on the CPU: no graphs are captured, the decision is what is tested
-    cfg = {"static_cache": "auto", "sets": {"a": {"max_new_tokens": 32}}}
+    cfg = EvaluateOptions.from_mapping(static_cache="auto", sets={"a": {"max_new_tokens": 32}})
     hybrid = target("qwen3_5")
     dflash, lookup = DFlashProposer(make_drafter(hybrid, seed=3), hybrid), PromptLookupProposer(3, BLOCK - 1)
-    got = _static_target(hybrid, cfg, dflash, lookup, 64, 4096, cuda)
+    got = static_target(hybrid, cfg, dflash, lookup, 64, 4096, cuda)
     assert isinstance(got, StaticTarget) and got.recurrent and got.max_length == 64 + 32 + BLOCK + 1
     assert got.max_width == BLOCK and got.verify_width == BLOCK
-    assert _static_target(hybrid, cfg, dflash, lookup, 64, 4096, torch.device("cpu")) is None
+    assert static_target(hybrid, cfg, dflash, lookup, 64, 4096, torch.device("cpu")) is None
     sliding = target("qwen3_sliding")
     with caplog.at_level("INFO", logger="draftsmith.evaluate"):
-        assert _static_target(sliding, cfg, DFlashProposer(make_drafter(sliding, seed=3), sliding), lookup, 64, 4096,
-                              cuda) is None
+        assert static_target(sliding, cfg, DFlashProposer(make_drafter(sliding, seed=3), sliding), lookup, 64, 4096,
+                             cuda) is None
     assert "static cache / CUDA graphs not used" in caplog.text and "sliding" in caplog.text
     with pytest.raises(ValueError, match="static_cache: true"):
-        _static_target(sliding, {**cfg, "static_cache": "true"}, DFlashProposer(make_drafter(sliding, seed=3),
-                       sliding), lookup, 64, 4096, cuda)
+        static_target(sliding, cfg.replace(static_cache="true"), DFlashProposer(make_drafter(sliding, seed=3),
+                      sliding), lookup, 64, 4096, cuda)
 
 
 def _without_timings(value):
@@ -980,7 +1004,7 @@ def test_two_decoding_workers_report_what_one_process_reports(stage_inputs, tmp_
     with the conversations worker_of gives it (here c1 and the MT-Bench pair on worker 0, c2 on worker 1: the
     held-out set is split between them); the merged report equals one process's, timings aside, prompt for prompt
     in the sets' order; a rerun after the workers finished reuses their files."""
-    from draftsmith.evaluate.run import worker_of
+    from draftsmith.evaluate.workers import worker_of
 
     assert {worker_of(i, 2) for i in ("c1", "c2")} == {0, 1}
     one = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "one"), workers=1)
@@ -1000,6 +1024,7 @@ def test_killed_evaluate_resumes_inside_a_set_and_with_other_worker_counts(stage
     resumes at its first unsaved conversation, also when rerun with another number of decoding workers; a rerun
     with everything saved loads no target and starts no worker; every report equals an uninterrupted run's, timings
     aside."""
+    import draftsmith.evaluate.decoders as decoders_mod
     import draftsmith.evaluate.run as run_mod
     import draftsmith.target
 
@@ -1007,7 +1032,7 @@ def test_killed_evaluate_resumes_inside_a_set_and_with_other_worker_counts(stage
     out = tmp_path / "out"
     kwargs = _stage_kwargs(stage_inputs, out, checkpoint_interval=1e-6)
     calls = []
-    real_generate = run_mod.target_generate
+    real_generate = decoders_mod.target_generate
 
     def killing_generate(*a, **k):
         calls.append(1)
@@ -1015,7 +1040,7 @@ def test_killed_evaluate_resumes_inside_a_set_and_with_other_worker_counts(stage
             raise KeyboardInterrupt("killed")
         return real_generate(*a, **k)
 
-    monkeypatch.setattr(run_mod, "target_generate", killing_generate)
+    monkeypatch.setattr(decoders_mod, "target_generate", killing_generate)
     # target_generate runs twice per prompt (target-only, the lossless reference at the verify width: float32 CPU
     # runs the dynamic path, so once) + the warm-up: call 1 warm-up, 2 = c1, 3 = c2 (killed)
     kill_at = 3
@@ -1048,7 +1073,7 @@ def test_killed_evaluate_resumes_inside_a_set_and_with_other_worker_counts(stage
 def test_saved_conversations_from_other_inputs_are_decoded_again(tmp_path, caplog):
     """A saved file with another key (other drafter, sampling, set...) or one that is not JSON is logged and its
     conversations decoded again, never mixed into the report."""
-    from draftsmith.evaluate.run import _load_saved
+    from draftsmith.evaluate.resume import load_saved
 
     folder = tmp_path / "heldout"
     folder.mkdir()
@@ -1056,7 +1081,7 @@ def test_saved_conversations_from_other_inputs_are_decoded_again(tmp_path, caplo
     (folder / "worker-0-of-2.json").write_text('{"key": "k", "conversations": {"c2": {"labels": []}}')  # cut short
     (folder / "worker-1-of-2.json").write_text(json.dumps({"key": "k", "conversations": {"c3": {"labels": []}}}))
     with caplog.at_level("INFO", logger="draftsmith.evaluate"):
-        assert _load_saved(tmp_path, "heldout", "k") == {"c3": {"labels": []}}
+        assert load_saved(tmp_path, "heldout", "k") == {"c3": {"labels": []}}
     assert "main.json was computed with other inputs" in caplog.text
     assert "worker-0-of-2.json is not valid JSON" in caplog.text
 
@@ -1066,14 +1091,14 @@ def test_prompt_in_two_sets_is_decoded_once_and_counted_once(stage_inputs, tmp_p
     """The held-out rows of a split: both source are also the rows of a set on that source (as the default's
     BFCL / MMATH sets are): each such prompt is decoded once, reported in both sets, and counted once in the
     "all" row."""
-    import draftsmith.evaluate.run as run_mod
+    import draftsmith.evaluate.decoders as decoders_mod
 
     calls = []
-    real_generate = run_mod.target_generate
-    monkeypatch.setattr(run_mod, "target_generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
-    kwargs = _stage_kwargs(stage_inputs, tmp_path)
-    kwargs["evaluate_cfg"]["sets"] = {"heldout": {"source": "heldout", "max_prompts": 3, "max_new_tokens": 24},
-                                      "chat": {"source": "chat", "max_prompts": 3, "max_new_tokens": 24}}
+    real_generate = decoders_mod.target_generate
+    monkeypatch.setattr(decoders_mod, "target_generate", lambda *a, **k: calls.append(1) or real_generate(*a, **k))
+    kwargs = _stage_kwargs(stage_inputs, tmp_path,
+                           sets={"heldout": {"source": "heldout", "max_prompts": 3, "max_new_tokens": 24},
+                                 "chat": {"source": "chat", "max_prompts": 3, "max_new_tokens": 24}})
     report = run_evaluate(**kwargs)
     held, chat = report["sets"]["heldout"], report["sets"]["chat"]
     assert held["prompts"] == chat["prompts"] == 2  # c1, c2 (c3's prompt is too long)

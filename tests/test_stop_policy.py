@@ -25,7 +25,13 @@ import torch
 from draftsmith import regenerate as rg
 from draftsmith import tokenize as tk
 from draftsmith.chat import render_prompt
-from draftsmith.evaluate import PromptLookupProposer, run_evaluate, speculative_generate, target_generate
+from draftsmith.evaluate import (
+    EvaluateSettings,
+    PromptLookupProposer,
+    run_evaluate,
+    speculative_generate,
+    target_generate,
+)
 from tiny import CURATED, tiny_llama3_tokenizer, tiny_target, tiny_tokenizer
 
 EOS, EOT = 1, 4  # <|end_of_text|>, <|eot_id|>
@@ -162,7 +168,7 @@ def test_evaluate_decodes_to_the_same_end_of_turn(model, tok, target_dir, free_a
     report = run_evaluate(target_dir=str(target_dir), drafter_dir=str(tmp_path / "drafter"),
                           curated_eval=str(tmp_path / "eval.parquet"),
                           tokenized_eval=str(tmp_path / "tok_eval.parquet"), outputs=outputs,
-                          evaluate_cfg={"sets": sets}, target_cfg={"dtype": "float32"},
+                          settings=EvaluateSettings.from_config(evaluate={"sets": sets}, target={"dtype": "float32"}),
                           sources=[{"name": "chat", "split": "both"}], device="cpu")
     assert report["run"]["stop_token_ids"] == [EOS, EOT]
     (row,) = report["sets"]["heldout"]["per_prompt"]

@@ -7,8 +7,11 @@ prompts in the same run, prompt-lookup (n-gram) decoding as a reference drafter,
 (greedy speculative output == greedy target-only output), per benchmark set.
 
 Modules: :mod:`.sampling` (greedy / sampling / rejection sampling), :mod:`.cache` (target cache with
-exact rollback of GDN recurrent state), :mod:`.decode` (the decoding loops and proposers),
-:mod:`.prompts` (benchmark sets), :mod:`.report` (metrics, report.md, plots), :mod:`.run` (the stage).
+exact rollback of GDN recurrent state), :mod:`.static` (static cache, CUDA graphs), :mod:`.decode` (the decoding
+loops and proposers), :mod:`.prompts` (benchmark sets), :mod:`.drafter` (the exported drafter), :mod:`.decoders`
+(the stage's decoders and how they decode a set), :mod:`.resume` (saved conversations), :mod:`.workers` and
+:mod:`.worker` (one decoding process per GPU), :mod:`.report` (metrics, report.json's sections, report.md,
+plots), :mod:`.settings` (the config keys the stage reads), :mod:`.run` (the stage).
 """
 
 from draftsmith.evaluate.cache import TargetCache
@@ -21,12 +24,14 @@ from draftsmith.evaluate.decode import (
     target_generate,
 )
 from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation
+from draftsmith.evaluate.drafter import check_pair, load_drafter
 from draftsmith.evaluate.report import lossless_check, render_markdown, summarize
-from draftsmith.evaluate.run import check_pair, load_drafter, run_evaluate
+from draftsmith.evaluate.run import run_evaluate
 from draftsmith.evaluate.sampling import SamplingConfig, greedy_accept, rejection_sample, sampling_probs
+from draftsmith.evaluate.settings import EvaluateSettings
 
 __all__ = [
-    "BenchmarkSet", "Conversation", "DFlashProposer", "GenerationResult",
+    "BenchmarkSet", "Conversation", "DFlashProposer", "EvaluateSettings", "GenerationResult",
     "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "greedy_accept",
     "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
     "sampling_probs", "speculative_generate", "split_conversation", "summarize",

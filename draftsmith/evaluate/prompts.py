@@ -26,15 +26,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import pyarrow.parquet as pq
 
-from draftsmith.config import HELDOUT  # the held-out set's source name, one definition
+from draftsmith.config import HELDOUT, schema_entry_defaults  # HELDOUT: the held-out set's source, one definition
 
 log = logging.getLogger("draftsmith.evaluate")
 
-SET_DEFAULTS = {"max_prompts": 16, "max_new_tokens": 128}
+
+@lru_cache(maxsize=None)
+def _set_defaults() -> Mapping[str, Any]:
+    """A set's defaults (``max_prompts``, ``max_new_tokens``), from the schema's ``evaluate.sets`` entries."""
+    return MappingProxyType(schema_entry_defaults("evaluate", "sets"))
 
 
 @dataclass
@@ -74,15 +80,16 @@ class BenchmarkSet:
         log.warning("set %s: row %s skipped (%s) %s", self.name, row_id, reason, detail)
 
 
-def set_config(name: str, cfg: dict) -> dict:
-    """A set's config with the schema defaults filled in (``max_prompts`` 16, ``max_new_tokens`` 128).
+def set_config(name: str, cfg: Mapping) -> dict:
+    """A set's config with the schema's defaults filled in (``evaluate.sets`` entries: ``max_prompts``,
+    ``max_new_tokens``).
 
     Raises:
         ValueError: no ``source``, or a non-positive size.
     """
-    if not isinstance(cfg, dict) or not cfg.get("source"):
+    if not isinstance(cfg, Mapping) or not cfg.get("source"):
         raise ValueError(f"evaluate.sets.{name}: needs a 'source' (heldout or a curated source name)")
-    out = {**SET_DEFAULTS, **cfg}
+    out = {**_set_defaults(), **cfg}
     for key in ("max_prompts", "max_new_tokens"):
         if int(out[key]) < 1:
             raise ValueError(f"evaluate.sets.{name}.{key} must be >= 1, got {out[key]}")
@@ -121,7 +128,7 @@ def split_conversation(row_id: str, source: str, messages: list[dict], tools: st
     return Conversation(row_id, source, context, turns, tools)
 
 
-def load_sets(curated_eval: str, sets: dict[str, dict], *, heldout_sources: list[str],
+def load_sets(curated_eval: str, sets: Mapping[str, Mapping], *, heldout_sources: list[str],
               first_prompt_fits: Callable[[Conversation, int], bool] | None = None) -> list[BenchmarkSet]:
     """Read the benchmark sets from the curated eval parquet.
 

@@ -1,4 +1,4 @@
-"""Metrics of a benchmark set and the report files (report.json, report.md, PNG plots).
+"""Metrics of a benchmark set and the report: report.json's sections, report.md and the PNG plots.
 
 Definitions (docs/design.md terms):
 
@@ -21,10 +21,26 @@ Definitions (docs/design.md terms):
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable
+import platform
+from typing import TYPE_CHECKING, Iterable
+
+import torch
 
 from draftsmith.evaluate.decode import GenerationResult
+from draftsmith.evaluate.prompts import BenchmarkSet
+from draftsmith.evaluate.sampling import SamplingConfig
+from draftsmith.io import read_json
+
+if TYPE_CHECKING:
+    from draftsmith.evaluate.decoders import Decoders
+
+#: the decoders every prompt is decoded by and the report compares: target-only (the baseline), DFlash and prompt
+#: lookup (the reference drafter)
+METHODS = ("target_only", "dflash", "prompt_lookup")
+#: report.json's ``format`` (also part of the key of saved conversations: a new format decodes them again)
+REPORT_FORMAT = "draftsmith.eval/2"
 
 
 def step_slots(proposed: int, accepted: int, committed: int) -> tuple[int, int]:
@@ -146,6 +162,155 @@ def lossless_check(reference: list[GenerationResult], other: list[GenerationResu
 # ------------------------------------------------------------------------------------------------
 # report.md
 # ------------------------------------------------------------------------------------------------
+
+def set_report(bset: BenchmarkSet, done: dict, sampling: SamplingConfig, block_size: int) -> dict:
+    """One set's section of report.json: what was read and decoded, each decoder's metrics
+    (:func:`summarize`), the lossless checks (greedy) and one line per prompt.
+
+    Args:
+        done: the set's decoded prompts in its order (:func:`draftsmith.evaluate.decoders.aggregate`:
+            ``{"results": {method: [GenerationResult]}, "labels", "prompt_keys", "skipped_prompts", "planned"}``).
+        block_size: the verify width B (the acceptance histogram's length).
+
+    Raises:
+        RuntimeError: the prompts planned, decoded and skipped, or the rows read, kept and skipped, disagree.
+    """
+    results, labels, keys = done["results"], done["labels"], done["prompt_keys"]
+    skipped, planned = done["skipped_prompts"], done["planned"]
+    base = results["target_only"]
+    if planned != len(base) + sum(skipped.values()):
+        raise RuntimeError(f"set {bset.name}: {planned} prompts planned != {len(base)} decoded + {skipped} skipped")
+    if bset.rows_read != len(bset.conversations) + sum(bset.skipped.values()):
+        raise RuntimeError(f"set {bset.name}: {bset.rows_read} rows read != {len(bset.conversations)} kept + "
+                           f"{bset.skipped} skipped")
+    out = {
+        "source": bset.source,
+        "max_prompts": bset.max_prompts,
+        "max_new_tokens": bset.max_new_tokens,
+        "rows_read": bset.rows_read,
+        "conversations": len(bset.conversations),
+        "skipped_rows": dict(bset.skipped),
+        "prompts_planned": planned,
+        "prompts": len(base),
+        "skipped_prompts": dict(skipped),
+        **_decoder_metrics(results, labels, sampling, block_size),
+        "per_prompt": [
+            {"prompt": lab, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
+             "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
+             "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau}
+            for lab, key, b, d, p in zip(labels, keys, base, results["dflash"], results["prompt_lookup"])],
+    }
+    return out
+
+
+def _decoder_metrics(results: dict[str, list[GenerationResult]], labels: list[str], sampling: SamplingConfig,
+                     block_size: int) -> dict:
+    """Summaries of target-only, DFlash and prompt-lookup decoding, and (greedy) the lossless checks."""
+    base = results["target_only"]
+    reference = results.get("reference") or base
+    out = {
+        "target_only": summarize(base),
+        "dflash": summarize(results["dflash"], base, block_size),
+        "prompt_lookup": summarize(results["prompt_lookup"], base),
+        "lossless": None if not sampling.greedy else {
+            "dflash": lossless_check(reference, results["dflash"], labels),
+            "prompt_lookup": lossless_check(reference, results["prompt_lookup"], labels)},
+    }
+    if results.get("reference"):  # how often bf16 1-token forwards flip a near-tie against verify-width ones
+        out["target_only_vs_reference"] = lossless_check(reference, base, labels)
+    return out
+
+
+def overall_report(sets: list[BenchmarkSet], done: dict[str, dict], set_reports: dict[str, dict],
+                   sampling: SamplingConfig, block_size: int) -> dict:
+    """The "all" row: every distinct prompt once (a prompt in several sets, e.g. a held-out row that is also
+    a BFCL set row, counts once, under its first set's label); ``prompts_in_several_sets`` = set prompts -
+    distinct prompts.
+
+    Args:
+        sets: the benchmark sets, in config order.
+        done: each set's decoded prompts by set name (as :func:`set_report` takes them).
+        set_reports: each set's :func:`set_report`.
+    """
+    all_results: dict[str, list[GenerationResult]] = {m: [] for m in METHODS}
+    all_labels: list[str] = []
+    all_keys: set[str] = set()
+    all_conversations: set[tuple[str, str]] = set()
+    for bset in sets:
+        results, labels = done[bset.name]["results"], done[bset.name]["labels"]
+        for k, key in enumerate(done[bset.name]["prompt_keys"]):
+            if key in all_keys:
+                continue
+            all_keys.add(key)
+            all_labels.append(f"{bset.name}:{labels[k]}")
+            for m, rs in results.items():
+                all_results.setdefault(m, []).append(rs[k])
+        all_conversations.update((c.source, c.id) for c in bset.conversations)
+    base = all_results["target_only"]
+    return {
+        "conversations": len(all_conversations),
+        "prompts": len(base),
+        "prompts_in_several_sets": sum(s["prompts"] for s in set_reports.values()) - len(base),
+        **_decoder_metrics(all_results, all_labels, sampling, block_size),
+    }
+
+
+def run_metadata(decoders: Decoders, target_dir: str, drafter_dir: str, drafter_sha: str,
+                 drafter_implementation: str, decoding_path: dict) -> dict:
+    """The report's ``run`` section: what was decoded, how (``decoding_path``:
+    :func:`draftsmith.evaluate.decoders.decoding_path`), with which versions."""
+    sampling = decoders.sampling
+    return {
+        "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
+        "drafter_implementation": drafter_implementation,
+        "block_size": decoders.block_size, "target_layer_ids": decoders.layer_ids,
+        "mask_token_id": decoders.mask_token_id, "device": _device_name(decoders.device),
+        "dtype": str(decoders.dtype).replace("torch.", ""),
+        "sampling": dataclasses.asdict(sampling), "sampling_text": _sampling_text(sampling), "seed": decoders.seed,
+        "chat_template_kwargs": decoders.template_kwargs, "tokenizer_fingerprint": decoders.tokenizer_fingerprint,
+        "stop_token_ids": decoders.stops,
+        "prompt_lookup_ngram": decoders.lookup.max_ngram, "prompt_lookup_num_tokens": decoders.lookup.max_drafts,
+        **decoding_path,
+        "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
+                     "python": platform.python_version()},
+    }
+
+
+def training_summary(path: str | None) -> dict | None:
+    """Training's held-out figures (teacher-forced on held-out rows) from ``trainer_state.json``, or None."""
+    if not path:
+        return None
+    state = read_json(path)
+    held = state.get("heldout") or {}
+    return {"steps": state.get("steps"), "labels": state.get("labels"), "block_size": state.get("block_size"),
+            "heldout_tau_blocks": held.get("tau_blocks"), "heldout_tau_expected": held.get("tau_expected"),
+            "heldout_accuracy_per_position": held.get("accuracy_per_position"), "heldout_loss": held.get("loss"),
+            "train_tokens_per_s": (state.get("last_train") or {}).get("tokens_per_s")}
+
+
+def _device_name(device: torch.device) -> str:
+    """``cuda (<GPU name>)`` or ``cpu (<processor>, <n> threads)``."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _sampling_text(s: SamplingConfig) -> str:
+    """``greedy``, or the sampling settings in words."""
+    if s.greedy:
+        return "greedy"
+    return f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'} (rejection sampling)"
+
+
+def _version(name: str) -> str:
+    """An installed distribution's version, or ``unknown``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
 
 def _fmt(x, digits: int = 2) -> str:
     if x is None:

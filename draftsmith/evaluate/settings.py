@@ -1,0 +1,66 @@
+"""The configuration the evaluate stage reads: :class:`EvaluateSettings`, its ``evaluate`` and ``target`` sections.
+
+Fields are exactly the keys :data:`draftsmith.stages.STAGE_KEYS` lists for rule ``evaluate`` (output and runtime);
+defaults come from the schema (``schemas/config.schema.yaml``). ``scripts/evaluate.py`` builds it once
+(:meth:`~draftsmith.settings.StageSettings.from_rule`), library callers and tests with
+:meth:`~draftsmith.settings.StageSettings.from_config`; decoding workers get it as JSON (``to_dict()``) and
+rebuild it. ``evaluate.sets`` stays a mapping in config order (the report lists the sets in that order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from draftsmith.config import REMOVED_STOP_TOKENS
+from draftsmith.settings import SectionSettings, StageSettings
+
+
+@dataclass(frozen=True)
+class EvaluateOptions(SectionSettings):
+    """Config ``evaluate``: sampling, the prompt-lookup reference drafter, the verify width, the benchmark sets
+    (output keys); decoding workers, rollback, static cache, progress and save cadence (runtime keys).
+
+    Raises:
+        ValueError: ``stop_tokens`` set (:data:`draftsmith.config.REMOVED_STOP_TOKENS`: the key is no longer read).
+    """
+
+    SECTION: ClassVar[str] = "evaluate"
+    temperature: float
+    top_p: float
+    top_k: int
+    prompt_lookup_ngram: int
+    prompt_lookup_num_tokens: int | None  # None: the verify width - 1
+    block_size: int | None  # the verify width B; None: the drafter's dflash_config.block_size
+    seed: int
+    max_prompt_tokens: int | None  # None: the target's max_position_embeddings
+    stop_tokens: tuple[str, ...]  # removed: must stay empty
+    sets: Mapping[str, Mapping[str, Any]]  # name -> {source, max_prompts, max_new_tokens}, in config order
+    gpus: int
+    rollback: str
+    static_cache: str
+    progress_interval: float  # seconds
+    checkpoint_interval: float  # seconds
+
+    def __post_init__(self) -> None:
+        if self.stop_tokens:
+            raise ValueError(REMOVED_STOP_TOKENS)
+
+
+@dataclass(frozen=True)
+class TargetOptions(SectionSettings):
+    """Config ``target``: how the target is loaded for decoding."""
+
+    SECTION: ClassVar[str] = "target"
+    dtype: str
+    attn_implementation: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class EvaluateSettings(StageSettings):
+    """Everything rule ``evaluate`` reads from the config."""
+
+    STAGE: ClassVar[str] = "evaluate"
+    evaluate: EvaluateOptions
+    target: TargetOptions
