@@ -127,6 +127,25 @@ def test_default_layer_ids_follow_the_official_formula():
         ex.resolve_layer_ids(drafter({"target_layer_ids": [0, 4]}), 4)
 
 
+def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
+    """ExtractPlanSettings / ExtractShardSettings: exactly the keys draftsmith.stages names for their rules; with
+    neither target_layer_ids nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
+    from draftsmith.stages import STAGE_KEYS, rule_params
+
+    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings):
+        want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
+                for section, kinds in STAGE_KEYS[cls.STAGE].items()}
+        assert {section: set(keys) for section, keys in cls.keys().items()} == want
+    config = {"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
+              "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
+              "target": {"trust_remote_code": False}}
+    from_rule = ex.ExtractPlanSettings.from_rule(rule_params(config, "extract_plan"), config)
+    assert from_rule == ex.ExtractPlanSettings.from_config(config)
+    assert from_rule.drafter.num_target_features == 3 and from_rule.extract.shards == 2
+    with pytest.raises(ValueError, match="extract.storage_dtype 'float16' not in"):
+        ex.ExtractShardSettings.from_config({"extract": {"storage_dtype": "float16"}})
+
+
 def test_shards_are_balanced_deterministic_and_complete():
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 5000, 997)
@@ -256,6 +275,35 @@ def test_chunk_writer_is_byte_identical_to_safetensors(tmp_path):
     assert all(torch.equal(back[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
     with pytest.raises(ValueError, match="'x' is torch.float16"):
         write_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(2, dtype=torch.float16)})
+
+
+def test_chunk_round_trip_through_the_features_format(tmp_path):
+    """write_chunk stores what the format declares (fp8 encoded with quantize_fp8 when given float values), and
+    read_chunk / ChunkFile give it back; counts that disagree with the samples' lengths are refused."""
+    from draftsmith.features import ChunkFile, expected_tensors, read_safetensors_header, write_chunk
+
+    torch.manual_seed(0)
+    x = torch.randn(12, 2 * 8)
+    ids, mask = np.arange(12, dtype=np.int64), (np.arange(12) % 2).astype(np.int8)
+    for storage in ("bfloat16", "float8_e4m3fn"):
+        path = tmp_path / f"{storage}.safetensors"
+        digest = write_chunk(path, features=x, lengths=[5, 7], sample_index=[9, 4], input_ids=ids, loss_mask=mask,
+                             storage_dtype=storage, target_token=ids + 1, num_layers=2)
+        assert digest == sha256_file(path)
+        header = read_safetensors_header(path)
+        meta = {"layer_ids": [1, 3], "hidden_size": 8, "storage_dtype": storage, "has_target_token": True}
+        assert {k: (v["dtype"], v["shape"]) for k, v in header.tensors.items()} == {
+            k: (dtypes[0], shape) for k, (dtypes, shape) in expected_tensors(meta, 2, 12).items()}
+        t = read_chunk(path)
+        want = x.to(torch.bfloat16).float() if storage == "bfloat16" else dequantize_fp8(*quantize_fp8(x, 2))
+        assert torch.equal(t["features"], want)
+        assert t["offsets"].tolist() == [0, 5, 12] and t["sample_index"].tolist() == [9, 4]
+        assert t["input_ids"].tolist() == ids.tolist() and t["target_token"].tolist() == (ids + 1).tolist()
+        part = ChunkFile(path).read(5, 12, torch.float32)
+        assert torch.equal(part["features"], want[5:]) and part["loss_mask"].tolist() == mask[5:].tolist()
+    with pytest.raises(ValueError, match="tensor 'input_ids' has 12 rows, 2 samples of 11 tokens need 11"):
+        write_chunk(tmp_path / "bad.safetensors", features=x[:11], lengths=[5, 6], sample_index=[0, 1],
+                    input_ids=ids, loss_mask=mask[:11], storage_dtype="float32")
 
 
 # ------------------------------------------------------------------------------------------- resume

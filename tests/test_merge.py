@@ -334,6 +334,15 @@ def test_float8_storage_with_scales_merges(tmp_path):
         assert math.isclose(row["rms"], want, rel_tol=1e-5)
 
 
+def test_merge_settings_hold_the_stage_keys():
+    from draftsmith.stages import STAGE_KEYS
+
+    assert MergeSettings.keys() == {"merge": STAGE_KEYS["merge"]["merge"]["runtime"]}
+    assert MergeSettings.from_config().merge.verify_sha256 is False  # the schema default
+    with pytest.raises(ValueError, match="did you mean 'verify_sha256'"):
+        MergeSettings.from_config({"merge": {"verify_sha265": True}})
+
+
 def test_header_reader_matches_safetensors(tmp_path):
     path = tmp_path / "x.safetensors"
     save_file({"a": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64)}, str(path),
