@@ -92,7 +92,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from draftsmith import extract as ex  # noqa: E402
-from draftsmith.features import chunk_hidden_states, load_chunk  # noqa: E402
+from draftsmith.features import read_chunk  # noqa: E402
 from draftsmith.fused import fused_target  # noqa: E402
 from draftsmith.io import write_json  # noqa: E402
 from draftsmith.target import decoder_layers, fla_available, text_config  # noqa: E402
@@ -189,8 +189,8 @@ def write_inputs(work: Path, lengths: list[int], vocab: int, layer_ids: list[int
     pq.write_table(table, work / "train.parquet")
     cfg.save_pretrained(work / "target")
     save_file({"placeholder": torch.zeros(1)}, str(work / "target" / "model.safetensors"))
-    plan = ex.build_plan(work / "train.parquet", work / "target", num_shards=1,
-                         drafter_cfg={"target_layer_ids": layer_ids})
+    plan = ex.build_plan(work / "train.parquet", work / "target",
+                         ex.ExtractPlanSettings.from_config({"drafter": {"target_layer_ids": layer_ids}}))
     write_json(work / "plan.json", plan)
     return ids
 
@@ -399,10 +399,11 @@ def main(argv=None) -> int:
             # fused paths compile here (torch.compile of the norm / MLP classes, once per process); an
             # -eager variant needs no pass of its own: its kernels ran in the naive pass, its pinned host
             # buffers are the ones the fused pass allocated
+            settings = ex.ExtractShardSettings.from_config({"extract": {**base_cfg, **configs[name]}})
             t0 = time.perf_counter()
             ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
                              target_dir=work / "target", manifest_path=work / "warmup" / "shard-0" / "manifest.json",
-                             shard=0, model=model, extract_cfg={**base_cfg, **configs[name]})
+                             shard=0, model=model, settings=settings)
             shutil.rmtree(work / "warmup")
             results.setdefault("warmup_s", {})[name] = time.perf_counter() - t0
             log.info("full warm-up pass, %s (includes compilation when fused): %.1f s", name,
@@ -418,20 +419,21 @@ def main(argv=None) -> int:
             flops, nbytes, stats = flops_tt, None, {"compute_s": dt}
         else:
             out = work / v / "shard-0" / "manifest.json"
+            settings = ex.ExtractShardSettings.from_config({"extract": {**base_cfg, **configs[v]}})
             sync(device)
             t0 = time.perf_counter()
             stats = {}
             man = ex.extract_shard(plan_path=work / "plan.json", tokenized_path=work / "train.parquet",
                                    target_dir=work / "target", manifest_path=out, shard=0, model=model,
-                                   extract_cfg={**base_cfg, **configs[v]}, run_stats=stats)
+                                   settings=settings, run_stats=stats)
             sync(device)
             dt = time.perf_counter() - t0
             flops = flops_tt if man["has_target_token"] else flops_feat
             nbytes = man["bytes"]
             if naive_first is not None and v in ("tt", "tt-eager", "tt-nomask", "fp8"):
-                chunk = load_chunk(out.parent / man["chunks"][0]["file"])
+                chunk = read_chunk(out.parent / man["chunks"][0]["file"])
                 n0 = naive_first[0].shape[0]
-                got = chunk_hidden_states(chunk)[:n0]
+                got = chunk["features"][:n0]
                 ref = naive_first[0].float()
                 diff = (got - ref).abs().max().item()
                 same_tt = (chunk["target_token"][:n0] == naive_first[1]).float().mean().item()

@@ -4,9 +4,9 @@ Writes a synthetic extraction (tokenized train parquet, plan.json, shard manifes
 safetensors chunk files, to the extraction contract) and times, in the same run:
 
 * baseline -- a naive merge that opens every chunk and reads all its tensors
-  (``safetensors.torch.load_file``) to count samples and tokens;
+  (:func:`draftsmith.features.read_chunk`) to count samples and tokens;
 * ``merge_features`` header-only (the default), on 1 thread and on ``--threads``;
-* ``merge_features(verify_sha256=True)`` (hashes every byte).
+* ``merge_features`` with ``merge.verify_sha256`` (hashes every byte).
 
 Ratios are printed against the baseline. The chunk files have just been written, so they are in the
 page cache: this measures the CPU cost of merge, not the disk (on a cold network file system the
@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-from draftsmith.io import read_json, sha256_file, write_json  # noqa: E402
-from draftsmith.merge import merge_features  # noqa: E402
+from draftsmith.features import read_chunk, write_chunk  # noqa: E402
+from draftsmith.io import read_json, write_json  # noqa: E402
+from draftsmith.merge import MergeSettings, merge_features  # noqa: E402
 
 SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
              "the last layer includes the final norm")
@@ -74,14 +74,12 @@ def build(root: Path, *, chunks: int, shards: int, samples_per_chunk: int, token
             t = int(lens.sum())
             states = torch.randn(t, n * hidden)
             name = f"chunk-{j // samples_per_chunk:05d}.safetensors"
-            save_file({"hidden_states": states.to(torch.bfloat16),
-                       "input_ids": torch.randint(0, 1000, (t,), dtype=torch.int32),
-                       "loss_mask": torch.ones(t, dtype=torch.int8),
-                       "offsets": torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64),
-                       "sample_index": torch.tensor(part, dtype=torch.int64),
-                       "target_token": torch.randint(0, 1000, (t,), dtype=torch.int32)}, str(folder / name))
+            digest = write_chunk(folder / name, features=states, lengths=lens, sample_index=part,
+                                 input_ids=torch.randint(0, 1000, (t,), dtype=torch.int32),
+                                 loss_mask=torch.ones(t, dtype=torch.int8), storage_dtype="bfloat16",
+                                 target_token=torch.randint(0, 1000, (t,), dtype=torch.int32))
             rms = states.reshape(t, n, hidden).pow(2).mean(dim=(0, 2)).sqrt().tolist()
-            entries.append({"file": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size,
+            entries.append({"file": name, "sha256": digest, "bytes": (folder / name).stat().st_size,
                             "num_samples": len(part), "num_tokens": t, "rows": part, "ids": [ids[r] for r in part],
                             "stats": {"rms": rms, "nonfinite": 0, "zero_rows": 0}})
         manifest = {"format": "draftsmith.features/1", "shard": s, "num_shards": shards, "layer_ids": layer_ids,
@@ -101,9 +99,9 @@ def naive_merge(manifests: list[Path]) -> tuple[int, int]:
     samples = tokens = 0
     for mpath in manifests:
         for entry in read_json(mpath)["chunks"]:
-            tensors = load_file(str(mpath.parent / entry["file"]))
-            samples += len(tensors["sample_index"])
-            tokens += int(tensors["offsets"][-1])
+            chunk = read_chunk(mpath.parent / entry["file"], dtype=torch.bfloat16)
+            samples += len(chunk["sample_index"])
+            tokens += int(chunk["offsets"][-1])
     return samples, tokens
 
 
@@ -143,10 +141,13 @@ def main() -> None:
         index_path = root / "features" / "index.json"
 
         t_base, (samples, tokens) = timed(lambda: naive_merge(manifests), args.repeat)
+        def settings(verify_sha256: bool) -> MergeSettings:
+            return MergeSettings.from_config({"merge": {"verify_sha256": verify_sha256}})
+
         variants = [
-            ("merge, header-only, 1 thread", dict(threads=1)),
-            (f"merge, header-only, {args.threads} threads", dict(threads=args.threads)),
-            (f"merge, verify_sha256, {args.threads} threads", dict(threads=args.threads, verify_sha256=True)),
+            ("merge, header-only, 1 thread", dict(threads=1, settings=settings(False))),
+            (f"merge, header-only, {args.threads} threads", dict(threads=args.threads, settings=settings(False))),
+            (f"merge, verify_sha256, {args.threads} threads", dict(threads=args.threads, settings=settings(True))),
         ]
         print(f"{'variant':<42} {'seconds':>8} {'chunks/s':>10} {'vs baseline':>12}")
         print(f"{'baseline: load every chunk (naive)':<42} {t_base:8.2f} {args.chunks / t_base:10.0f} {1.0:11.2f}x")

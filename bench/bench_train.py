@@ -284,6 +284,8 @@ def write_synthetic(workdir: Path) -> tuple[Path, Path]:
     holding only the config, embedding and LM head. Returns (index.json, target folder)."""
     from safetensors.torch import save_file
 
+    from draftsmith.features import index_document, write_chunk, write_index
+
     H, V, L, ids_ = SYNTH["hidden"], SYNTH["vocab"], SYNTH["target_layers"], SYNTH["layer_ids"]
     tdir = workdir / "target"
     tdir.mkdir(parents=True, exist_ok=True)
@@ -309,16 +311,15 @@ def write_synthetic(workdir: Path) -> tuple[Path, Path]:
         ids = torch.cat(toks)
         feats = torch.randn(ids.numel(), len(ids_) * H, generator=g).to(torch.bfloat16)
         name = f"shard-0/chunk-{c:05d}.safetensors"
-        save_file({"hidden_states": feats, "input_ids": ids, "loss_mask": torch.cat(masks),
-                   "offsets": torch.tensor(offs), "sample_index": torch.arange(c * 8, c * 8 + 8),
-                   "target_token": torch.roll(ids, -1)}, str(fdir / name))
+        write_chunk(fdir / name, features=feats, lengths=lens, sample_index=range(c * 8, c * 8 + 8), input_ids=ids,
+                    loss_mask=torch.cat(masks), target_token=torch.roll(ids, -1), storage_dtype="bfloat16")
         chunks.append({"path": name, "shard": 0, "num_samples": 8, "num_tokens": offs[-1],
                        "rows": list(range(c * 8, c * 8 + 8))})
-    (fdir / "index.json").write_text(json.dumps({
-        "format": "draftsmith.index/1", "chunks": chunks, "num_samples": 24,
-        "num_tokens": sum(c["num_tokens"] for c in chunks),
+    write_index(fdir / "index.json", index_document({
+        "num_samples": 24, "num_tokens": sum(c["num_tokens"] for c in chunks),
         "layer_ids": ids_, "hidden_size": H, "num_target_layers": L, "storage_dtype": "bfloat16",
-        "has_target_token": True, "target_fingerprint": "synthetic", "tokenizer_fingerprint": "synthetic"}))
+        "has_target_token": True, "target_fingerprint": "synthetic", "tokenizer_fingerprint": "synthetic",
+        "chunks": chunks}))
     return fdir / "index.json", tdir
 
 
@@ -398,11 +399,11 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
     * ``target/``: ``config.json`` (:func:`target_config`) and ``model.safetensors`` holding only
       ``model.embed_tokens.weight`` and ``lm_head.weight`` ``[V, H]`` bf16 ~ N(0, 0.02) (drawn on ``device``); no
       tokenizer (the drafter section sets ``mask_token_id``).
-    * ``features/``: ``index.json`` (``draftsmith.index/1``, as :class:`draftsmith.features.FeatureIndex` reads it)
-      and ``shard-0/chunk-XXXXX.safetensors`` of ~256 MB of features each: ``hidden_states`` ``[T, n_taps * H]``
-      bf16 random, ``input_ids`` ``[T]`` int32, ``loss_mask`` ``[T]`` int8 (the first 30% of each document 0 =
-      prompt, the rest 1 = supervised answer), ``offsets`` ``[docs + 1]`` int64, ``sample_index`` ``[docs]``
-      int64, ``target_token`` ``[T]`` int32 (the input ids shifted by one within the document).
+    * ``features/``: ``index.json`` (:func:`draftsmith.features.write_index`, as
+      :class:`draftsmith.features.FeatureIndex` reads it) and ``shard-0/chunk-XXXXX.safetensors``
+      (:func:`draftsmith.features.write_chunk`) of ~256 MB of features each: features ``[T, n_taps * H]`` bf16
+      random, input ids ``[T]``, loss mask ``[T]`` (the first 30% of each document 0 = prompt, the rest 1 =
+      supervised answer), target tokens ``[T]`` (the input ids shifted by one within the document).
 
     Documents take consecutive entries of ``lengths`` from a seeded start (cycled) until ``num_tokens`` tokens
     (the last document may overshoot). Chunks are written by 4 threads while the next ones are drawn.
@@ -414,7 +415,7 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
 
     from safetensors.torch import save_file
 
-    from draftsmith.features import INDEX_FORMAT, LAYER_SEMANTICS, write_safetensors
+    from draftsmith.features import LAYER_SEMANTICS, index_document, write_chunk, write_index
 
     t0 = time.perf_counter()
     H, V, taps = shape["hidden"], shape["vocab"], shape["layer_ids"]
@@ -463,23 +464,22 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
                 target[o:o + n] = torch.roll(ids[o:o + n], -1)
                 offsets.append(o + n)
             name = f"shard-0/chunk-{c:05d}.safetensors"
-            tensors = {"hidden_states": random_rows(T, width, device, gen), "input_ids": ids, "loss_mask": mask,
-                       "offsets": torch.tensor(offsets, dtype=torch.int64),
-                       "sample_index": torch.arange(row, row + len(lens), dtype=torch.int64), "target_token": target}
-            pending.append((c, pool.submit(write_safetensors, fdir / name, tensors)))
+            pending.append((c, pool.submit(write_chunk, fdir / name, features=random_rows(T, width, device, gen),
+                                           lengths=lens, sample_index=range(row, row + len(lens)), input_ids=ids,
+                                           loss_mask=mask, target_token=target, storage_dtype="bfloat16")))
             chunks.append({"path": name, "shard": 0, "num_samples": len(lens), "num_tokens": T,
-                           "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                            "rows": list(range(row, row + len(lens)))})
             row += len(lens)
             while len(pending) >= 8 or (pending and c == len(groups) - 1):  # bounds the chunks held in memory
                 done, fut = pending.pop(0)
                 chunks[done]["sha256"] = fut.result()
-    (fdir / "index.json").write_text(json.dumps({
-        "format": INDEX_FORMAT, "num_shards": 1, "num_samples": row, "num_tokens": sum(docs),
+                chunks[done]["bytes"] = (fdir / chunks[done]["path"]).stat().st_size
+    write_index(fdir / "index.json", index_document({
+        "num_shards": 1, "num_samples": row, "num_tokens": sum(docs),
         "bytes": sum(c["bytes"] for c in chunks), "layer_ids": taps, "layer_semantics": LAYER_SEMANTICS,
         "hidden_size": H, "num_target_layers": shape["target_layers"], "storage_dtype": "bfloat16",
         "has_target_token": True, "target_fingerprint": f"bench-random-{shape_name}",
-        "tokenizer_fingerprint": "bench-random", "chunks": chunks}, indent=1))
+        "tokenizer_fingerprint": "bench-random", "chunks": chunks}))
     summary = {"documents": row, "tokens": sum(docs), "mean_document_tokens": sum(docs) / row,
                "max_document_tokens": max(docs), "chunks": len(chunks), "feature_bytes": 2 * width * sum(docs),
                "bytes_per_token": 2 * width, "target_s": t_target, "total_s": time.perf_counter() - t0}

@@ -1,11 +1,15 @@
 """Extracted features on disk: the contract between extract (writes), merge (checks, indexes) and train (reads).
 
+This module owns the format: the other stages write and read features only through it.
+
 Files under ``results/features/``: ``plan.json`` (:data:`PLAN_FORMAT`, rule extract_plan: rows per shard, layer
 ids), ``shard-{i}/manifest.json`` (:data:`FEATURES_FORMAT`: the shard's chunks with sha256, rows and statistics),
 ``shard-{i}/progress.json`` (:data:`PROGRESS_FORMAT`: finished chunks, for resuming), ``index.json``
-(:data:`INDEX_FORMAT`, rule merge: every chunk of every shard, read by :class:`FeatureIndex`).
+(:data:`INDEX_FORMAT`, rule merge: every chunk of every shard; :func:`write_index`, read by :class:`FeatureIndex`).
 
-Chunk file (``shard-{i}/chunk-{j:05d}.safetensors``), samples concatenated without padding:
+Chunk file (``shard-{i}/chunk-{j:05d}.safetensors``), samples concatenated without padding; declared once in
+:data:`CHUNK_TENSORS`, written by :func:`write_chunk`, read by :class:`ChunkFile` / :func:`read_chunk` (and, without
+torch, :func:`read_safetensors_header` / :func:`read_chunk_samples`):
 
 ==================  =========================  ==============================================
 name                shape                      dtype
@@ -19,8 +23,6 @@ name                shape                      dtype
 ``target_token``    [tokens]                   int32 (optional; argmax of the target's logits
                                                at position t = its prediction for t + 1)
 ==================  =========================  ==============================================
-
-
 
 Layer ids: see :data:`LAYER_SEMANTICS`. ``storage_dtype`` is one of :data:`STORAGE_DTYPES`; float8 stores one
 float32 scale per token and tapped layer (:func:`quantize_fp8`).
@@ -37,16 +39,18 @@ import math
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from safetensors import safe_open
 
 if TYPE_CHECKING:
     import torch
 
-from draftsmith.io import read_json
+from draftsmith.io import atomic_path, read_json
 
 PLAN_FORMAT = "draftsmith.plan/1"
 FEATURES_FORMAT = "draftsmith.features/1"
@@ -76,7 +80,71 @@ def storage_torch_dtype(storage_dtype: str):
 
 
 # --------------------------------------------------------------------------------------------------
-# float8 storage and chunk files
+# the chunk file's tensors
+
+
+@dataclass(frozen=True)
+class ChunkTensor:
+    """One tensor of a chunk file.
+
+    Attributes:
+        name: the tensor's name in the file.
+        dtype: the torch dtype name written; ``None`` for ``hidden_states``, stored in ``extract.storage_dtype``.
+        shape: dimensions, each one of ``"tokens"``, ``"samples"``, ``"samples + 1"``, ``"layers"`` (tapped
+            layers n) and ``"layers * H"`` (n x the target's hidden size).
+        when: ``"always"``, ``"float8"`` (float8 storage only) or ``"target_token"`` (when the shard stores
+            target tokens).
+        also_accepted: further safetensors dtypes a reader accepts.
+    """
+
+    name: str
+    dtype: str | None
+    shape: tuple[str, ...]
+    when: str = "always"
+    also_accepted: tuple[str, ...] = ()
+
+
+#: The tensors of a chunk file, in the order checks report them.
+CHUNK_TENSORS = (
+    ChunkTensor("hidden_states", None, ("tokens", "layers * H")),
+    ChunkTensor("input_ids", "int32", ("tokens",)),
+    ChunkTensor("loss_mask", "int8", ("tokens",), also_accepted=("U8", "BOOL")),
+    ChunkTensor("offsets", "int64", ("samples + 1",)),
+    ChunkTensor("sample_index", "int64", ("samples",)),
+    ChunkTensor("scales", "float32", ("tokens", "layers"), when="float8"),
+    ChunkTensor("target_token", "int32", ("tokens",), when="target_token"),
+)
+_SPEC = {t.name: t for t in CHUNK_TENSORS}
+
+
+def chunk_tensors(storage_dtype: str, has_target_token: bool) -> list[ChunkTensor]:
+    """The tensors a chunk of this storage dtype holds (``scales`` with float8, ``target_token`` when stored)."""
+    present = {"always": True, "float8": storage_dtype == "float8_e4m3fn", "target_token": bool(has_target_token)}
+    return [t for t in CHUNK_TENSORS if present[t.when]]
+
+
+def expected_tensors(meta: dict[str, Any], num_samples: int, num_tokens: int
+                     ) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+    """Tensor name -> (allowed safetensors dtypes, shape) a chunk must hold (the extraction contract).
+
+    Args:
+        meta: the shard manifest's ``layer_ids``, ``hidden_size``, ``storage_dtype``, ``has_target_token``.
+        num_samples / num_tokens: the chunk's samples and tokens.
+    Returns:
+        ``{name: (dtypes, shape)}`` for :func:`chunk_tensors` (an unknown storage dtype gives ``"?"``).
+    """
+    n_layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
+    dims = {"tokens": num_tokens, "samples": num_samples, "samples + 1": num_samples + 1, "layers": n_layers,
+            "layers * H": n_layers * hidden}
+    want = {}
+    for t in chunk_tensors(meta["storage_dtype"], meta["has_target_token"]):
+        written = _ST_DTYPES[t.dtype][0] if t.dtype else STORAGE_DTYPES.get(meta["storage_dtype"], "?")
+        want[t.name] = ((written, *t.also_accepted), [dims[d] for d in t.shape])
+    return want
+
+
+# --------------------------------------------------------------------------------------------------
+# float8 storage
 
 
 def row_absmax(hidden: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -138,22 +206,8 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | N
     return (q.view(t, n, -1).to(torch.float32) * scales[:, :, None]).to(dtype).view(t, -1)
 
 
-def load_chunk(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a chunk file (safetensors, no pickle)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def chunk_hidden_states(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[tokens, n * H]`` features of a loaded chunk in ``dtype`` (default float32; fp8 storage is dequantised)."""
-    import torch
-
-    dtype = dtype or torch.float32
-    h = tensors["hidden_states"]
-    if h.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8(h, tensors["scales"], dtype)
-    return h.to(dtype)
+# --------------------------------------------------------------------------------------------------
+# writing chunk files
 
 
 # safetensors dtype names and their rank in the format's tensor order (safetensors sorts tensors by
@@ -175,7 +229,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     ``{"__metadata__", name: {dtype, shape, data_offsets}}`` padded with spaces to 8 bytes, tensors by
     dtype then name); files load with ``safetensors.torch.load_file``. Hashing runs in a second thread
     over the same in-memory bytes (both release the GIL), so a chunk costs max(write, hash) instead of
-    write + re-read + hash: ~2x faster on a disk writing ~1.2 GB/s (measured on the H200 machine).
+    write + re-read + hash.
 
     Args:
         tensors: contiguous CPU tensors of dtypes int64, float32, int32, bfloat16, float8_e4m3fn, int8.
@@ -218,8 +272,261 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     return digest.hexdigest()
 
 
+def write_chunk(path: str | os.PathLike, *, features: torch.Tensor, lengths: Sequence[int],
+                sample_index: Sequence[int], input_ids, loss_mask, storage_dtype: str,
+                target_token: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                num_layers: int | None = None, metadata: dict[str, str] | None = None) -> str:
+    """Write one chunk file (samples concatenated, :data:`CHUNK_TENSORS`) atomically; return its sha256.
+
+    Args:
+        path: the chunk file; written through a temporary file beside it (``.{name}.*.tmp.safetensors``)
+            renamed onto it, with :func:`write_safetensors`.
+        features: ``[tokens, n_layers * H]`` CPU: float values (converted to ``storage_dtype``; for float8,
+            encoded here with :func:`quantize_fp8`, which needs ``num_layers``), or float8_e4m3fn values already
+            encoded, with their ``scales``.
+        lengths: tokens of each sample (the offsets are their running sum).
+        sample_index: the tokenized train row of each sample.
+        input_ids / loss_mask: ``[tokens]`` integer tensors or numpy arrays (stored int32 / int8).
+        storage_dtype: one of :data:`STORAGE_DTYPES`.
+        target_token: ``[tokens]`` the target's argmax per position (stored int32), or ``None``.
+        scales: ``[tokens, n_layers]`` float32 of already encoded float8 ``features``.
+        num_layers: n, the tapped layers (float8 encoding only).
+        metadata: the safetensors ``__metadata__`` string map.
+
+    Raises:
+        ValueError: an unknown storage dtype, float8 values without scales (or scales with another storage
+            dtype), float8 encoding without ``num_layers``, or tensors whose lengths disagree with ``lengths``.
+    """
+    import torch
+
+    storage = storage_torch_dtype(storage_dtype)
+    if storage == torch.float8_e4m3fn and features.dtype != storage:
+        if scales is not None or num_layers is None:
+            raise ValueError("write_chunk: float8 encoding needs num_layers and float values without scales")
+        features, scales = quantize_fp8(features, num_layers)
+    elif (scales is not None) != (storage == torch.float8_e4m3fn):
+        raise ValueError(f"write_chunk: scales go with float8_e4m3fn storage only, not {storage_dtype}")
+    tensors = {"hidden_states": features.to(storage)}
+    if scales is not None:
+        tensors["scales"] = scales.to(torch.float32)
+    tensors["input_ids"] = torch.as_tensor(input_ids).to(torch.int32)
+    tensors["loss_mask"] = torch.as_tensor(loss_mask).to(torch.int8)
+    tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64))
+    tensors["sample_index"] = torch.as_tensor(sample_index, dtype=torch.int64)
+    if target_token is not None:
+        tensors["target_token"] = torch.as_tensor(target_token).to(torch.int32)
+    num_tokens = int(tensors["offsets"][-1])
+    rows = {"offsets": len(lengths) + 1, "sample_index": len(lengths)}
+    for name, t in tensors.items():
+        if t.shape[0] != rows.get(name, num_tokens):
+            raise ValueError(f"write_chunk {path}: tensor {name!r} has {t.shape[0]} rows, {len(lengths)} samples "
+                             f"of {num_tokens} tokens need {rows.get(name, num_tokens)}")
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        digest = write_safetensors(tmp, tensors, metadata=metadata)
+    return digest
+
+
 # --------------------------------------------------------------------------------------------------
-# the merged index (read by train)
+# reading chunk files
+
+
+#: Largest header accepted (safetensors itself refuses headers over 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+
+
+class HeaderError(ValueError):
+    """A chunk file whose safetensors header is missing, cut off or not valid JSON."""
+
+
+@dataclass
+class SafetensorsHeader:
+    """The parsed header of a safetensors file.
+
+    Attributes:
+        header_bytes: ``N``, the JSON header's length (the data region starts at ``8 + N``).
+        tensors: name -> ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}``
+            (offsets relative to the data region, in bytes).
+        metadata: the ``__metadata__`` string map, ``{}`` when absent.
+    """
+
+    header_bytes: int
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes the tensors need after the header: the largest end offset."""
+        return max((int(t["data_offsets"][1]) for t in self.tensors.values()), default=0)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Parse a safetensors header without touching the tensor data (and without torch).
+
+    Format (huggingface/safetensors README): u64 little-endian ``N``, then ``N`` bytes of UTF-8 JSON
+    mapping tensor names to ``{dtype, shape, data_offsets}``, then the data region.
+
+    Raises:
+        HeaderError: the file is shorter than its header, the JSON does not parse, or a tensor entry
+            is malformed (bad dtype, offsets that do not match dtype x shape).
+        OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise HeaderError(f"file is {len(head)} bytes long, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise HeaderError(f"header length {n} is implausible (not a safetensors file?)")
+        raw = fh.read(n)
+    if len(raw) < n:
+        raise HeaderError(f"header of {n} bytes is cut off after {len(raw)} bytes (truncated file)")
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise HeaderError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise HeaderError("header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None) or {}
+    for name, info in parsed.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(s) for s in shape)
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"tensor {name!r}: malformed header entry {info!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if end - begin != numel * DTYPE_BYTES[dtype] or begin < 0:
+            raise HeaderError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {dtype} {shape}")
+    return SafetensorsHeader(header_bytes=n, tensors=parsed, metadata=metadata)
+
+
+def read_header_tensor(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.ndarray:
+    """Read one small integer tensor by seeking to its bytes (no torch).
+
+    Returns a 1-D numpy array of the stored dtype (``I64`` -> int64, ``I32`` -> int32).
+
+    Raises:
+        KeyError: the tensor is not in the header.
+        HeaderError: its dtype is not a little-endian integer type, or the file ends early.
+    """
+    info = header.tensors[name]
+    np_dtype = {"I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1"}.get(info["dtype"])
+    if np_dtype is None:
+        raise HeaderError(f"tensor {name!r} has dtype {info['dtype']}, expected an integer type")
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as fh:
+        fh.seek(8 + header.header_bytes + begin)
+        raw = fh.read(end - begin)
+    if len(raw) != end - begin:
+        raise HeaderError(f"tensor {name!r} is cut off (truncated file)")
+    return np.frombuffer(raw, dtype=np_dtype)
+
+
+def read_chunk_samples(path: str | os.PathLike, header: SafetensorsHeader) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's ``(sample_index [samples], offsets [samples + 1])`` read through its parsed header (no torch).
+
+    Raises:
+        KeyError: a chunk without one of them.
+        HeaderError: see :func:`read_header_tensor`.
+    """
+    return read_header_tensor(path, header, "sample_index"), read_header_tensor(path, header, "offsets")
+
+
+class ChunkFile:
+    """A chunk file opened for reading with ``safetensors.safe_open`` (a memory map): samples are read as row
+    ranges, so only their bytes are touched and nothing is copied into RAM up front.
+
+    Tensors read from it stay backed by the file's memory map: do not rewrite the file in place while they live
+    (:func:`write_chunk` replaces a file by renaming, which is safe).
+
+    Raises:
+        FileNotFoundError / OSError: the file cannot be opened (constructor).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fh = safe_open(str(self.path), framework="pt")
+        self.names = set(self._fh.keys())
+
+    def check(self, *, storage_dtype: str, has_target_token: bool, width: int, context: str = ""
+              ) -> tuple[list[int], list[int]]:
+        """Check the tensors are there, ``hidden_states`` is ``[tokens, width]`` and ``offsets`` partition the
+        tokens; return ``(offsets, sample_index)`` as lists.
+
+        Raises:
+            ValueError: a missing tensor, another width, offsets that do not partition the tokens (the file
+                named, then ``context``).
+        """
+        for t in chunk_tensors(storage_dtype, has_target_token):
+            if t.name not in self.names:
+                raise ValueError(f"{self.path}: tensor {t.name!r} is missing")
+        shape = self._fh.get_slice("hidden_states").get_shape()
+        if len(shape) != 2 or shape[1] != width:
+            raise ValueError(f"{self.path}: hidden_states has shape {shape}, expected [tokens, {width}]{context}")
+        offsets = self._fh.get_tensor("offsets").tolist()
+        rows = self._fh.get_tensor("sample_index").tolist()
+        if (len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != shape[0]
+                or any(b < a for a, b in zip(offsets, offsets[1:]))):
+            raise ValueError(f"{self.path}: offsets {offsets[:4]}... do not partition {shape[0]} tokens into "
+                             f"{len(rows)} samples")
+        return offsets, rows
+
+    def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None
+             ) -> dict[str, torch.Tensor]:
+        """Tokens ``start:end`` (default all): ``features [T, n*H]`` in ``dtype`` (default float32; float8 decoded
+        with :func:`dequantize_fp8`), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored,
+        ``target_token [T]`` int32."""
+        import torch
+
+        dtype = dtype or torch.float32
+        if end is None:
+            end = self._fh.get_slice("hidden_states").get_shape()[0]
+        hidden = self._fh.get_slice("hidden_states")[start:end]
+        if hidden.dtype == torch.float8_e4m3fn:
+            hidden = dequantize_fp8(hidden, self._fh.get_slice("scales")[start:end], dtype)
+        out = {"features": hidden.to(dtype),
+               "input_ids": self._fh.get_slice("input_ids")[start:end],
+               "loss_mask": self._fh.get_slice("loss_mask")[start:end]}
+        if "target_token" in self.names:
+            out["target_token"] = self._fh.get_slice("target_token")[start:end]
+        return out
+
+    def samples(self) -> dict[str, torch.Tensor]:
+        """``offsets [samples + 1]`` and ``sample_index [samples]`` int64."""
+        return {"offsets": self._fh.get_tensor("offsets"), "sample_index": self._fh.get_tensor("sample_index")}
+
+
+def read_chunk(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a chunk file, decoded: ``features [tokens, n*H]`` in ``dtype`` (default float32),
+    ``input_ids`` / ``loss_mask`` / ``target_token`` (when stored) ``[tokens]``, ``offsets [samples + 1]`` and
+    ``sample_index [samples]`` (see :meth:`ChunkFile.read`; the tensors are backed by the file's memory map)."""
+    chunk = ChunkFile(path)
+    return {**chunk.read(dtype=dtype), **chunk.samples()}
+
+
+# --------------------------------------------------------------------------------------------------
+# the merged index (written by merge, read by train)
+
+
+def index_document(fields: dict[str, Any]) -> dict[str, Any]:
+    """The index document (:data:`INDEX_FORMAT`): the format id first, then ``fields`` in their order (merge's
+    ``num_shards``, totals, shared metadata, statistics and ``chunks``: ``[{"path" relative to the index's folder,
+    "shard", "sha256", "num_samples", "num_tokens", "bytes", "rows"}]``)."""
+    return {"format": INDEX_FORMAT, **fields}
+
+
+def write_index(path: str | os.PathLike, index: dict[str, Any]) -> None:
+    """Write an index document atomically: metadata indented, one compact line per chunk (rows stay one line).
+
+    Raises:
+        ValueError: ``index`` is not an :data:`INDEX_FORMAT` document (see :func:`index_document`).
+    """
+    if index.get("format") != INDEX_FORMAT:
+        raise ValueError(f"write_index {path}: format is {index.get('format')!r}, expected {INDEX_FORMAT!r}")
+    head = json.dumps({k: v for k, v in index.items() if k != "chunks"}, indent=2, ensure_ascii=False)
+    lines = ",\n".join("    " + json.dumps(c, ensure_ascii=False) for c in index["chunks"])
+    with atomic_path(path) as tmp:
+        tmp.write_text(f'{head[:-2]},\n  "chunks": [\n{lines}\n  ]\n}}\n', encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -239,9 +546,9 @@ class SampleRef:
 class FeatureIndex:
     """The merged feature index (``results/features/index.json``) and its chunk files, memory-mapped.
 
-    Chunk files are opened with ``safetensors.safe_open`` (a memory map) and samples are read with
-    ``get_slice`` row ranges, so only the bytes of the requested samples are touched and nothing is copied
-    into RAM up front. Only the small ``offsets`` / ``sample_index`` tensors are read at open time.
+    Each chunk is a :class:`ChunkFile` (``safetensors.safe_open``, a memory map); samples are read as row ranges,
+    so only the bytes of the requested samples are touched and nothing is copied into RAM up front. Only the small
+    ``offsets`` / ``sample_index`` tensors are read at open time.
 
     Attributes:
         meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
@@ -251,8 +558,6 @@ class FeatureIndex:
         FileNotFoundError: the index or a chunk file is missing.
         ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes (file and field named).
     """
-
-    REQUIRED = ("hidden_states", "input_ids", "loss_mask", "offsets", "sample_index")
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -269,59 +574,33 @@ class FeatureIndex:
         self.has_target_token = bool(self.meta["has_target_token"])
         self.width = len(self.layer_ids) * self.hidden_size
         self.files: list[Path] = []
-        self._handles: dict[int, Any] = {}
+        self.chunks: list[ChunkFile] = []
         self.samples: list[SampleRef] = []
         for ci, chunk in enumerate(self.meta["chunks"]):
             file = self.path.parent / chunk["path"]
             if not file.is_file():
                 raise FileNotFoundError(f"{self.path}: chunk {ci} file {file} does not exist")
             self.files.append(file)
-            fh = self._open(ci)
-            keys = set(fh.keys())
-            for name in self.REQUIRED + (("target_token",) if self.has_target_token else ()) + \
-                    (("scales",) if self.storage_dtype == "float8_e4m3fn" else ()):
-                if name not in keys:
-                    raise ValueError(f"{file}: tensor {name!r} is missing")
-            shape = fh.get_slice("hidden_states").get_shape()
-            if len(shape) != 2 or shape[1] != self.width:
-                raise ValueError(f"{file}: hidden_states has shape {shape}, expected [tokens, {self.width}] "
-                                 f"({len(self.layer_ids)} layers x {self.hidden_size})")
-            offsets = fh.get_tensor("offsets").tolist()
-            rows = fh.get_tensor("sample_index").tolist()
-            if len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != shape[0] \
-                    or any(b < a for a, b in zip(offsets, offsets[1:])):
-                raise ValueError(f"{file}: offsets {offsets[:4]}... do not partition {shape[0]} tokens into "
-                                 f"{len(rows)} samples")
+            self.chunks.append(ChunkFile(file))
+            offsets, rows = self.chunks[ci].check(
+                storage_dtype=self.storage_dtype, has_target_token=self.has_target_token, width=self.width,
+                context=f" ({len(self.layer_ids)} layers x {self.hidden_size})")
             for i, row in enumerate(rows):
                 self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
         if not self.samples:
             raise ValueError(f"{self.path}: the index holds no samples")
 
-    def _open(self, ci: int):
-        fh = self._handles.get(ci)
-        if fh is None:
-            fh = safe_open(str(self.files[ci]), framework="pt")
-            self._handles[ci] = fh
-        return fh
-
     def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None
              ) -> dict[str, torch.Tensor]:
         """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (default bfloat16;
-        fp8 dequantised as ``fp8 * scale`` per token and layer), ``input_ids`` / ``loss_mask`` / ``target_token``
-        ``[T]`` int64."""
+        fp8 dequantised as ``fp8 * scale`` per token and layer), ``input_ids`` / ``target_token`` ``[T]`` int64,
+        ``loss_mask`` ``[T]`` bool."""
         import torch
 
-        dtype = dtype or torch.bfloat16
-        fh = self._open(ref.chunk)
         end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
-        hs = fh.get_slice("hidden_states")[ref.start:end]
-        if self.storage_dtype == "float8_e4m3fn":
-            hs = dequantize_fp8(hs, fh.get_slice("scales")[ref.start:end], dtype)
-        out = {
-            "features": hs.to(dtype),
-            "input_ids": fh.get_slice("input_ids")[ref.start:end].long(),
-            "loss_mask": fh.get_slice("loss_mask")[ref.start:end].bool(),
-        }
+        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16)
+        out = {"features": part["features"], "input_ids": part["input_ids"].long(),
+               "loss_mask": part["loss_mask"].bool()}
         if self.has_target_token:
-            out["target_token"] = fh.get_slice("target_token")[ref.start:end].long()
+            out["target_token"] = part["target_token"].long()
         return out

@@ -2,8 +2,9 @@
 
 Extraction runs as many independent shard jobs (often on several machines). Before training may start,
 this stage proves that the shards form exactly the tokenized train set, and writes
-``results/features/index.json`` (format ``draftsmith.index/1``), the only file training reads to find
-its features.
+``results/features/index.json`` (:data:`draftsmith.features.INDEX_FORMAT`), the only file training reads to
+find its features. The features format (chunk tensors, header reader, index writer) is
+:mod:`draftsmith.features`'s; the tokenized train set is read with :func:`draftsmith.tokenized.read_tokenized`.
 
 What is checked (every failure names the shard, the chunk and the sample: tokenized row index and id):
 
@@ -35,21 +36,29 @@ atomically and only when there are none.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from draftsmith.features import DTYPE_BYTES, FEATURES_FORMAT, INDEX_FORMAT, PLAN_FORMAT, STORAGE_DTYPES
-from draftsmith.io import atomic_path, read_json, sha256_file
+from draftsmith.features import (
+    FEATURES_FORMAT,
+    PLAN_FORMAT,
+    STORAGE_DTYPES,
+    HeaderError,
+    expected_tensors,
+    index_document,
+    read_chunk_samples,
+    read_safetensors_header,
+    write_index,
+)
+from draftsmith.io import read_json, sha256_file
+from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.tokenized import Tokenized, read_tokenized
 
 log = logging.getLogger("draftsmith.merge")
 
@@ -70,8 +79,6 @@ MANIFEST_FIELDS = ("format", "shard", "num_shards", *SHARED_FIELDS, "num_samples
                    "chunks")
 CHUNK_FIELDS = ("file", "sha256", "bytes", "num_samples", "num_tokens", "rows", "ids", "stats")
 
-#: Largest header accepted (safetensors itself refuses headers over 100 MB).
-MAX_HEADER_BYTES = 100_000_000
 #: Problems listed in the error message at most (the count is always given).
 MAX_LISTED = 50
 
@@ -93,161 +100,6 @@ class MergeError(ValueError):
         super().__init__(text)
 
 
-class HeaderError(ValueError):
-    """A chunk file whose safetensors header is missing, cut off or not valid JSON."""
-
-
-# ----------------------------------------------------------------------------------------------
-# inputs
-
-
-@dataclass
-class TokenizedTrain:
-    """The columns of the tokenized train parquet that merge needs.
-
-    Attributes:
-        path: the parquet file.
-        ids: ``id`` per row (row index = position in the file).
-        num_tokens: ``num_tokens`` per row, int64 array ``[rows]``.
-        metadata: the ``draftsmith.*`` schema metadata, JSON-decoded (key without the prefix).
-    """
-
-    path: str
-    ids: list[str]
-    num_tokens: np.ndarray
-    metadata: dict[str, Any]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.ids)
-
-    def describe(self, row: int) -> str:
-        """``row 7 (id 'abc')``, or ``row 7 (not a tokenized train row)`` when out of range."""
-        if 0 <= row < len(self.ids):
-            return f"row {row} (id {self.ids[row]!r})"
-        return f"row {row} (not a tokenized train row: the set has {len(self.ids)})"
-
-    def describe_rows(self, rows: Iterable[int], limit: int = 3) -> str:
-        """A few rows named with their ids, and how many there are in all."""
-        rows = list(rows)
-        if not rows:
-            return "no samples"
-        head = ", ".join(self.describe(int(r)) for r in rows[:limit])
-        return f"{len(rows)} sample(s): {head}" + (", ..." if len(rows) > limit else "")
-
-
-def read_tokenized_train(path: str | os.PathLike) -> TokenizedTrain:
-    """Read ``id`` and ``num_tokens`` (not the token lists) and the metadata of the tokenized train set.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a column is missing (the message names the file and the column).
-    """
-    path = str(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenized train set {path} does not exist")
-    schema = pq.read_schema(path)
-    for column in ("id", "num_tokens"):
-        if column not in schema.names:
-            raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
-    table = pq.ParquetFile(path).read(columns=["id", "num_tokens"])  # (read_table would import pandas)
-    metadata: dict[str, Any] = {}
-    for key, value in (schema.metadata or {}).items():
-        key = key.decode("utf-8", "replace")
-        if key.startswith("draftsmith."):
-            try:
-                metadata[key[len("draftsmith."):]] = json.loads(value)
-            except ValueError:
-                metadata[key[len("draftsmith."):]] = value.decode("utf-8", "replace")
-    return TokenizedTrain(path=path, ids=table.column("id").to_pylist(),
-                          num_tokens=table.column("num_tokens").to_numpy().astype(np.int64),
-                          metadata=metadata)
-
-
-@dataclass
-class SafetensorsHeader:
-    """The parsed header of a safetensors file.
-
-    Attributes:
-        header_bytes: ``N``, the JSON header's length (the data region starts at ``8 + N``).
-        tensors: name -> ``{"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}``
-            (offsets relative to the data region, in bytes).
-        metadata: the ``__metadata__`` string map, ``{}`` when absent.
-    """
-
-    header_bytes: int
-    tensors: dict[str, dict[str, Any]]
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def data_bytes(self) -> int:
-        """Bytes the tensors need after the header: the largest end offset."""
-        return max((int(t["data_offsets"][1]) for t in self.tensors.values()), default=0)
-
-
-def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
-    """Parse a safetensors header without touching the tensor data.
-
-    Format (huggingface/safetensors README): u64 little-endian ``N``, then ``N`` bytes of UTF-8 JSON
-    mapping tensor names to ``{dtype, shape, data_offsets}``, then the data region.
-
-    Raises:
-        HeaderError: the file is shorter than its header, the JSON does not parse, or a tensor entry
-            is malformed (bad dtype, offsets that do not match dtype x shape).
-        OSError: the file cannot be opened.
-    """
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise HeaderError(f"file is {len(head)} bytes long, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise HeaderError(f"header length {n} is implausible (not a safetensors file?)")
-        raw = fh.read(n)
-    if len(raw) < n:
-        raise HeaderError(f"header of {n} bytes is cut off after {len(raw)} bytes (truncated file)")
-    try:
-        parsed = json.loads(raw)
-    except ValueError as exc:
-        raise HeaderError(f"header is not valid JSON ({exc})") from None
-    if not isinstance(parsed, dict):
-        raise HeaderError("header is not a JSON object")
-    metadata = parsed.pop("__metadata__", None) or {}
-    for name, info in parsed.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            numel = math.prod(int(s) for s in shape)
-        except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"tensor {name!r}: malformed header entry {info!r}") from None
-        if dtype not in DTYPE_BYTES:
-            raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if end - begin != numel * DTYPE_BYTES[dtype] or begin < 0:
-            raise HeaderError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {dtype} {shape}")
-    return SafetensorsHeader(header_bytes=n, tensors=parsed, metadata=metadata)
-
-
-def read_header_tensor(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.ndarray:
-    """Read one small integer tensor (``offsets``, ``sample_index``) by seeking to its bytes.
-
-    Returns a 1-D numpy array of the stored dtype (``I64`` -> int64, ``I32`` -> int32).
-
-    Raises:
-        KeyError: the tensor is not in the header.
-        HeaderError: its dtype is not a little-endian integer type, or the file ends early.
-    """
-    info = header.tensors[name]
-    np_dtype = {"I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1"}.get(info["dtype"])
-    if np_dtype is None:
-        raise HeaderError(f"tensor {name!r} has dtype {info['dtype']}, expected an integer type")
-    begin, end = info["data_offsets"]
-    with open(path, "rb") as fh:
-        fh.seek(8 + header.header_bytes + begin)
-        raw = fh.read(end - begin)
-    if len(raw) != end - begin:
-        raise HeaderError(f"tensor {name!r} is cut off (truncated file)")
-    return np.frombuffer(raw, dtype=np_dtype)
-
-
 # ----------------------------------------------------------------------------------------------
 # per-chunk checks
 
@@ -267,31 +119,7 @@ class Chunk:
         return f"shard {self.shard} chunk {self.file}"
 
 
-def expected_tensors(meta: dict[str, Any], num_samples: int, num_tokens: int
-                     ) -> dict[str, tuple[tuple[str, ...], list[int]]]:
-    """Tensor name -> (allowed safetensors dtypes, shape) a chunk must hold (the extraction contract).
-
-    ``hidden_states [tokens, n_layers * H]`` in the storage dtype; ``scales [tokens, n_layers]`` F32
-    for float8 storage; ``input_ids [tokens]`` I32; ``loss_mask [tokens]`` I8 (U8/BOOL accepted);
-    ``offsets [samples + 1]`` I64; ``sample_index [samples]`` I64; ``target_token [tokens]`` I32 when
-    the shard stores target tokens.
-    """
-    n_layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
-    want: dict[str, tuple[tuple[str, ...], list[int]]] = {
-        "hidden_states": ((STORAGE_DTYPES.get(meta["storage_dtype"], "?"),), [num_tokens, n_layers * hidden]),
-        "input_ids": (("I32",), [num_tokens]),
-        "loss_mask": (("I8", "U8", "BOOL"), [num_tokens]),
-        "offsets": (("I64",), [num_samples + 1]),
-        "sample_index": (("I64",), [num_samples]),
-    }
-    if meta["storage_dtype"] == "float8_e4m3fn":
-        want["scales"] = (("F32",), [num_tokens, n_layers])
-    if meta["has_target_token"]:
-        want["target_token"] = (("I32",), [num_tokens])
-    return want
-
-
-def check_chunk_file(chunk: Chunk, tok: TokenizedTrain, *, verify_sha256: bool = False) -> list[str]:
+def check_chunk_file(chunk: Chunk, tok: Tokenized, *, verify_sha256: bool = False) -> list[str]:
     """Check one chunk file against its manifest entry; return the problems (empty when sound).
 
     Always: the file exists, has the manifest's size, its header parses, the tensors have the
@@ -334,8 +162,7 @@ def check_chunk_file(chunk: Chunk, tok: TokenizedTrain, *, verify_sha256: bool =
     digest = sha256_file(chunk.path)
     if digest != entry["sha256"]:
         return [f"{where()}: sha256 {digest} differs from the manifest's {entry['sha256']}"]
-    sample_index = read_header_tensor(chunk.path, header, "sample_index")
-    offsets = read_header_tensor(chunk.path, header, "offsets")
+    sample_index, offsets = read_chunk_samples(chunk.path, header)
     for k, (stored, row) in enumerate(zip(sample_index.tolist(), rows)):
         if stored != row:
             problems.append(f"{chunk.where}: sample {k} is stored as {tok.describe(stored)} but the manifest "
@@ -353,7 +180,7 @@ def check_chunk_file(chunk: Chunk, tok: TokenizedTrain, *, verify_sha256: bool =
     return problems
 
 
-def _locate_token_mismatch(chunk: Chunk, tok: TokenizedTrain) -> str:
+def _locate_token_mismatch(chunk: Chunk, tok: Tokenized) -> str:
     """On a chunk whose token count disagrees with the tokenized set, name the first bad sample.
 
     Reads the (small) ``offsets`` tensor; falls back to naming the chunk's samples when it cannot.
@@ -361,7 +188,7 @@ def _locate_token_mismatch(chunk: Chunk, tok: TokenizedTrain) -> str:
     rows = [int(r) for r in chunk.entry["rows"]]
     try:
         header = read_safetensors_header(chunk.path)
-        lengths = np.diff(read_header_tensor(chunk.path, header, "offsets"))
+        lengths = np.diff(read_chunk_samples(chunk.path, header)[1])
     except (OSError, KeyError, HeaderError):
         return tok.describe_rows(rows)
     for k, row in enumerate(rows[:len(lengths)]):
@@ -449,7 +276,7 @@ def _missing_fields(obj: Any, fields: Sequence[str]) -> list[str]:
     return [f for f in fields if f not in obj]
 
 
-def _check_plan(plan: dict[str, Any], plan_path: str, tok: TokenizedTrain) -> tuple[list[str], dict[int, list[int]]]:
+def _check_plan(plan: dict[str, Any], plan_path: str, tok: Tokenized) -> tuple[list[str], dict[int, list[int]]]:
     """Plan against the tokenized set; returns (problems, shard -> planned rows)."""
     missing = _missing_fields(plan, ("format", "num_shards", "layer_ids", "hidden_size", "num_target_layers",
                                      "tokenized_rows", "tokenized_tokens", "shards"))
@@ -521,7 +348,7 @@ def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int
     return manifests
 
 
-def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: TokenizedTrain,
+def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: Tokenized,
                            problems: list[str]) -> dict[str, Any]:
     """The metadata every shard must share (:data:`SHARED_FIELDS`), checked across shards, against the plan and
     against the tokenized set's (tokenizer, chat template); empty without manifests."""
@@ -551,7 +378,7 @@ def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: Tok
     return meta
 
 
-def _check_chunks(manifests: dict, owner: np.ndarray, tok: TokenizedTrain, problems: list[str]
+def _check_chunks(manifests: dict, owner: np.ndarray, tok: Tokenized, problems: list[str]
                   ) -> tuple[list[Chunk], np.ndarray]:
     """Each manifest's chunks: fields, file names, arithmetic, ids and planned shard of every row. Returns the
     well-formed chunks and how many times each tokenized row is stored."""
@@ -605,7 +432,7 @@ def _check_chunks(manifests: dict, owner: np.ndarray, tok: TokenizedTrain, probl
 
 
 def _check_coverage(counts: np.ndarray, chunks: list[Chunk], owner: np.ndarray, missing_shards: list[int],
-                    tok: TokenizedTrain, problems: list[str]) -> None:
+                    tok: Tokenized, problems: list[str]) -> None:
     """Every tokenized train row stored exactly once (rows of missing shards are reported with the shard)."""
     duplicated = np.flatnonzero(counts > 1)
     if duplicated.size:
@@ -628,7 +455,7 @@ def _check_coverage(counts: np.ndarray, chunks: list[Chunk], owner: np.ndarray, 
         problems.append(f"... {absent.size} tokenized train samples are in no chunk")
 
 
-def _check_stats(chunks: list[Chunk], tok: TokenizedTrain, problems: list[str]) -> list[Chunk]:
+def _check_stats(chunks: list[Chunk], tok: Tokenized, problems: list[str]) -> list[Chunk]:
     """Numeric sanity from the shards' own statistics; returns the chunks whose statistics are complete."""
     stat_chunks = []
     for chunk in chunks:
@@ -646,7 +473,7 @@ def _check_stats(chunks: list[Chunk], tok: TokenizedTrain, problems: list[str]) 
     return stat_chunks
 
 
-def _check_chunk_files(chunks: list[Chunk], tok: TokenizedTrain, verify_sha256: bool, threads: int,
+def _check_chunk_files(chunks: list[Chunk], tok: Tokenized, verify_sha256: bool, threads: int,
                        problems: list[str]) -> None:
     """The chunk files themselves (headers; with ``verify_sha256`` every byte), ``threads`` at a time."""
     checkable = [c for c in chunks if c.meta["storage_dtype"] in STORAGE_DTYPES]
@@ -665,15 +492,15 @@ def _check_chunk_files(chunks: list[Chunk], tok: TokenizedTrain, verify_sha256: 
 
 def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk], meta: dict[str, Any],
                  num_shards: int, verify_sha256: bool, base: Path) -> dict[str, Any]:
-    """The ``draftsmith.index/1`` document: chunk paths relative to ``base``, totals, shared metadata, stats."""
+    """The index document (:func:`draftsmith.features.index_document`): chunk paths relative to ``base``, totals,
+    shared metadata, stats."""
     folders = {s: os.path.relpath(mpath.parent, base) for s, (mpath, _) in manifests.items()}
     index_chunks = [{"path": os.path.join(folders[c.shard], c.file), "shard": c.shard,
                      "sha256": c.entry["sha256"], "num_samples": int(c.entry["num_samples"]),
                      "num_tokens": int(c.entry["num_tokens"]), "bytes": int(c.entry["bytes"]),
                      "rows": [int(r) for r in c.entry["rows"]]}
                     for c in chunks]
-    index: dict[str, Any] = {
-        "format": INDEX_FORMAT,
+    return index_document({
         "num_shards": num_shards,
         "num_samples": sum(c["num_samples"] for c in index_chunks),
         "num_tokens": sum(c["num_tokens"] for c in index_chunks),
@@ -684,32 +511,50 @@ def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk],
         "stats": {"nonfinite": sum(_count(c.entry["stats"]["nonfinite"]) for c in stat_chunks),
                   "zero_rows": sum(_count(c.entry["stats"]["zero_rows"]) for c in stat_chunks)},
         "chunks": index_chunks,
-    }
-    return index
+    })
+
+
+@dataclass(frozen=True)
+class MergeOptions(SectionSettings):
+    """The ``merge`` keys the merge stage reads.
+
+    Attributes:
+        verify_sha256: hash every chunk file and compare with the manifest (reads every byte), and check the
+            stored ``sample_index`` / ``offsets`` against the manifest and tokenized lengths.
+    """
+
+    SECTION: ClassVar[str] = "merge"
+    verify_sha256: bool
+
+
+@dataclass(frozen=True)
+class MergeSettings(StageSettings):
+    """Everything rule merge reads from the config."""
+
+    STAGE: ClassVar[str] = "merge"
+    merge: MergeOptions
 
 
 def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | os.PathLike],
                    tokenized_path: str | os.PathLike, index_path: str | os.PathLike | None = None, *,
-                   verify_sha256: bool = False, threads: int = 1,
-                   logger: logging.Logger | None = None) -> dict[str, Any]:
+                   settings: MergeSettings, threads: int = 1, logger: logging.Logger | None = None) -> dict[str, Any]:
     """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
 
     Args:
-        plan_path: ``results/features/plan.json`` (format ``draftsmith.plan/1``).
-        manifest_paths: every ``shard-{i}/manifest.json`` (format ``draftsmith.features/1``); chunk
+        plan_path: ``results/features/plan.json`` (:data:`draftsmith.features.PLAN_FORMAT`).
+        manifest_paths: every ``shard-{i}/manifest.json`` (:data:`draftsmith.features.FEATURES_FORMAT`); chunk
             files are found beside their manifest.
         tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema
             metadata are read.
-        index_path: where to write the index (atomically); ``None`` only returns it. Chunk paths in the
-            index are relative to this file's folder (``results/features``); with ``None``, relative
-            to the plan's folder.
-        verify_sha256: hash every chunk file and compare with the manifest (reads every byte), and
-            check the stored ``sample_index`` / ``offsets`` against the manifest and tokenized lengths.
+        index_path: where to write the index (atomically, :func:`draftsmith.features.write_index`); ``None``
+            only returns it. Chunk paths in the index are relative to this file's folder (``results/features``);
+            with ``None``, relative to the plan's folder.
+        settings: the stage's keys (``merge.verify_sha256``, see :class:`MergeOptions`).
         threads: chunk files checked in parallel.
         logger: where the summary and the per-layer table go (default ``draftsmith.merge``).
 
     Returns:
-        The index (``draftsmith.index/1``): ``chunks`` (``path``, ``shard``, ``sha256``,
+        The index (:data:`draftsmith.features.INDEX_FORMAT`): ``chunks`` (``path``, ``shard``, ``sha256``,
         ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
         ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
         tokens), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards``, ``layer_stats`` (see
@@ -721,7 +566,8 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
     """
     logger = logger or log
     plan_path = str(plan_path)
-    tok = read_tokenized_train(tokenized_path)
+    verify_sha256 = settings.merge.verify_sha256
+    tok = read_tokenized(tokenized_path, with_tokens=False)
     plan = read_json(plan_path)
     problems, planned = _check_plan(plan, plan_path, tok)
     num_shards = int(plan["num_shards"])
@@ -759,10 +605,3 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
         write_index(index_path, index)
     return index
 
-
-def write_index(path: str | os.PathLike, index: dict[str, Any]) -> None:
-    """Write an index atomically: metadata indented, one compact line per chunk (rows stay one line)."""
-    head = json.dumps({k: v for k, v in index.items() if k != "chunks"}, indent=2, ensure_ascii=False)
-    lines = ",\n".join("    " + json.dumps(c, ensure_ascii=False) for c in index["chunks"])
-    with atomic_path(path) as tmp:
-        tmp.write_text(f'{head[:-2]},\n  "chunks": [\n{lines}\n  ]\n}}\n', encoding="utf-8")

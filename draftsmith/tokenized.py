@@ -3,14 +3,18 @@
 ``results/tokenized/{train,eval}.parquet``: ``id`` string, ``source`` string, ``input_ids`` list<int32>,
 ``loss_mask`` list<int8>, ``num_tokens`` int32 (:data:`TOKENIZED_SCHEMA`), with schema metadata
 ``draftsmith.chat_template_kwargs``, ``draftsmith.tokenizer_fingerprint``, ``draftsmith.max_length`` (JSON values):
-tokenize writes it (:func:`tokenized_metadata`), extract reads the rows (:func:`read_tokenized`), evaluate
+tokenize writes it (:func:`tokenized_metadata`), extract and merge read the rows (:func:`read_tokenized`), evaluate
 renders its prompts with the recorded template kwargs (:func:`read_tokenized_metadata`).
+
+Readers see the metadata one way: a dict keyed by the short names of :data:`TOKENIZED_META`
+(``chat_template_kwargs``, ``tokenizer_fingerprint``, ``max_length``), JSON-decoded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,8 +24,12 @@ import pyarrow.parquet as pq
 META_CHAT_TEMPLATE_KWARGS = b"draftsmith.chat_template_kwargs"
 META_TOKENIZER_FINGERPRINT = b"draftsmith.tokenizer_fingerprint"
 META_MAX_LENGTH = b"draftsmith.max_length"
-#: the metadata keys as strings (read_tokenized decodes each, None when absent)
-TOKENIZED_META = tuple(key.decode() for key in (META_CHAT_TEMPLATE_KWARGS, META_TOKENIZER_FINGERPRINT, META_MAX_LENGTH))
+#: parquet schema metadata key -> the short name readers give it
+TOKENIZED_META = {
+    META_CHAT_TEMPLATE_KWARGS: "chat_template_kwargs",
+    META_TOKENIZER_FINGERPRINT: "tokenizer_fingerprint",
+    META_MAX_LENGTH: "max_length",
+}
 
 TOKENIZED_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -41,28 +49,47 @@ def tokenized_metadata(chat_template_kwargs: dict, fingerprint: str, max_length:
     }
 
 
+def decode_metadata(path: str | os.PathLike, raw: dict[bytes, bytes] | None, *, required: bool) -> dict:
+    """The :data:`TOKENIZED_META` entries of a parquet's schema metadata ``raw``, JSON-decoded, by short name.
+
+    Args:
+        path: the file (named in errors).
+        required: every key must be there; else absent keys are left out of the result.
+    Raises:
+        ValueError: a key missing while ``required`` (not a draftsmith tokenized file?), or a value that is not
+            JSON (the file and the key named).
+    """
+    raw = raw or {}
+    out = {}
+    for key, name in TOKENIZED_META.items():
+        if key not in raw:
+            if required:
+                raise ValueError(f"{path}: parquet metadata lacks {key.decode()} (not a draftsmith tokenized file?)")
+            continue
+        try:
+            out[name] = json.loads(raw[key])
+        except ValueError:
+            raise ValueError(f"{path}: parquet metadata {key.decode()} is not JSON: {raw[key][:80]!r}") from None
+    return out
+
+
 def read_tokenized_metadata(path: str | os.PathLike) -> dict:
     """``{"chat_template_kwargs": dict, "tokenizer_fingerprint": str, "max_length": int}`` of a tokenized parquet.
 
     Raises:
-        ValueError: a key is missing (names the file): not written by this stage.
+        ValueError: a key is missing (names the file): not written by this stage; or a value is not JSON.
     """
-    meta = pq.read_schema(path).metadata or {}
-    out = {}
-    for key in (META_CHAT_TEMPLATE_KWARGS, META_TOKENIZER_FINGERPRINT, META_MAX_LENGTH):
-        if key not in meta:
-            raise ValueError(f"{path}: parquet metadata lacks {key.decode()} (not a draftsmith tokenized file?)")
-        out[key.decode().split(".", 1)[1]] = json.loads(meta[key])
-    return out
+    return decode_metadata(path, pq.read_schema(path).metadata, required=True)
 
 
 @dataclass
 class Tokenized:
-    """The columns of a tokenized parquet that extraction needs, as flat numpy arrays.
+    """The columns of a tokenized parquet that extraction and merge need, as flat numpy arrays.
 
+    ``ids`` has one id per row (row index = position in the file); ``num_tokens`` is int64 [rows];
     ``input_ids[offsets[r]:offsets[r + 1]]`` (int32) and the same slice of ``loss_mask`` (int8) are
-    row r; ``num_tokens`` is int64 [rows]. ``metadata`` holds the decoded ``draftsmith.*`` schema
-    metadata (JSON values).
+    row r (``None`` when read without tokens). ``metadata`` holds the schema metadata that is there, as
+    :func:`decode_metadata` gives it (short names, JSON values).
     """
 
     path: str
@@ -73,9 +100,28 @@ class Tokenized:
     loss_mask: np.ndarray | None = None
     metadata: dict = field(default_factory=dict)
 
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids [n] int32, loss_mask [n] int8)`` of row ``r``."""
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         return self.input_ids[a:b], self.loss_mask[a:b]
+
+    def describe(self, row: int) -> str:
+        """``row 7 (id 'abc')``, or ``row 7 (not a tokenized train row)`` when out of range."""
+        if 0 <= row < len(self.ids):
+            return f"row {row} (id {self.ids[row]!r})"
+        return f"row {row} (not a tokenized train row: the set has {len(self.ids)})"
+
+    def describe_rows(self, rows: Iterable[int], limit: int = 3) -> str:
+        """A few rows named with their ids, and how many there are in all."""
+        rows = list(rows)
+        if not rows:
+            return "no samples"
+        head = ", ".join(self.describe(int(r)) for r in rows[:limit])
+        return f"{len(rows)} sample(s): {head}" + (", ..." if len(rows) > limit else "")
 
 
 def _flat_list(table, name: str, path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -89,12 +135,14 @@ def _flat_list(table, name: str, path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_tokenized(path: str | os.PathLike, *, with_tokens: bool = True) -> Tokenized:
-    """Read a tokenized parquet (``id``, ``num_tokens`` and, with tokens, ``input_ids``/``loss_mask``).
+    """Read a tokenized parquet (``id``, ``num_tokens`` and, with tokens, ``input_ids``/``loss_mask``) and its
+    schema metadata (:func:`decode_metadata`; keys that are not there are left out).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a missing column, a null field, duplicate ids, a row with no tokens, or
-            ``num_tokens`` disagreeing with the list lengths -- naming the file, row, id and field.
+        ValueError: a missing column, a null field, duplicate ids, a row with no tokens, ``num_tokens``
+            disagreeing with the list lengths -- naming the file, row, id and field -- or a metadata value
+            that is not JSON.
     """
     path = str(path)
     if not os.path.exists(path):
@@ -104,7 +152,7 @@ def read_tokenized(path: str | os.PathLike, *, with_tokens: bool = True) -> Toke
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing} (have {schema.names})")
-    table = pq.read_table(path, columns=columns, memory_map=True)
+    table = pq.ParquetFile(path, memory_map=True).read(columns=columns)  # (read_table would import pandas)
     ids = table.column("id").to_pylist()
     num_tokens = table.column("num_tokens").to_numpy(zero_copy_only=False)
     for r, (i, n) in enumerate(zip(ids, num_tokens)):
@@ -117,11 +165,8 @@ def read_tokenized(path: str | os.PathLike, *, with_tokens: bool = True) -> Toke
         seen: set[str] = set()
         dup = next((r, i) for r, i in enumerate(ids) if i in seen or seen.add(i))
         raise ValueError(f"{path}: row {dup[0]}: duplicate id {dup[1]!r}")
-    meta = {}
-    for key in TOKENIZED_META:
-        raw = (schema.metadata or {}).get(key.encode())
-        meta[key] = json.loads(raw) if raw is not None else None
-    tok = Tokenized(path=path, ids=ids, num_tokens=num_tokens.astype(np.int64), metadata=meta)
+    tok = Tokenized(path=path, ids=ids, num_tokens=num_tokens.astype(np.int64),
+                    metadata=decode_metadata(path, schema.metadata, required=False))
     if with_tokens:
         off, values = _flat_list(table, "input_ids", path)
         loff, lvalues = _flat_list(table, "loss_mask", path)

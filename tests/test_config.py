@@ -307,12 +307,12 @@ def test_gpu_node_drafter_is_the_published_27b_shape():
     from snakemake.utils import update_config
 
     from draftsmith.drafter_config import build_drafter_config
-    from draftsmith.extract import resolve_layer_ids
+    from draftsmith.extract import PlanDrafterOptions, resolve_layer_ids
 
     merged = yaml.safe_load((REPO / "config.yaml").read_text())
     update_config(merged, yaml.safe_load((REPO / "config" / "gpu-node.yaml").read_text()))
     drafter = merged["drafter"]
-    ids = resolve_layer_ids(drafter, 64)
+    ids = resolve_layer_ids(PlanDrafterOptions.from_mapping(drafter), 64)
     assert ids == [1, 16, 31, 46, 61]
     from transformers import Qwen3Config
 

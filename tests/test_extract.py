@@ -20,10 +20,13 @@ import pytest
 import torch
 
 from draftsmith import extract as ex
-from draftsmith.target_layers import default_target_layer_ids
-from draftsmith.features import chunk_hidden_states, dequantize_fp8, load_chunk
+from draftsmith.extract import shard as extract_shard_module
+from draftsmith.features import dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
+from draftsmith.merge import MergeSettings
 from draftsmith.target import decoder_layers
+from draftsmith.target_layers import default_target_layer_ids
+from draftsmith.tokenized import read_tokenized
 from tiny import VOCAB, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,8 +74,8 @@ def targets(tmp_path_factory):
 
 def setup_run(tmp: Path, target: Path, *, lengths=LENGTHS, shards: int = 1, layer_ids=LAYER_IDS):
     ids = write_tokenized(tmp / "train.parquet", lengths)
-    plan = ex.build_plan(tmp / "train.parquet", target, num_shards=shards,
-                         drafter_cfg={"target_layer_ids": layer_ids}, extract_cfg={})
+    plan = ex.build_plan(tmp / "train.parquet", target, ex.ExtractPlanSettings.from_config(
+        {"extract": {"shards": shards}, "drafter": {"target_layer_ids": layer_ids}}))
     write_json(tmp / "plan.json", plan)
     return ids, plan
 
@@ -81,18 +84,19 @@ def run_shard(tmp: Path, target: Path, *, out: str = "features", shard: int = 0,
     base = {"token_budget": 200, "chunk_tokens": 100, "storage_dtype": "float32"}
     on_chunk = cfg.pop("on_chunk", None)
     run_stats = cfg.pop("run_stats", None)
+    settings = ex.ExtractShardSettings.from_config({"extract": {**base, **cfg}, "target": {"dtype": "float32"}})
     return ex.extract_shard(plan_path=tmp / "plan.json", tokenized_path=tmp / "train.parquet",
                             target_dir=target, manifest_path=tmp / out / f"shard-{shard}" / "manifest.json",
-                            shard=shard, extract_cfg={**base, **cfg}, target_cfg={"dtype": "float32"},
-                            model=model, device="cpu", on_chunk=on_chunk, run_stats=run_stats)
+                            shard=shard, settings=settings, model=model, device="cpu", on_chunk=on_chunk,
+                            run_stats=run_stats)
 
 
 def stored_samples(folder: Path, manifest: dict):
     """Yield (row, hidden [n, F] float32, tensors of the sample) for every stored sample."""
     for rec in manifest["chunks"]:
-        t = load_chunk(folder / rec["file"])
+        t = read_chunk(folder / rec["file"])
         assert t["sample_index"].tolist() == rec["rows"]
-        hidden = chunk_hidden_states(t)
+        hidden = t["features"]
         off = t["offsets"].tolist()
         for s, row in enumerate(rec["rows"]):
             sl = slice(off[s], off[s + 1])
@@ -116,10 +120,30 @@ def test_default_layer_ids_follow_the_official_formula():
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
-    assert ex.resolve_layer_ids({"num_layers": 2, "target_layer_ids": None}, 30) == [1, 27]
-    assert ex.resolve_layer_ids({"num_layers": 1, "num_target_features": 3}, 12) == [1, 5, 9]
+    drafter = ex.PlanDrafterOptions.from_mapping
+    assert ex.resolve_layer_ids(drafter({"num_layers": 2, "target_layer_ids": None}), 30) == [1, 27]
+    assert ex.resolve_layer_ids(drafter({"num_layers": 1, "num_target_features": 3}), 12) == [1, 5, 9]
     with pytest.raises(ValueError, match="target layer id 4 is outside 0..3"):
-        ex.resolve_layer_ids({"target_layer_ids": [0, 4]}, 4)
+        ex.resolve_layer_ids(drafter({"target_layer_ids": [0, 4]}), 4)
+
+
+def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
+    """ExtractPlanSettings / ExtractShardSettings: exactly the keys draftsmith.stages names for their rules; with
+    neither target_layer_ids nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
+    from draftsmith.stages import STAGE_KEYS, rule_params
+
+    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings):
+        want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
+                for section, kinds in STAGE_KEYS[cls.STAGE].items()}
+        assert {section: set(keys) for section, keys in cls.keys().items()} == want
+    config = {"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
+              "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
+              "target": {"trust_remote_code": False}}
+    from_rule = ex.ExtractPlanSettings.from_rule(rule_params(config, "extract_plan"), config)
+    assert from_rule == ex.ExtractPlanSettings.from_config(config)
+    assert from_rule.drafter.num_target_features == 3 and from_rule.extract.shards == 2
+    with pytest.raises(ValueError, match="extract.storage_dtype 'float16' not in"):
+        ex.ExtractShardSettings.from_config({"extract": {"storage_dtype": "float16"}})
 
 
 def test_shards_are_balanced_deterministic_and_complete():
@@ -244,13 +268,42 @@ def test_chunk_writer_is_byte_identical_to_safetensors(tmp_path):
                "fp8": torch.randn(7, 3).to(torch.float8_e4m3fn), "f32": torch.randn(3, 3)}
     meta = {"draftsmith": json.dumps({"layer_ids": [1, 2], "note": 'quote " here'})}
     save_file(tensors, str(tmp_path / "lib.safetensors"), metadata=meta)
-    digest = ex.write_safetensors(tmp_path / "ours.safetensors", tensors, metadata=meta)
+    digest = write_safetensors(tmp_path / "ours.safetensors", tensors, metadata=meta)
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
     assert digest == sha256_file(tmp_path / "ours.safetensors")
     back = load_file(str(tmp_path / "ours.safetensors"))
     assert all(torch.equal(back[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
     with pytest.raises(ValueError, match="'x' is torch.float16"):
-        ex.write_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(2, dtype=torch.float16)})
+        write_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(2, dtype=torch.float16)})
+
+
+def test_chunk_round_trip_through_the_features_format(tmp_path):
+    """write_chunk stores what the format declares (fp8 encoded with quantize_fp8 when given float values), and
+    read_chunk / ChunkFile give it back; counts that disagree with the samples' lengths are refused."""
+    from draftsmith.features import ChunkFile, expected_tensors, read_safetensors_header, write_chunk
+
+    torch.manual_seed(0)
+    x = torch.randn(12, 2 * 8)
+    ids, mask = np.arange(12, dtype=np.int64), (np.arange(12) % 2).astype(np.int8)
+    for storage in ("bfloat16", "float8_e4m3fn"):
+        path = tmp_path / f"{storage}.safetensors"
+        digest = write_chunk(path, features=x, lengths=[5, 7], sample_index=[9, 4], input_ids=ids, loss_mask=mask,
+                             storage_dtype=storage, target_token=ids + 1, num_layers=2)
+        assert digest == sha256_file(path)
+        header = read_safetensors_header(path)
+        meta = {"layer_ids": [1, 3], "hidden_size": 8, "storage_dtype": storage, "has_target_token": True}
+        assert {k: (v["dtype"], v["shape"]) for k, v in header.tensors.items()} == {
+            k: (dtypes[0], shape) for k, (dtypes, shape) in expected_tensors(meta, 2, 12).items()}
+        t = read_chunk(path)
+        want = x.to(torch.bfloat16).float() if storage == "bfloat16" else dequantize_fp8(*quantize_fp8(x, 2))
+        assert torch.equal(t["features"], want)
+        assert t["offsets"].tolist() == [0, 5, 12] and t["sample_index"].tolist() == [9, 4]
+        assert t["input_ids"].tolist() == ids.tolist() and t["target_token"].tolist() == (ids + 1).tolist()
+        part = ChunkFile(path).read(5, 12, torch.float32)
+        assert torch.equal(part["features"], want[5:]) and part["loss_mask"].tolist() == mask[5:].tolist()
+    with pytest.raises(ValueError, match="tensor 'input_ids' has 12 rows, 2 samples of 11 tokens need 11"):
+        write_chunk(tmp_path / "bad.safetensors", features=x[:11], lengths=[5, 6], sample_index=[0, 1],
+                    input_ids=ids, loss_mask=mask[:11], storage_dtype="float32")
 
 
 # ------------------------------------------------------------------------------------------- resume
@@ -327,7 +380,7 @@ def test_changed_config_restarts_the_shard(tmp_path, targets):
 
 def test_refuses_when_the_disk_cannot_hold_the_projection(tmp_path, targets, monkeypatch):
     setup_run(tmp_path, targets["llama"])
-    monkeypatch.setattr(ex, "free_disk_bytes", lambda path: 10_000)
+    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: 10_000)
     with pytest.raises(ex.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
         run_shard(tmp_path, targets["llama"], disk_headroom=1.05)
     assert not list((tmp_path / "features/shard-0").glob("chunk-*"))
@@ -362,7 +415,7 @@ def test_bad_tokenized_input_is_named(tmp_path, targets):
                       "num_tokens": pa.array([2, 3], pa.int32())})
     pq.write_table(table, path)
     with pytest.raises(ValueError, match=r"row 1 \(id b\): num_tokens is 3 but field 'loss_mask' has 2"):
-        ex.read_tokenized(path)
+        read_tokenized(path)
     setup_run(tmp_path, targets["llama"], lengths=[4, 6])
     t = pq.read_table(tmp_path / "train.parquet")
     ids = t.column("input_ids").to_pylist()
@@ -383,7 +436,7 @@ def test_fp8_round_trip_error_is_bounded():
     torch.manual_seed(0)
     x = torch.randn(512, 3 * 256) * torch.rand(512, 1) * 40  # per-token scales vary over orders
     x[:, 10] *= 50  # an outlier channel, as real hidden states have
-    q, scales = ex.quantize_fp8(x, 3)
+    q, scales = quantize_fp8(x, 3)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (512, 3) and scales.dtype == torch.float32
     y = dequantize_fp8(q, scales)
     err = (y - x).abs()
@@ -410,15 +463,16 @@ def test_fp8_storage_end_to_end(tmp_path, targets):
 
 def test_shards_pass_the_merge_stage(tmp_path, targets):
     """The chunk files and manifests of two shards satisfy the merge stage's checks (sha256 included)."""
-    merge = pytest.importorskip("draftsmith.merge")
+    from draftsmith.merge import merge_features
+
     setup_run(tmp_path, targets["llama"], shards=2)
     manifests = []
     for shard in range(2):
         run_shard(tmp_path, targets["llama"], shard=shard, storage_dtype="float8_e4m3fn")
         manifests.append(tmp_path / "features" / f"shard-{shard}" / "manifest.json")
-    index = merge.merge_features(plan_path=tmp_path / "plan.json", manifest_paths=manifests,
-                                 tokenized_path=tmp_path / "train.parquet",
-                                 index_path=tmp_path / "features" / "index.json", verify_sha256=True)
+    index = merge_features(plan_path=tmp_path / "plan.json", manifest_paths=manifests,
+                           tokenized_path=tmp_path / "train.parquet", index_path=tmp_path / "features" / "index.json",
+                           settings=MergeSettings.from_config({"merge": {"verify_sha256": True}}))
     assert (index["num_samples"], index["num_tokens"]) == (len(LENGTHS), sum(LENGTHS))
 
 
@@ -492,13 +546,15 @@ def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path, fuse):
     lengths = [300, 77, 200, 130, 64, 65, 1, 250]
     ids = write_tokenized(tmp_path / "train.parquet", lengths, vocab=1024)
     write_json(tmp_path / "plan.json", ex.build_plan(tmp_path / "train.parquet", tmp_path / "target",
-                                                     num_shards=1, drafter_cfg={"target_layer_ids": [0, 2, 3]}))
+                                                     ex.ExtractPlanSettings.from_config(
+                                                         {"drafter": {"target_layer_ids": [0, 2, 3]}})))
     for padding_mask in (True, False):
         out = tmp_path / f"f{int(padding_mask)}" / "shard-0" / "manifest.json"
+        settings = ex.ExtractShardSettings.from_config(
+            {"extract": {"token_budget": 1024, "chunk_tokens": 512, "storage_dtype": "bfloat16", "fuse": fuse}})
         man = ex.extract_shard(plan_path=tmp_path / "plan.json", tokenized_path=tmp_path / "train.parquet",
                                target_dir=tmp_path / "target", manifest_path=out, shard=0, model=model,
-                               extract_cfg={"token_budget": 1024, "chunk_tokens": 512, "storage_dtype": "bfloat16",
-                                            "fuse": fuse})
+                               settings=settings)
         worst, worst_rel, mismatched, total = 0.0, 0.0, 0, 0
         for row, hidden, t in stored_samples(out.parent, man):
             with torch.no_grad(), (fused_target(model) if fuse else contextlib.nullcontext()):

@@ -1,8 +1,8 @@
 """merge: a verified index over extraction shards (draftsmith.merge).
 
-The shards here are written by the test itself to the extraction contract (safetensors chunk files
-with real tensors, manifests with real sha256 and statistics computed from the stored values, a
-plan, a tokenized train parquet), then broken one way at a time.
+The shards here are written by the test itself to the extraction contract (chunk files with real tensors
+written by :func:`draftsmith.features.write_chunk`, manifests with real sha256 and statistics computed from
+the stored values, a plan, a tokenized train parquet), then broken one way at a time.
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draftsmith.features import read_chunk, read_safetensors_header, write_chunk
 from draftsmith.io import read_json, sha256_file, write_json
-from draftsmith.merge import (
-    MergeError,
-    format_layer_stats,
-    merge_features,
-    read_safetensors_header,
-)
+from draftsmith.merge import MergeError, MergeSettings, format_layer_stats, merge_features
 
 SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
              "the last layer includes the final norm")
@@ -48,8 +44,9 @@ class FeatureSet:
     def index(self) -> Path:
         return self.root / "features" / "index.json"
 
-    def merge(self, **kw):
-        return merge_features(self.plan, self.manifests, self.tokenized, self.index, **kw)
+    def merge(self, verify_sha256: bool = False, **kw):
+        settings = MergeSettings.from_config({"merge": {"verify_sha256": verify_sha256}})
+        return merge_features(self.plan, self.manifests, self.tokenized, self.index, settings=settings, **kw)
 
     def manifest(self, shard: int) -> dict:
         return read_json(self.manifests[shard])
@@ -97,26 +94,14 @@ def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int,
         part = rows[j:j + chunk_samples]
         lengths = [fs.lengths[r] for r in part]
         hidden = torch.randn(sum(lengths), n * HIDDEN, generator=gen) * (1 + torch.arange(n).repeat_interleave(HIDDEN))
-        tensors = {
-            "input_ids": torch.from_numpy(np.concatenate([input_ids[r] for r in part])),
-            "loss_mask": torch.from_numpy(np.concatenate([loss_mask[r] for r in part])),
-            "offsets": torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64),
-            "sample_index": torch.tensor(part, dtype=torch.int64),
-        }
-        if storage == "float8_e4m3fn":
-            scales = hidden.reshape(len(hidden), n, HIDDEN).abs().amax(-1) / 448.0
-            q = (hidden.reshape(len(hidden), n, HIDDEN) / scales[..., None]).to(torch.float8_e4m3fn)
-            tensors["hidden_states"], tensors["scales"] = q.reshape(len(hidden), -1), scales.float()
-            stored = (q.float() * scales[..., None]).reshape(len(hidden), -1)
-        else:
-            dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[storage]
-            tensors["hidden_states"] = hidden.to(dtype)
-            stored = tensors["hidden_states"].float()
-        if target_token:
-            tensors["target_token"] = torch.randint(3, 500, (len(hidden),), dtype=torch.int32, generator=gen)
+        tt = torch.randint(3, 500, (len(hidden),), dtype=torch.int32, generator=gen) if target_token else None
         name = f"chunk-{j // chunk_samples:05d}.safetensors"
-        save_file(tensors, str(folder / name))
-        offsets = tensors["offsets"].tolist()
+        write_chunk(folder / name, features=hidden, lengths=lengths, sample_index=part,
+                    input_ids=np.concatenate([input_ids[r] for r in part]),
+                    loss_mask=np.concatenate([loss_mask[r] for r in part]), storage_dtype=storage,
+                    target_token=tt, num_layers=n)
+        stored = read_chunk(folder / name)["features"]  # float32, as stored (fp8 decoded)
+        offsets = np.cumsum([0, *lengths]).tolist()
         for k, r in enumerate(part):
             fs.hidden[r] = stored[offsets[k]:offsets[k + 1]]
         chunks.append({"file": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size,
@@ -327,9 +312,9 @@ def test_broken_features_and_header_shapes_fail(tmp_path):
     # a chunk rewritten without target tokens while the manifest says it has them
     fs = make_feature_set(tmp_path / "b")
     path = fs.chunk_path(0, 0)
-    with safe_open(str(path), "pt") as fh:
-        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k != "target_token"}
-    save_file(tensors, str(path))
+    t = read_chunk(path, dtype=torch.bfloat16)
+    write_chunk(path, features=t["features"], lengths=np.diff(t["offsets"].numpy()), sample_index=t["sample_index"],
+                input_ids=t["input_ids"], loss_mask=t["loss_mask"], storage_dtype="bfloat16")
     _edit_manifest(fs, 0, lambda m: m["chunks"][0].update(bytes=path.stat().st_size))
     _edit_manifest(fs, 0, lambda m: m.update(bytes=sum(c["bytes"] for c in m["chunks"])))
     msg = _fail(fs)
@@ -347,6 +332,15 @@ def test_float8_storage_with_scales_merges(tmp_path):
     truth = every.pow(2).mean(dim=(0, 2)).sqrt()
     for row, want in zip(index["layer_stats"], truth.tolist()):
         assert math.isclose(row["rms"], want, rel_tol=1e-5)
+
+
+def test_merge_settings_hold_the_stage_keys():
+    from draftsmith.stages import STAGE_KEYS
+
+    assert MergeSettings.keys() == {"merge": STAGE_KEYS["merge"]["merge"]["runtime"]}
+    assert MergeSettings.from_config().merge.verify_sha256 is False  # the schema default
+    with pytest.raises(ValueError, match="did you mean 'verify_sha256'"):
+        MergeSettings.from_config({"merge": {"verify_sha265": True}})
 
 
 def test_header_reader_matches_safetensors(tmp_path):
@@ -402,7 +396,6 @@ def test_merges_the_real_extract_stage_output(tmp_path):
     """Contract between stages: shards written by draftsmith.extract (tiny float32 llama target, 2 shards,
     several chunks each) merge, and the merged RMS equals the RMS of the stored features."""
     from draftsmith import extract
-    from draftsmith.features import chunk_hidden_states, load_chunk
     from tiny import tiny_target
 
     target = tmp_path / "target"
@@ -410,22 +403,23 @@ def test_merges_the_real_extract_stage_output(tmp_path):
     lengths = [23, 5, 40, 11, 17, 3, 30, 8]
     ids = [f"conv{r:02d}#1" for r in range(len(lengths))]
     _write_tokenized(tmp_path / "train.parquet", ids, lengths)
-    plan = extract.build_plan(tmp_path / "train.parquet", target, num_shards=2,
-                              drafter_cfg={"target_layer_ids": [1, 3]})
+    plan = extract.build_plan(tmp_path / "train.parquet", target, extract.ExtractPlanSettings.from_config(
+        {"extract": {"shards": 2}, "drafter": {"target_layer_ids": [1, 3]}}))
     write_json(tmp_path / "features" / "plan.json", plan)
     manifests = [tmp_path / "features" / f"shard-{s}" / "manifest.json" for s in range(2)]
     for s, path in enumerate(manifests):
+        settings = extract.ExtractShardSettings.from_config(
+            {"extract": {"token_budget": 64, "chunk_tokens": 40, "storage_dtype": "bfloat16"},
+             "target": {"dtype": "float32"}})
         extract.extract_shard(plan_path=tmp_path / "features" / "plan.json", tokenized_path=tmp_path / "train.parquet",
-                              target_dir=target, manifest_path=path, shard=s,
-                              extract_cfg={"token_budget": 64, "chunk_tokens": 40, "storage_dtype": "bfloat16"},
-                              target_cfg={"dtype": "float32"}, device="cpu")
+                              target_dir=target, manifest_path=path, shard=s, settings=settings, device="cpu")
 
     index = merge_features(tmp_path / "features" / "plan.json", manifests, tmp_path / "train.parquet",
-                           tmp_path / "features" / "index.json", verify_sha256=True)
+                           tmp_path / "features" / "index.json",
+                           settings=MergeSettings.from_config({"merge": {"verify_sha256": True}}))
     assert index["num_samples"] == len(lengths) and index["num_tokens"] == sum(lengths)
     assert len(index["chunks"]) > 2 and index["layer_ids"] == [1, 3] and index["has_target_token"]
-    stored = torch.cat([chunk_hidden_states(load_chunk(tmp_path / "features" / c["path"]))
-                        for c in index["chunks"]])
+    stored = torch.cat([read_chunk(tmp_path / "features" / c["path"])["features"] for c in index["chunks"]])
     truth = stored.reshape(sum(lengths), 2, -1).pow(2).mean(dim=(0, 2)).sqrt()
     got = torch.tensor([row["rms"] for row in index["layer_stats"]], dtype=torch.float32)
     torch.testing.assert_close(got, truth, rtol=1e-4, atol=0)

@@ -71,49 +71,37 @@ def make_samples(target, num: int, prompt_len: int, gen_len: int, seed: int = 0)
 def write_features(folder: Path, target, layer_ids: list[int], samples: list[dict], *, per_chunk: int = 3,
                    storage_dtype: str = "bfloat16", target_tokens: bool = True) -> Path:
     """Extract features of ``samples`` with hooks and write chunks + ``index.json`` (the merge contract)."""
+    from draftsmith.features import LAYER_SEMANTICS, index_document, write_chunk, write_index
+
     folder.mkdir(parents=True, exist_ok=True)
     H = target.config.hidden_size
     chunks = []
     for c0 in range(0, len(samples), per_chunk):
         part = list(range(c0, min(c0 + per_chunk, len(samples))))
-        hs, ids, lm, tt, offsets = [], [], [], [], [0]
+        hs, ids, lm, tt, lengths = [], [], [], [], []
         for i in part:
             x = samples[i]["input_ids"][None]
             with torch.no_grad(), capture_layers(target, layer_ids) as cap:
                 logits = target(x).logits
                 feats = cap.features()[0]
             hs.append(feats)
-            ids.append(samples[i]["input_ids"].to(torch.int32))
-            lm.append(samples[i]["loss_mask"].to(torch.int8))
-            tt.append(logits[0].argmax(-1).to(torch.int32))
-            offsets.append(offsets[-1] + x.shape[1])
-        hidden = torch.cat(hs)
-        tensors = {"input_ids": torch.cat(ids), "loss_mask": torch.cat(lm),
-                   "offsets": torch.tensor(offsets, dtype=torch.int64),
-                   "sample_index": torch.tensor(part, dtype=torch.int64)}
-        if storage_dtype == "float8_e4m3fn":
-            n = len(layer_ids)
-            per = hidden.view(-1, n, H)
-            scales = per.abs().amax(-1).clamp_min(1e-12) / 448.0
-            tensors["hidden_states"] = (per / scales[..., None]).to(torch.float8_e4m3fn).view(-1, n * H)
-            tensors["scales"] = scales.float()
-        else:
-            tensors["hidden_states"] = hidden.to(getattr(torch, storage_dtype))
-        if target_tokens:
-            tensors["target_token"] = torch.cat(tt)
+            ids.append(samples[i]["input_ids"])
+            lm.append(samples[i]["loss_mask"])
+            tt.append(logits[0].argmax(-1))
+            lengths.append(x.shape[1])
         name = f"shard-0/chunk-{c0 // per_chunk:05d}.safetensors"
-        (folder / "shard-0").mkdir(exist_ok=True)
-        save_file(tensors, str(folder / name))
-        chunks.append({"path": name, "shard": 0, "num_samples": len(part), "num_tokens": offsets[-1],
+        write_chunk(folder / name, features=torch.cat(hs), lengths=lengths, sample_index=part,
+                    input_ids=torch.cat(ids), loss_mask=torch.cat(lm), storage_dtype=storage_dtype,
+                    target_token=torch.cat(tt) if target_tokens else None, num_layers=len(layer_ids))
+        chunks.append({"path": name, "shard": 0, "num_samples": len(part), "num_tokens": sum(lengths),
                        "bytes": (folder / name).stat().st_size, "rows": part})
-    index = {"format": "draftsmith.index/1", "chunks": chunks, "num_samples": len(samples),
-             "num_tokens": sum(c["num_tokens"] for c in chunks), "bytes": sum(c["bytes"] for c in chunks),
-             "layer_ids": layer_ids, "layer_semantics": "id i = output of decoder layer i = HF "
-             "output_hidden_states[i + 1]; the last layer includes the final norm", "hidden_size": H,
-             "num_target_layers": target.config.num_hidden_layers, "storage_dtype": storage_dtype,
-             "has_target_token": target_tokens, "target_fingerprint": "test", "tokenizer_fingerprint": "test",
-             "chat_template_kwargs": {}, "layer_stats": {}}
-    (folder / "index.json").write_text(json.dumps(index))
+    index = index_document({
+        "chunks": chunks, "num_samples": len(samples), "num_tokens": sum(c["num_tokens"] for c in chunks),
+        "bytes": sum(c["bytes"] for c in chunks), "layer_ids": layer_ids, "layer_semantics": LAYER_SEMANTICS,
+        "hidden_size": H, "num_target_layers": target.config.num_hidden_layers, "storage_dtype": storage_dtype,
+        "has_target_token": target_tokens, "target_fingerprint": "test", "tokenizer_fingerprint": "test",
+        "chat_template_kwargs": {}, "layer_stats": {}})
+    write_index(folder / "index.json", index)
     return folder / "index.json"
 
 

@@ -1,76 +1,43 @@
-"""Extract: the target's hidden states at the tapped layers, one resumable shard per GPU.
+"""Rule extract_shard: one shard of the plan -> chunk files of the target's tapped-layer features + ``manifest.json``.
 
-Two steps (rules ``extract_plan`` and ``extract_shard``, contracts in docs/design.md):
-
-* :func:`build_plan` splits the tokenized train set into shards balanced by token count
-  (deterministic longest-processing-time greedy) and fixes the target layer ids.
-* :func:`extract_shard` loads the target once, runs length-sorted, right-padded batches bounded by a
-  padded token budget, captures only the tapped decoder layers with forward hooks
-  (:class:`draftsmith.target.LayerCapture`; id i = HF ``output_hidden_states[i + 1]``, the last layer
-  after the final norm), stops the forward after the deepest tapped layer unless target tokens are
-  wanted, unpads, checks the numbers and writes chunk files (safetensors) atomically, with a progress
-  record after each chunk so a killed job resumes without redoing finished chunks.
-
-Chunk files, manifests, the plan and the index: :mod:`draftsmith.features`.
-
-Not done on purpose: packing several samples into one row (``cu_seqlens``). docs/design.md records that it
-leaks across documents for Gated DeltaNet targets (the short causal conv does not see the boundaries),
-so every sample is its own row of a right-padded batch.
-
-On CUDA the forward is fused by default (``extract.fuse: auto``, :mod:`draftsmith.fused`): the target's
-norm and MLP modules run torch.compile'd (the model's own code, rounding where eager rounds) and its
-Gated DeltaNet conv1d runs flash-linear-attention's Triton kernel instead of transformers' torch fallback.
-
-Pipeline: forwards in the main thread; device-to-host copies on a side CUDA stream into two pinned
-chunk buffers; one writer thread serialises, fsyncs and hashes each chunk (hashing concurrently with
-the write, :func:`write_safetensors`) while the next chunk computes, so only the last chunk's write is
-not hidden. Measured with ``python bench/bench_extract.py --tokens 196608 --token-budget 32768`` on one
-H200 (random-weight Qwen3.5-27B shape, flash-linear-attention, 197K real tokens of ShareGPT lengths,
-layer ids [1, 16, 31, 46, 61], steady state): default config (target tokens, fused) 8.5K tok/s end to end
-and 9.0K tok/s compute-only against 5.7K tok/s for ``output_hidden_states=True`` on the same batches
-(1.49x; 56.8 % / 60.1 % of the measured 783 TFLOP/s bf16 matmul peak); eager forward 6.8K tok/s (1.19x,
-45.3 %); features only, fused, 9.1K tok/s (1.60x, 55.9 %). Eager features equal the naive path's bit for
-bit; fused ones differ by bf16 rounding and are as close to a float32 reference (tests/test_fused.py).
+Reading order: the batches and chunks of a shard (:func:`make_batches`, :func:`make_chunks`), the forward
+(:class:`FeatureExtractor`), the stage's settings (:class:`ExtractShardSettings`), then :func:`extract_shard`
+and the compute/write pipeline it runs (:class:`_ShardRunner`). The files' format: :mod:`draftsmith.features`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import heapq
 import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from draftsmith import fused
-from draftsmith.config import schema_defaults
-from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids, validate_layer_ids
+from draftsmith.extract.plan import bytes_per_token, free_disk_bytes, projected_bytes, target_dims
 from draftsmith.features import (
     FEATURES_FORMAT,
     LAYER_SEMANTICS,
     PLAN_FORMAT,
     PROGRESS_FORMAT,
-    STORAGE_DTYPES,
     quantize_fp8,
     row_absmax,
     storage_torch_dtype,
-    write_safetensors,
+    write_chunk,
 )
-from draftsmith.tokenized import Tokenized, read_tokenized
-from draftsmith.io import atomic_path, progress, read_json, sha256_file, write_json
+from draftsmith.io import progress, read_json, sha256_file, target_fingerprint, write_json
+from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import (
     LayerCapture,
-    check_model_folder,
     default_device,
     fla_available,
     is_hybrid,
@@ -78,12 +45,12 @@ from draftsmith.target import (
     resolve_dtype,
     text_config,
 )
-from draftsmith.io import target_fingerprint
+from draftsmith.target_layers import validate_layer_ids
+from draftsmith.tokenized import Tokenized, read_tokenized
 
 log = logging.getLogger("draftsmith.extract")
 
 LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once (target tokens)
-
 
 
 class FeatureSanityError(RuntimeError):
@@ -92,132 +59,6 @@ class FeatureSanityError(RuntimeError):
 
 class DiskSpaceError(RuntimeError):
     """The projected bytes of a shard (times the headroom) exceed the free disk."""
-
-
-# --------------------------------------------------------------------------------------------------
-# layer ids, tokenized input, plan
-
-
-def resolve_layer_ids(drafter_cfg: dict | None, num_target_layers: int) -> list[int]:
-    """Target layer ids from ``drafter.target_layer_ids`` or, when null, the official formula.
-
-    The formula taps ``drafter.num_target_features`` layers (default ``drafter.num_layers``).
-
-    Raises:
-        ValueError: an id outside 0..L-1, duplicates, or an empty list.
-    """
-    cfg = drafter_cfg or {}
-    given = cfg.get("target_layer_ids")
-    n = num_tapped_layers(given, cfg.get("num_target_features"), cfg.get("num_layers"))
-    ids = tapped_layer_ids(given, cfg.get("num_target_features"), cfg.get("num_layers"), num_target_layers)
-    if given is None:
-        log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s", num_target_layers, n, ids)
-    return ids
-
-
-def balance_shards(num_tokens: list[int] | np.ndarray, num_shards: int) -> list[list[int]]:
-    """Split rows into ``num_shards`` shards balanced by token count, deterministically.
-
-    Longest-processing-time greedy: rows by tokens descending (ties by row index) each go to the shard
-    with the fewest tokens so far (ties by shard index). Max shard load <= 4/3 of the optimum.
-
-    Returns:
-        Per shard, the sorted row indices.
-    """
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    order = sorted(range(len(num_tokens)), key=lambda r: (-int(num_tokens[r]), r))
-    heap = [(0, s) for s in range(num_shards)]
-    shards: list[list[int]] = [[] for _ in range(num_shards)]
-    for r in order:
-        load, s = heapq.heappop(heap)
-        shards[s].append(r)
-        heapq.heappush(heap, (load + int(num_tokens[r]), s))
-    return [sorted(rows) for rows in shards]
-
-
-def target_dims(target_dir: str | os.PathLike, *, trust_remote_code: bool = False) -> tuple[int, int, int]:
-    """``(num_target_layers L, hidden_size H, vocab_size V)`` from the target's config.json only."""
-    from transformers import AutoConfig
-
-    folder = check_model_folder(target_dir)
-    cfg = text_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
-    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)
-
-
-def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike, *, num_shards: int,
-               drafter_cfg: dict | None = None, extract_cfg: dict | None = None,
-               trust_remote_code: bool = False) -> dict:
-    """The shard plan (``draftsmith.plan/1``) of a tokenized train set.
-
-    Reads only ``id``/``num_tokens`` of the parquet and the target's config.json (no weights). With
-    ``extract_cfg`` it also logs the projected bytes of all shards (the shard jobs enforce the disk
-    check) and warns when they exceed the free disk under ``results/``.
-
-    Returns:
-        ``{"format", "num_shards", "layer_ids", "hidden_size", "num_target_layers",
-        "tokenized_rows", "tokenized_tokens", "shards": [{"shard", "rows", "num_tokens"}]}``.
-    """
-    tok = read_tokenized(tokenized_path, with_tokens=False)
-    num_layers, hidden, _ = target_dims(target_dir, trust_remote_code=trust_remote_code)
-    layer_ids = resolve_layer_ids(drafter_cfg, num_layers)
-    shards = balance_shards(tok.num_tokens, num_shards)
-    if num_shards > len(tok.ids):
-        log.warning("%d shards for %d rows: %d shard(s) will be empty", num_shards, len(tok.ids),
-                    num_shards - len(tok.ids))
-    plan = {
-        "format": PLAN_FORMAT,
-        "num_shards": num_shards,
-        "layer_ids": layer_ids,
-        "hidden_size": hidden,
-        "num_target_layers": num_layers,
-        "tokenized_rows": len(tok.ids),
-        "tokenized_tokens": int(tok.num_tokens.sum()),
-        "shards": [{"shard": s, "rows": rows, "num_tokens": int(tok.num_tokens[rows].sum()) if rows else 0}
-                   for s, rows in enumerate(shards)],
-    }
-    loads = [s["num_tokens"] for s in plan["shards"]]
-    log.info("plan: %d rows, %d tokens in %d shards (tokens per shard min %d / max %d); layer ids %s",
-             plan["tokenized_rows"], plan["tokenized_tokens"], num_shards, min(loads), max(loads),
-             layer_ids)
-    if extract_cfg is not None:
-        extract_cfg = {**schema_defaults("extract"), **extract_cfg}
-        storage = extract_cfg["storage_dtype"]
-        want_tt = bool(extract_cfg["store_target_tokens"])
-        total = projected_bytes(plan["tokenized_tokens"], plan["tokenized_rows"], len(layer_ids), hidden,
-                                storage, want_tt)
-        free = free_disk_bytes(Path(tokenized_path).resolve().parent)
-        log.info("projected features: %.3f GB (%d bytes/token: %d layers x %d x %s%s); %.3f GB free",
-                 total / 1e9, bytes_per_token(len(layer_ids), hidden, storage, want_tt), len(layer_ids),
-                 hidden, storage, " + target tokens" if want_tt else "", free / 1e9)
-        if total > free:
-            log.warning("the projected features (%.3f GB) exceed the free disk (%.3f GB): shard jobs "
-                        "will refuse to start once their share does not fit", total / 1e9, free / 1e9)
-    return plan
-
-
-def bytes_per_token(num_layers: int, hidden: int, storage_dtype: str, target_token: bool) -> int:
-    """Bytes one token costs in a chunk file: features (+ fp8 scales) + input id + loss mask
-    (+ target token). Example: 5 layers x 5120 in bf16 with target tokens = 51,209 bytes."""
-    elem = torch.empty((), dtype=storage_torch_dtype(storage_dtype)).element_size()
-    extra = 4 * num_layers if storage_dtype == "float8_e4m3fn" else 0
-    return num_layers * hidden * elem + extra + 4 + 1 + (4 if target_token else 0)
-
-
-def projected_bytes(num_tokens: int, num_samples: int, num_layers: int, hidden: int,
-                    storage_dtype: str, target_token: bool, num_chunks: int = 1) -> int:
-    """Projected chunk bytes: tokens x :func:`bytes_per_token` + 16 bytes per sample (offsets,
-    sample_index) + ~1 KB of safetensors header per chunk."""
-    return (num_tokens * bytes_per_token(num_layers, hidden, storage_dtype, target_token)
-            + 16 * num_samples + 8 * num_chunks + 1024 * num_chunks)
-
-
-def free_disk_bytes(path: str | os.PathLike) -> int:
-    """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
-    p = Path(path)
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,10 +122,6 @@ def make_chunks(batches: list[Batch], chunk_tokens: int) -> list[list[Batch]]:
 
 def chunk_name(index: int) -> str:
     return f"chunk-{index:05d}.safetensors"
-
-
-# --------------------------------------------------------------------------------------------------
-# numerics: sanity statistics and fp8 storage
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,6 +228,48 @@ class FeatureExtractor:
 # the shard job
 
 
+@dataclass(frozen=True)
+class ShardExtractOptions(SectionSettings):
+    """The ``extract`` keys rule extract_shard reads: what the chunks hold (``storage_dtype``,
+    ``store_target_tokens``, ``chunk_tokens``) and how the forwards run (the others).
+
+    Raises:
+        ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`.
+    """
+
+    SECTION: ClassVar[str] = "extract"
+    storage_dtype: str
+    store_target_tokens: bool
+    chunk_tokens: int
+    token_budget: int
+    padding_mask: bool
+    require_fla: bool
+    disk_headroom: float
+    fuse: bool | str
+
+    def __post_init__(self) -> None:
+        storage_torch_dtype(self.storage_dtype)  # refuses an unknown name
+
+
+@dataclass(frozen=True)
+class ShardTargetOptions(SectionSettings):
+    """The ``target`` keys rule extract_shard reads (how the target is loaded)."""
+
+    SECTION: ClassVar[str] = "target"
+    dtype: str
+    attn_implementation: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class ExtractShardSettings(StageSettings):
+    """Everything rule extract_shard reads from the config."""
+
+    STAGE: ClassVar[str] = "extract_shard"
+    extract: ShardExtractOptions
+    target: ShardTargetOptions
+
+
 @dataclass
 class _ChunkWork:
     index: int
@@ -428,7 +307,7 @@ def _shard_stats(records: list[dict], hidden: int, num_layers: int) -> dict:
             "zero_rows": sum(r["stats"]["zero_rows"] for r in records)}
 
 
-def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, target_cfg: dict
+def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, trust_remote_code: bool
                        ) -> tuple[dict, list[int], Tokenized]:
     """The plan, this shard's rows and the tokenized set, checked against each other and the target.
 
@@ -449,7 +328,7 @@ def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, target
         raise ValueError(f"{plan_path} is stale: it was made for {plan['tokenized_rows']} rows / "
                          f"{plan['tokenized_tokens']} tokens but {tokenized_path} has {len(tok.ids)} rows / "
                          f"{int(tok.num_tokens.sum())} tokens; rerun extract_plan")
-    nl, hs, vocab = target_dims(target_dir, trust_remote_code=target_cfg["trust_remote_code"])
+    nl, hs, vocab = target_dims(target_dir, trust_remote_code=trust_remote_code)
     if (nl, hs) != (num_target_layers, hidden):
         raise ValueError(f"{plan_path}: planned for L={num_target_layers}, H={hidden} but target "
                          f"{target_dir} has L={nl}, H={hs}; rerun extract_plan")
@@ -503,7 +382,7 @@ def _resume_chunks(folder: Path, shard: int, layout: str, chunks: list[_ChunkWor
 
 def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.PathLike,
                   target_dir: str | os.PathLike, manifest_path: str | os.PathLike, shard: int,
-                  extract_cfg: dict, target_cfg: dict | None = None, model: nn.Module | None = None,
+                  settings: ExtractShardSettings, model: nn.Module | None = None,
                   device: torch.device | str | None = None,
                   on_chunk: Callable[[int, dict], None] | None = None,
                   run_stats: dict | None = None) -> dict:
@@ -519,9 +398,9 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         plan_path / tokenized_path / target_dir: inputs of the rule.
         manifest_path: ``results/features/shard-{i}/manifest.json``.
         shard: shard index in the plan.
-        extract_cfg: the ``extract`` config section (token_budget, chunk_tokens, storage_dtype,
-            store_target_tokens, require_fla, disk_headroom, padding_mask, fuse).
-        target_cfg: the ``target`` config section (dtype, attn_implementation, trust_remote_code).
+        settings: the stage's keys: ``extract`` (storage_dtype, store_target_tokens, chunk_tokens,
+            token_budget, padding_mask, require_fla, disk_headroom, fuse) and ``target`` (dtype,
+            attn_implementation, trust_remote_code).
         model: an already loaded target (tests, benchmarks); else it is loaded with
             :func:`draftsmith.target.load_target` -- only when some chunk remains to be computed.
         device: where to load the model (default: cuda if available else cpu).
@@ -541,45 +420,44 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         ValueError: a stale plan (tokenized rows changed), bad tokenized input, token ids outside the
             vocabulary -- naming file, row and field.
     """
-    target_cfg = {**schema_defaults("target"), **(target_cfg or {})}
-    cfg = {**schema_defaults("extract"), **(extract_cfg or {})}
-    storage = cfg["storage_dtype"]
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"extract.storage_dtype {storage!r} not in {list(STORAGE_DTYPES)}")
-    want_tt = bool(cfg["store_target_tokens"])
+    opts = settings.extract
+    storage, want_tt = opts.storage_dtype, bool(opts.store_target_tokens)
     manifest_path = Path(manifest_path)
     folder = manifest_path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    plan, rows, tok = _read_shard_inputs(plan_path, tokenized_path, target_dir, shard, target_cfg)
+    plan, rows, tok = _read_shard_inputs(plan_path, tokenized_path, target_dir, shard,
+                                         settings.target.trust_remote_code)
     layer_ids, hidden = plan["layer_ids"], plan["hidden_size"]
     lengths = [int(tok.num_tokens[r]) for r in rows]
-    batches = make_batches(rows, lengths, int(cfg["token_budget"]))
-    chunks = _chunk_work(batches, tok, int(cfg["chunk_tokens"]))
+    batches = make_batches(rows, lengths, int(opts.token_budget))
+    chunks = _chunk_work(batches, tok, int(opts.chunk_tokens))
 
     fingerprint = target_fingerprint(target_dir)
-    model_dtype = str(next(model.parameters()).dtype) if model is not None else \
-        str(resolve_dtype(target_cfg["dtype"], device or default_device()))
+    if model is not None:
+        model_dtype = str(next(model.parameters()).dtype)
+    else:
+        model_dtype = str(resolve_dtype(settings.target.dtype, device or default_device()))
     layout = _layout_key(chunks=[[c.rows, c.ids, [list(b.rows) for b in c.batches]] for c in chunks],
                          layer_ids=layer_ids, storage=storage, target_token=want_tt,
-                         padding_mask=bool(cfg["padding_mask"]), target=fingerprint,
+                         padding_mask=bool(opts.padding_mask), target=fingerprint,
                          dtype=model_dtype.replace("torch.", ""), content=_content_hash(tok, rows))
     done = _resume_chunks(folder, shard, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
     _check_disk(folder, shard, rows, lengths, batches, chunks, todo, len(layer_ids), hidden, storage, want_tt,
-                float(cfg["disk_headroom"]))
+                float(opts.disk_headroom))
 
     common = {
         "shard": shard, "num_shards": plan["num_shards"], "layer_ids": layer_ids,
         "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden, "num_target_layers": plan["num_target_layers"],
         "storage_dtype": storage, "has_target_token": want_tt, "target_fingerprint": fingerprint,
-        "tokenizer_fingerprint": tok.metadata.get("draftsmith.tokenizer_fingerprint"),
-        "chat_template_kwargs": tok.metadata.get("draftsmith.chat_template_kwargs") or {},
+        "tokenizer_fingerprint": tok.metadata.get("tokenizer_fingerprint"),
+        "chat_template_kwargs": tok.metadata.get("chat_template_kwargs") or {},
     }
     if common["tokenizer_fingerprint"] is None:
         log.warning("%s has no draftsmith.tokenizer_fingerprint metadata: recorded as null", tokenized_path)
     if todo:
-        _compute_chunks(todo, len(chunks), model, target_dir, target_cfg, cfg, device, folder, shard, tok, layout,
-                        done, on_chunk, common, run_stats)
+        _compute_chunks(todo, len(chunks), model, target_dir, settings, device, folder, shard, tok, layout, done,
+                        on_chunk, common, run_stats)
     return _write_manifest(manifest_path, common, [done[c.index] for c in chunks], rows, sum(lengths))
 
 
@@ -626,25 +504,24 @@ def _check_disk(folder: Path, shard: int, rows: list[int], lengths: list[int], b
             f"{remaining * headroom / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free under {folder}")
 
 
-def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | None, target_dir, target_cfg: dict,
-                    cfg: dict, device, folder: Path, shard: int, tok: Tokenized, layout: str, done: dict,
-                    on_chunk, common: dict, run_stats: dict | None) -> None:
+def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | None, target_dir,
+                    settings: ExtractShardSettings, device, folder: Path, shard: int, tok: Tokenized, layout: str,
+                    done: dict, on_chunk, common: dict, run_stats: dict | None) -> None:
     """Load the target (unless given), then compute and write the chunks still to do (:class:`_ShardRunner`);
     ``done`` gains their records."""
-    own_model = model is None
-    if own_model:
-        model = load_target(target_dir, dtype=target_cfg["dtype"], device=device,
-                            attn_implementation=target_cfg["attn_implementation"],
-                            trust_remote_code=target_cfg["trust_remote_code"],
-                            require_fla=bool(cfg["require_fla"]))
+    opts, target = settings.extract, settings.target
+    if model is None:
+        model = load_target(target_dir, dtype=target.dtype, device=device,
+                            attn_implementation=target.attn_implementation,
+                            trust_remote_code=target.trust_remote_code, require_fla=bool(opts.require_fla))
     elif is_hybrid(model.config) and not fla_available():
         msg = "hybrid Gated DeltaNet target without flash-linear-attention: torch fallback (slow)"
-        if cfg["require_fla"]:
+        if opts.require_fla:
             raise RuntimeError(msg)
         log.warning("!" * 20 + " " + msg)
     runner = _ShardRunner(model, folder, shard, common["layer_ids"], tok, common["storage_dtype"],
-                          common["has_target_token"], bool(cfg["padding_mask"]), layout, done, on_chunk, common)
-    fuse = fused.resolve_fuse(cfg["fuse"], next(model.parameters()).device)
+                          common["has_target_token"], bool(opts.padding_mask), layout, done, on_chunk, common)
+    fuse = fused.resolve_fuse(opts.fuse, next(model.parameters()).device)
     with fused.fused_target(model, enabled=fuse) as fuse_report:
         runner.run(todo, num_chunks)
     if run_stats is not None:
@@ -678,6 +555,20 @@ def _write_manifest(manifest_path: Path, common: dict, records: list[dict], rows
     return manifest
 
 
+@dataclass
+class _HostBuffer:
+    """Host memory (pinned on CUDA) for one chunk's rows: features in the storage dtype ``[capacity, n*H]``,
+    float8 scales ``[capacity, n]`` float32, target tokens ``[capacity]`` int32."""
+
+    features: torch.Tensor
+    scales: torch.Tensor | None
+    target_token: torch.Tensor | None
+
+    def rows(self, n: int) -> dict[str, torch.Tensor | None]:
+        """The first ``n`` rows, as :func:`draftsmith.features.write_chunk` keywords."""
+        return {name: None if t is None else t[:n] for name, t in vars(self).items()}
+
+
 class _ShardRunner:
     """The compute/write pipeline of one shard: GPU forwards in the main thread; device-to-host copies
     on a side CUDA stream into pinned, double-buffered host memory; chunk files serialised, hashed
@@ -695,20 +586,19 @@ class _ShardRunner:
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.buffers: list[dict[str, torch.Tensor]] = []
+        self.buffers: list[_HostBuffer] = []
         self.write_seconds = 0.0
         self.wait_seconds = 0.0
         self.compute_seconds = 0.0
         self.alloc_seconds = 0.0
 
-    def _host(self, capacity: int, width: int) -> dict[str, torch.Tensor]:
+    def _host(self, capacity: int, width: int) -> _HostBuffer:
         pin = self.cuda
-        buf = {"hidden_states": torch.empty(capacity, width, dtype=storage_torch_dtype(self.storage), pin_memory=pin)}
-        if self.storage == "float8_e4m3fn":
-            buf["scales"] = torch.empty(capacity, self.n_layers, dtype=torch.float32, pin_memory=pin)
-        if self.want_tt:
-            buf["target_token"] = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
-        return buf
+        return _HostBuffer(
+            features=torch.empty(capacity, width, dtype=storage_torch_dtype(self.storage), pin_memory=pin),
+            scales=(torch.empty(capacity, self.n_layers, dtype=torch.float32, pin_memory=pin)
+                    if self.storage == "float8_e4m3fn" else None),
+            target_token=torch.empty(capacity, dtype=torch.int32, pin_memory=pin) if self.want_tt else None)
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.cuda:
@@ -778,7 +668,7 @@ class _ShardRunner:
                  total / max(dt, 1e-9), self.extractor.forward_calls, self.compute_seconds,
                  self.write_seconds, self.wait_seconds, self.alloc_seconds)
 
-    def _compute(self, chunk: _ChunkWork, buf: dict, ex: FeatureExtractor, bar) -> dict:
+    def _compute(self, chunk: _ChunkWork, buf: _HostBuffer, ex: FeatureExtractor, bar) -> dict:
         pos = 0
         sumsq = torch.zeros(self.n_layers, dtype=torch.float64)
         t0 = time.perf_counter()
@@ -792,23 +682,23 @@ class _ShardRunner:
                                               dtype=torch.float32).double().cpu() ** 2
             if self.storage == "float8_e4m3fn":
                 q, scales = quantize_fp8(hidden, self.n_layers, absmax)
-                self._to_host(buf["hidden_states"][pos:pos + t], q)
-                self._to_host(buf["scales"][pos:pos + t], scales)
+                self._to_host(buf.features[pos:pos + t], q)
+                self._to_host(buf.scales[pos:pos + t], scales)
             else:
-                self._to_host(buf["hidden_states"][pos:pos + t], hidden.to(storage_torch_dtype(self.storage)))
+                self._to_host(buf.features[pos:pos + t], hidden.to(storage_torch_dtype(self.storage)))
             if target_token is not None:
-                self._to_host(buf["target_token"][pos:pos + t], target_token)
+                self._to_host(buf.target_token[pos:pos + t], target_token)
             pos += t
             bar.update(t)
         dt = time.perf_counter() - t0
         self.compute_seconds += dt
         log.info("shard %d: chunk %d computed: %d samples, %d tokens in %.1f s (%.0f tok/s)", self.shard,
                  chunk.index, len(chunk.rows), pos, dt, pos / max(dt, 1e-9))
-        hidden_size = buf["hidden_states"].shape[1] // self.n_layers
+        hidden_size = buf.features.shape[1] // self.n_layers
         return {"rms": [math.sqrt(float(x) / (pos * hidden_size)) for x in sumsq],
                 "nonfinite": 0, "zero_rows": 0}
 
-    def _write(self, chunk: _ChunkWork, buf: dict, stats: dict, event) -> dict:
+    def _write(self, chunk: _ChunkWork, buf: _HostBuffer, stats: dict, event) -> dict:
         """Writer thread: serialise one chunk atomically, hash it, record it in progress.json."""
         t0 = time.perf_counter()
         if event is not None:
@@ -816,14 +706,10 @@ class _ShardRunner:
         n = chunk.num_tokens
         ids = [self.tok.row(r)[0] for r in chunk.rows]
         masks = [self.tok.row(r)[1] for r in chunk.rows]
-        tensors = {name: t[:n] for name, t in buf.items()}
-        tensors["input_ids"] = torch.from_numpy(np.concatenate(ids).astype(np.int32))
-        tensors["loss_mask"] = torch.from_numpy(np.concatenate(masks).astype(np.int8))
-        tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int64))
-        tensors["sample_index"] = torch.tensor(chunk.rows, dtype=torch.int64)
         path = self.folder / chunk_name(chunk.index)
-        with atomic_path(path, suffix=".safetensors") as tmp:
-            digest = write_safetensors(tmp, tensors, metadata={"draftsmith": self.meta})
+        digest = write_chunk(path, **buf.rows(n), lengths=[len(x) for x in ids], sample_index=chunk.rows,
+                             input_ids=np.concatenate(ids), loss_mask=np.concatenate(masks),
+                             storage_dtype=self.storage, metadata={"draftsmith": self.meta})
         rec = {"file": path.name, "sha256": digest, "bytes": path.stat().st_size,
                "num_samples": len(chunk.rows), "num_tokens": n, "rows": chunk.rows, "ids": chunk.ids,
                "stats": stats}
