@@ -59,12 +59,9 @@ from typing import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
+from draftsmith import hybrid_cache
 from draftsmith.target import (
-    cache_kwargs,
     is_hybrid,
-    static_supported,
     text_config,
     use_grouped_sdpa,
     without_cudnn_attention,
@@ -170,11 +167,11 @@ FUSED_ENGINES = ("static", "generate")
 
 def static_engine_supported(model) -> tuple[bool, str]:
     """``(ok, why not)``: whether :class:`StaticBatchEngine` can decode ``model``: attention-only targets
-    (:func:`draftsmith.target.static_supported`), and hybrid targets whose layers are full attention and Gated
+    (:func:`draftsmith.hybrid_cache.static_supported`), and hybrid targets whose layers are full attention and Gated
     DeltaNet (``linear_attention``): greedy generation never rolls back, so the recurrent layers' fixed-size
     states (transformers' ``StaticCache`` keeps them at static addresses) serve a CUDA-graph decode step as well.
     Sliding-window layers are not supported."""
-    ok, why = static_supported(model)
+    ok, why = hybrid_cache.static_supported(model)
     if ok:
         return ok, why
     cfg = text_config(model.config)
@@ -195,22 +192,6 @@ def resolve_engine(name: str, model) -> str:
         return name
     device = next(model.parameters()).device
     return "static" if device.type == "cuda" and static_engine_supported(model)[0] else "generate"
-
-
-def _layer_types(cfg) -> list[str]:
-    """The cache layer type of each decoder layer of text config ``cfg``, as transformers' ``StaticCache`` picks
-    them (``cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when the config has them, else sliding /
-    chunked / full by ``sliding_window`` / ``attention_chunk_size``; reused-KV and MLP-only layers hold nothing."""
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        kind = ("sliding_attention" if getattr(cfg, "sliding_window", None) is not None
-                else "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None
-                else "full_attention")
-        types = [kind] * cfg.num_hidden_layers
-    sharing = getattr(cfg, "kv_sharing_modes", None)
-    if sharing is not None:
-        types = ["dummy" if mode == "reuse" else t for t, mode in zip(types, sharing)]
-    return ["dummy" if t in ("moe", "mlp") else t for t in types]
 
 
 def cache_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
@@ -255,7 +236,7 @@ def cache_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_per_position = 2 * kv_heads * head_dim * elt
     total = 0
-    for kind in _layer_types(cfg):
+    for kind in hybrid_cache.layer_types(cfg):
         if kind == "full_attention":
             total += kv_per_position * length
         elif kind in ("sliding_attention", "chunked_attention"):
@@ -320,7 +301,7 @@ def prefill_workspace_bytes(config, *, rows: int, width: int, length: int, prefi
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     inter = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    types = set(_layer_types(cfg))
+    types = set(hybrid_cache.layer_types(cfg))
     tokens = rows * min(width, max(1, prefill_tokens // rows))
     per_token = elt * (WORKSPACE_HIDDEN_COPIES * cfg.hidden_size + WORKSPACE_INTERMEDIATE_COPIES * inter)
     if types & {"full_attention", "sliding_attention", "chunked_attention"}:
@@ -370,25 +351,6 @@ class GenerateEngine:
             if on_done is not None:
                 on_done(len(idx))
         return out  # type: ignore[return-value]
-
-
-def _snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(live tensor, copy)`` of every piece of a ``StaticCache`` a decode step advances in place: attention
-    layers' length counters, recurrent layers' conv and recurrent states (K/V slots past the counter are masked,
-    so they need no copy)."""
-    saved = []
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            for states in (layer.conv_states, layer.recurrent_states):
-                saved += [(t, t.clone()) for t in states.values() if t is not None]
-        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-            saved.append((layer.cumulative_length, layer.cumulative_length.clone()))
-    return saved
-
-
-def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for live, copy in saved:
-        live.copy_(copy)
 
 
 class StaticBatchEngine:
@@ -531,7 +493,7 @@ class StaticBatchEngine:
             padding = (q_pos >= pad[:, None]).to(self.dtype) if ids.shape[1] > 1 else None  # decode: no padding
             mask = {"full_attention": mask, "linear_attention": padding}
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(self.model, cache))
+                         use_cache=True, logits_to_keep=logits_to_keep, **hybrid_cache.cache_kwargs(self.model, cache))
         return out.logits[:, -1]
 
     def _next(self, logits: torch.Tensor) -> torch.Tensor:
@@ -575,10 +537,11 @@ class StaticBatchEngine:
             pad_buf.copy_(pad)
             if state["graph"] is None:
                 t0 = time.perf_counter()
-                saved = _snapshot(cache)  # the warm-ups run the step: the cache goes back before each and the capture
-                captured = capture_graph(self.device, lambda: self._forward(cache, ids_buf, pad_buf, current(cache),
-                                                                            length),
-                                         {}, "decode", "the decode step", reset=lambda: _restore(saved), logger=log)
+                saved = hybrid_cache.snapshot(cache)  # the warm-ups run the step: the cache goes back before each
+                captured = capture_graph(self.device,  # and the capture
+                                         lambda: self._forward(cache, ids_buf, pad_buf, current(cache), length),
+                                         {}, "decode", "the decode step", reset=lambda: hybrid_cache.restore(saved),
+                                         logger=log)
                 if captured is None:
                     state["failed"] = True
                     self.graph_failures += 1
@@ -639,11 +602,7 @@ class StaticBatchEngine:
             ids = ids.to(self.device)
             pad = torch.tensor([width - len(prompts[i]) for i in idx], dtype=torch.long, device=self.device)
             cache, step = self._decoder(len(idx), length)
-            for layer in cache.layers:
-                if isinstance(layer, LinearAttentionCacheLayerMixin):
-                    layer.reset()  # zero conv / recurrent states, next forward is a prefill
-                elif getattr(layer, "is_initialized", False):
-                    layer.cumulative_length.zero_()
+            hybrid_cache.reset(cache)
             step_len = max(1, self.prefill_tokens // len(idx))  # the prefill in slices of the sequence
             for c in range(0, width, step_len):
                 c1 = min(width, c + step_len)

@@ -558,7 +558,7 @@ def test_cache_bytes_per_row_equals_what_the_static_cache_holds(kind, dtype, ove
     sliding-window and hybrid Gated DeltaNet targets, in float32 and bf16."""
     from transformers import StaticCache
 
-    from draftsmith.target import cache_kwargs
+    from draftsmith.hybrid_cache import cache_kwargs
 
     tgt = tiny_target(kind, **overrides).to(dtype)
     rows, length = 3, 40
