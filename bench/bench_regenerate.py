@@ -1,7 +1,7 @@
 """Benchmark of the regenerate stage: each engine on the same prompts in the same run, against HF ``generate``.
 
 The prompts are the first user turns of a curated parquet (``results/curated/train.parquet``), rendered with
-the target's chat template exactly as the stage does (``draftsmith.regenerate.Regenerator``, max_turns 1). Each
+the target's chat template exactly as the stage does (``draftsmith.regenerate.turns.Regenerator``, max_turns 1). Each
 engine regenerates the same conversations; printed per engine: generated tokens/s, the ratio to the
 ``generate`` baseline (HF generate, left-padded batches of ``--batch-size``), and how many answers equal the
 baseline's token for token (greedy). Run it in float32 for the equality figure (bf16 kernels that depend on the
@@ -30,7 +30,8 @@ sys.path.append(str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-from draftsmith import regenerate as rg  # noqa: E402
+from draftsmith.regenerate.settings import RegenerateShardSettings  # noqa: E402
+from draftsmith.regenerate.turns import Regenerator  # noqa: E402
 
 PROMPTS = ["Hello! How are you today?", "Write a function that adds two numbers.",
            "Please explain speculative decoding.", "What is the answer?"]
@@ -124,14 +125,16 @@ def main() -> int:
             stops = stop_token_ids(tok, args.target)
         base = None
         for engine in args.engines.split(","):
-            settings = rg.GenerationSettings(max_new_tokens=args.max_new_tokens, max_turns=1, engine=engine,
-                                             max_prompt_tokens=args.max_prompt_tokens,
-                                             batch_size=(args.batch_size_engine if engine == "static"
-                                                         else args.batch_size))
-            regen = rg.Regenerator(model, tok, settings, stops)
+            batch = args.batch_size_engine if engine == "static" else args.batch_size
+            settings = RegenerateShardSettings.from_config(  # the prompt limit is tokenize.max_length
+                regenerate={"max_new_tokens": args.max_new_tokens, "max_turns": 1, "engine": engine,
+                            "batch_size": batch},
+                tokenize={"max_length": args.max_prompt_tokens})
+            regen = Regenerator(model, tok, settings, stops)
             if args.warmup:  # one-time costs (kernel loading, allocator growth) out of the timed run
-                warm = dataclasses.replace(settings, max_new_tokens=min(16, args.max_new_tokens))
-                rg.Regenerator(model, tok, warm, stops).regenerate([dict(c) for c in convs[:args.warmup]])
+                warm = dataclasses.replace(settings, regenerate=settings.regenerate.replace(
+                    max_new_tokens=min(16, args.max_new_tokens)))
+                Regenerator(model, tok, warm, stops).regenerate([dict(c) for c in convs[:args.warmup]])
             sync(args.device)
             t0 = time.perf_counter()
             out, stats = regen.regenerate([dict(c) for c in convs])

@@ -1,6 +1,6 @@
 """Where the regenerate stage's static engine spends a batch, by rows, at a target's real shape.
 
-For each row count the engine (``draftsmith.regenerate.StaticBatchEngine``, the stage's own) generates
+For each row count the engine (``draftsmith.regenerate.static.StaticBatchEngine``, the stage's own) generates
 ``--new-tokens`` tokens for that many random prompts of ``--prompt-tokens`` tokens, twice: the first run captures the
 decode step's CUDA graph, compiles and autotunes the kernels, the second is timed. Paths (``--paths``): ``graph`` (the
 decode step replayed as a CUDA graph: the baseline), ``fused`` (the same with the target fused as regenerate.fuse
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from bench_extract import QWEN35_27B, TINY, build_target, sync  # noqa: E402
 
 from draftsmith import fused  # noqa: E402
-from draftsmith import regenerate as rg  # noqa: E402
+from draftsmith.regenerate.static import StaticBatchEngine, cache_bytes_per_row  # noqa: E402
 
 SHAPES = {"qwen3.5-27b": QWEN35_27B, "tiny-hybrid": TINY}
 PATHS = ("graph", "fused", "eager")
@@ -57,12 +57,12 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> f
     return 2 * src.numel() * src.element_size() * iters / (time.perf_counter() - t0)
 
 
-def engine_on(model, rows: int, new_tokens: int, path: str) -> rg.StaticBatchEngine:
-    return rg.StaticBatchEngine(model, pad_id=0, stop_ids=[], batch_size=rows, max_new_tokens=new_tokens,
-                                cuda_graphs=path != "eager")
+def engine_on(model, rows: int, new_tokens: int, path: str) -> StaticBatchEngine:
+    return StaticBatchEngine(model, pad_id=0, stop_ids=[], batch_size=rows, max_new_tokens=new_tokens,
+                             cuda_graphs=path != "eager")
 
 
-def run_engine(model, prompts, new_tokens: int, path: str, device) -> tuple[dict, rg.StaticBatchEngine]:
+def run_engine(model, prompts, new_tokens: int, path: str, device) -> tuple[dict, StaticBatchEngine]:
     """The timed second run's phase report on ``path``; the first run warms up (capture, compilation, autotuning,
     allocator growth)."""
     engine = engine_on(model, len(prompts), new_tokens, path)
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     length = -(-(args.prompt_tokens + args.new_tokens) // 128) * 128  # the engine's cache length for these prompts
-    per_row = rg.cache_bytes_per_row(cfg, length, dtype)
-    states = rg.cache_bytes_per_row(cfg, 0, dtype)  # conv + recurrent states alone: read and written every step
+    per_row = cache_bytes_per_row(cfg, length, dtype)
+    states = cache_bytes_per_row(cfg, 0, dtype)  # conv + recurrent states alone: read and written every step
     name = str(args.target) if args.target else args.shape
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters ({time.perf_counter() - t0:.0f}"
           f" s to build); a step reads {weight_bytes / 2 ** 30:.2f} GiB of weights + {per_row / 2 ** 20:.1f} MiB of "

@@ -12,9 +12,7 @@ list-valued ``output_hidden_states`` changed meaning between transformers 5.17 a
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -212,37 +210,7 @@ def capture_layers(model: nn.Module, layer_ids: list[int], *, stop_after_deepest
 
 
 # --------------------------------------------------------------------------------------------------
-# Forward-call helpers shared by the stages that run the target with a KV cache
-
-
-def cache_kwargs(model: nn.Module, cache) -> dict:
-    """``{name: cache}`` for ``model(...)``: transformers 5.24 renamed the forward's ``past_key_values`` to
-    ``cache`` (the old name warns and is to go in 5.40); earlier versions only take ``past_key_values``."""
-    return {_cache_arg_name(type(model)): cache}
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_arg_name(cls: type) -> str:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):  # no introspectable signature: the long-standing name
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def static_supported(target: nn.Module) -> tuple[bool, str]:
-    """``(ok, why not)``: whether the target's K/V can live in a transformers ``StaticCache`` whose length counter
-    is the whole cache state (attention-only, no sliding window), as the static-cache decoders of regenerate and
-    evaluate need: recurrent (Gated DeltaNet) layers need snapshot / replay rollback, and sliding-window layers
-    keep ring buffers that a length counter cannot roll back."""
-    cfg = text_config(target.config)
-    if is_hybrid(target.config):
-        return False, "hybrid recurrent (Gated DeltaNet) layers need the snapshot / replay rollback"
-    types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in types) or getattr(cfg, "sliding_window", None) and getattr(
-            cfg, "use_sliding_window", True):
-        return False, "sliding-window layers keep ring buffers that a length counter cannot roll back"
-    return True, ""
+# Attention kernels of the stages that run the target with a KV cache
 
 
 def without_cudnn_attention():

@@ -1,16 +1,19 @@
 """Entry point of rule regenerate: the regenerate_shard outputs, in shard order, assembled into one parquet
-(draftsmith.regenerate.assemble_shards: shards of one run only, their part ranges contiguous, counts summed)."""
+(draftsmith.regenerate.shards.assemble_shards: shards of one run only, their part ranges contiguous, counts
+summed)."""
 
 from draftsmith.io import setup_logging
-from draftsmith.stages import stage_config
+from draftsmith.regenerate.settings import RegenerateSettings
 
 log = setup_logging(snakemake.log[0])  # noqa: F821
-cfg = stage_config("regenerate", snakemake.params.settings, snakemake.config)["regenerate"]  # noqa: F821
+settings = RegenerateSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
 
-from draftsmith.regenerate import assemble_shards, summary  # noqa: E402
+from draftsmith.regenerate.report import summary  # noqa: E402
+from draftsmith.regenerate.shards import assemble_shards  # noqa: E402
 
 shards = list(snakemake.input.shards)  # noqa: F821
-if len(shards) != cfg["shards"]:
-    raise ValueError(f"{snakemake.output[0]}: {len(shards)} shard inputs for regenerate.shards = {cfg['shards']}")  # noqa: F821
+if len(shards) != settings.regenerate.shards:
+    raise ValueError(f"{snakemake.output[0]}: {len(shards)} shard inputs for regenerate.shards = "  # noqa: F821
+                     f"{settings.regenerate.shards}")
 report = assemble_shards(shards, snakemake.output[0])  # noqa: F821
 log.info("assembled %s: %s", snakemake.output[0], summary(report))  # noqa: F821

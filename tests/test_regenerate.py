@@ -11,11 +11,26 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from draftsmith import regenerate as rg
 from draftsmith.chat import render_prompt
+from draftsmith.regenerate.engines import VLLMEngine
+from draftsmith.regenerate.report import META_KEY, check_counts, read_report, summary
+from draftsmith.regenerate.run import run
+from draftsmith.regenerate.settings import RegenerateShardSettings
+from draftsmith.regenerate.shards import PART_KEY, assemble_shards, num_parts, regenerate_file, shard_parts
+from draftsmith.regenerate.static import (
+    StaticBatchEngine,
+    cache_bytes_per_row,
+    resolve_engine,
+    static_engine_supported,
+)
+from draftsmith.regenerate.turns import Regenerator, _split_stop
 from tiny import CURATED, tiny_target, tiny_tokenizer
 
 
+def shard_settings(tokenize=None, **regenerate) -> RegenerateShardSettings:
+    """rule regenerate_shard's settings with these ``regenerate`` keys (and ``tokenize`` keys), schema defaults for
+    the rest."""
+    return RegenerateShardSettings.from_config(regenerate=regenerate, tokenize=tokenize or {})
 
 
 def msg(role, content="", **kw):
@@ -88,8 +103,8 @@ def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine)
     """Every in-process engine (HF generate on left-padded batches, transformers' continuous batching, the
     static-cache engine) gives the greedy answer of an unbatched, unpadded generate, token for token, turn by
     turn."""
-    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3, engine=engine)
-    regen = rg.Regenerator(model, tok, settings, stop)
+    settings = shard_settings(max_new_tokens=12, batch_size=3, engine=engine)
+    regen = Regenerator(model, tok, settings, stop)
     assert regen.engine.name == engine
     out, stats = regen.regenerate(json.loads(json.dumps(CONVERSATIONS)))
     by_id = {r["id"]: r for r in out}
@@ -125,26 +140,26 @@ def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine)
 def test_cuts_and_drops_are_counted(model, tok, stop):
     convs = json.loads(json.dumps(CONVERSATIONS))
     # first turn only
-    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, max_turns=1), stop
-                                ).regenerate(convs)
+    out, stats = Regenerator(model, tok, shard_settings(max_new_tokens=12, max_turns=1), stop
+                             ).regenerate(convs)
     a = next(r for r in out if r["id"] == "a")["messages"]
     assert [m["role"] for m in a] == ["system", "user", "assistant"]
     # a's second turn is cut; c's first regenerated turn comes after its kept tool call
     assert stats["cut.max_turns_reached"] == 1 and stats["turns_removed_by_cut"] == 1
-    rg._check_counts(stats)
+    check_counts(stats)
     # prompts too long: every conversation's first turn is over the limit -> all dropped, counted
-    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=4, max_prompt_tokens=3), stop
-                                ).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+    out, stats = Regenerator(model, tok, shard_settings(max_new_tokens=4, tokenize={"max_length": 3}), stop
+                             ).regenerate(json.loads(json.dumps(CONVERSATIONS)))
     assert [r["id"] for r in out] == ["c"]  # c keeps its original tool-call turn, its text turn is cut
     assert stats["dropped.prompt_over_max_prompt_tokens"] == 2 and stats["cut.prompt_over_max_prompt_tokens"] == 3
     assert [m["role"] for m in out[0]["messages"]] == ["user", "assistant"]
-    rg._check_counts(stats)
+    check_counts(stats)
     # an answer that hits max_new_tokens is kept and ends its conversation
-    out, stats = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=1), [2]).regenerate(
+    out, stats = Regenerator(model, tok, shard_settings(max_new_tokens=1), [2]).regenerate(
         json.loads(json.dumps(CONVERSATIONS[:1])))
     assert stats["cut.hit_max_new_tokens"] == 1 and stats["turns_removed_by_cut"] == 1
     assert len(tok(out[0]["messages"][-1]["content"], add_special_tokens=False)["input_ids"]) >= 1
-    rg._check_counts(stats)
+    check_counts(stats)
 
 
 def _write(path, rows):
@@ -154,18 +169,18 @@ def _write(path, rows):
 
 def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypatch):
     src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
-    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=2)
-    report = rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "full.parquet", settings=settings,
-                    chunk_size=1, device="cpu")
+    settings = shard_settings(max_new_tokens=12, batch_size=2, chunk_size=1)
+    report = run(conversations=src, target_dir=target_dir, output=tmp_path / "full.parquet", settings=settings,
+                 device="cpu")
     full = pq.read_table(tmp_path / "full.parquet")
     assert full.schema.remove_metadata().equals(CURATED)
-    assert rg.read_report(tmp_path / "full.parquet") == report
+    assert read_report(tmp_path / "full.parquet") == report
     assert report["counts"]["conversations_in"] == 3 and report["stop_token_ids"] == [2]
     assert not (tmp_path / "full.parquet.parts").exists()
 
     # a job killed during its third part keeps the first two; the rerun only does the third
     calls = []
-    real = rg.Regenerator.regenerate
+    real = Regenerator.regenerate
 
     def dying(self, records):
         calls.append(records[0]["id"])
@@ -173,30 +188,30 @@ def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypat
             raise KeyboardInterrupt("killed")
         return real(self, records)
 
-    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    monkeypatch.setattr(Regenerator, "regenerate", dying)
     with pytest.raises(KeyboardInterrupt):
-        rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
-               chunk_size=1, device="cpu")
+        run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
+            device="cpu")
     assert not (tmp_path / "out.parquet").exists()
     assert sorted(p.name for p in (tmp_path / "out.parquet.parts").iterdir()) == [
         "part-000000.parquet", "part-000001.parquet"]
     calls.clear()
-    monkeypatch.setattr(rg.Regenerator, "regenerate", lambda self, r: (calls.append(r[0]["id"]), real(self, r))[1])
-    rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
-           chunk_size=1, device="cpu")
+    monkeypatch.setattr(Regenerator, "regenerate", lambda self, r: (calls.append(r[0]["id"]), real(self, r))[1])
+    run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
+        device="cpu")
     assert calls == ["c"]
     assert pq.read_table(tmp_path / "out.parquet").replace_schema_metadata(None).equals(
         full.replace_schema_metadata(None))
-    assert rg.read_report(tmp_path / "out.parquet")["counts"] == report["counts"]
+    assert read_report(tmp_path / "out.parquet")["counts"] == report["counts"]
 
     # parts of other settings are stale: redone, never mixed in
     (tmp_path / "out.parquet.parts").mkdir()
     pq.write_table(pq.read_table(tmp_path / "out.parquet").slice(0, 1).replace_schema_metadata(
-        {rg.PART_KEY: json.dumps({"key": "other", "stats": {}}).encode()}), tmp_path / "out.parquet.parts" /
+        {PART_KEY: json.dumps({"key": "other", "stats": {}}).encode()}), tmp_path / "out.parquet.parts" /
         "part-000000.parquet")
     calls.clear()
-    rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet",
-           settings=rg.GenerationSettings(max_new_tokens=12, batch_size=2), chunk_size=1, device="cpu")
+    run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet",
+        settings=shard_settings(max_new_tokens=12, batch_size=2, chunk_size=1), device="cpu")
     assert calls == ["a", "b", "c"]
 
 
@@ -207,16 +222,16 @@ def test_fuse_compiles_the_target_and_keeps_the_answers(tmp_path, target_dir):
     src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
     out = {}
     for fuse in ("auto", True):
-        settings = rg.GenerationSettings(max_new_tokens=12, batch_size=2, engine="static", fuse=fuse)
-        report = rg.run(conversations=src, target_dir=target_dir, output=tmp_path / f"{fuse}.parquet",
-                        settings=settings, device="cpu")
+        settings = shard_settings(max_new_tokens=12, batch_size=2, engine="static", fuse=fuse)
+        report = run(conversations=src, target_dir=target_dir, output=tmp_path / f"{fuse}.parquet",
+                     settings=settings, device="cpu")
         out[fuse] = (pq.read_table(tmp_path / f"{fuse}.parquet").replace_schema_metadata(None), report["fused"])
     assert out["auto"][1]["enabled"] is False and out["auto"][1]["compiled"] == {}
     assert out[True][1]["enabled"] is True
     assert out[True][1]["compiled"] == {"LlamaRMSNorm": 9, "LlamaMLP": 4}  # 4 layers x 2 norms + the final norm
     assert out[True][0].equals(out["auto"][0])
     with pytest.raises(ValueError, match="fuse must be true, false or 'auto'"):
-        rg.GenerationSettings(fuse="yes")
+        shard_settings(fuse="yes")
 
 
 def _conversations(n: int, tag: str = "") -> list[dict]:
@@ -241,22 +256,22 @@ def _write_groups(path, rows, row_group_size=3):
 def _sharded(src, folder, regen, shards, *, chunk_size=2):
     """Every shard of a ``shards``-shard run, then the assembly: ``(assembled table, its report, shard reports)``."""
     paths = [folder / f"shard-{i}.parquet" for i in range(shards)]
-    reports = [rg.regenerate_file(src, path, regen, target_key="tiny", chunk_size=chunk_size, shard=i, shards=shards)
+    reports = [regenerate_file(src, path, regen, target_key="tiny", chunk_size=chunk_size, shard=i, shards=shards)
                for i, path in enumerate(paths)]
-    report = rg.assemble_shards(paths, folder / "train.parquet")
+    report = assemble_shards(paths, folder / "train.parquet")
     return pq.read_table(folder / "train.parquet"), report, reports
 
 
 def test_shard_parts_cover_every_part_once():
     for parts in range(0, 12):
         for shards in range(1, 9):
-            ranges = [rg.shard_parts(parts, i, shards) for i in range(shards)]
+            ranges = [shard_parts(parts, i, shards) for i in range(shards)]
             assert ranges[0][0] == 0 and ranges[-1][1] == parts
             assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:]))
-    assert [rg.shard_parts(4, i, 5) for i in range(5)] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
-    assert rg.num_parts(7, 2) == 4 and rg.num_parts(8, 2) == 4 and rg.num_parts(0, 2) == 0
+    assert [shard_parts(4, i, 5) for i in range(5)] == [(0, 0), (0, 1), (1, 2), (2, 3), (3, 4)]
+    assert num_parts(7, 2) == 4 and num_parts(8, 2) == 4 and num_parts(0, 2) == 0
     with pytest.raises(ValueError, match="shards are 0..1"):
-        rg.shard_parts(4, 2, 2)
+        shard_parts(4, 2, 2)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -265,7 +280,7 @@ def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, sto
     empty) assemble to the same rows, ids and messages with the same counts; sampled answers too (2 per
     conversation at temperature 1: each part seeds from the global part number, whichever shard does it)."""
     kw = dict(temperature=1.0, num_answers=2, max_turns=1) if sampled else {}
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=8, batch_size=2, **kw), stop)
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=8, batch_size=2, **kw), stop)
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
     runs = {n: _sharded(src, tmp_path / f"shards-{n}", regen, n) for n in (1, 3, 5)}
     one, one_report, (one_shard,) = runs[1]
@@ -284,7 +299,7 @@ def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, sto
         assert table.column("messages").to_pylist() == one.column("messages").to_pylist()
         assert report["counts"] == one_report["counts"], n
         assert report["shards"] == shard_reports
-        assert rg.read_report(tmp_path / f"shards-{n}" / "train.parquet") == report
+        assert read_report(tmp_path / f"shards-{n}" / "train.parquet") == report
         assert report["seconds"] == max(r["seconds"] for r in shard_reports)
         rates = [r["new_tokens_per_s"] for r in shard_reports if r["new_tokens_per_s"] is not None]
         assert report["new_tokens_per_s"] == pytest.approx(sum(rates), abs=0.1)
@@ -303,44 +318,44 @@ def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, sto
 def _with_report(src, dest, **changes):
     """A copy of shard file ``src`` whose report has ``changes``."""
     table = pq.read_table(src)
-    report = {**rg.read_report(src), **changes}
-    pq.write_table(table.replace_schema_metadata({rg.META_KEY: json.dumps(report).encode()}), dest)
+    report = {**read_report(src), **changes}
+    pq.write_table(table.replace_schema_metadata({META_KEY: json.dumps(report).encode()}), dest)
     return dest
 
 
 def test_assembly_refuses_a_missing_or_foreign_shard(tmp_path, model, tok, stop):
     """assemble_shards names the file: a shard missing in the middle or at the end, shards out of order, a shard of
     another input, of other settings, a file without a shard report, a file that does not exist; nothing written."""
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=6, batch_size=2), stop)
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
     _sharded(src, tmp_path / "run", regen, 3)
     s0, s1, s2 = (tmp_path / "run" / f"shard-{i}.parquet" for i in range(3))
     out = tmp_path / "out.parquet"
     with pytest.raises(ValueError, match=rf"{s2}: is shard 2 of 3, given as shard 1: a shard is missing"):
-        rg.assemble_shards([s0, s2], out)
+        assemble_shards([s0, s2], out)
     with pytest.raises(ValueError, match=rf"{s1}: the shards end at part 2 of the input's 4: a shard is missing"):
-        rg.assemble_shards([s0, s1], out)
+        assemble_shards([s0, s1], out)
     with pytest.raises(ValueError, match=rf"{s1}: is shard 1 of 3, given as shard 0"):
-        rg.assemble_shards([s1, s0, s2], out)
+        assemble_shards([s1, s0, s2], out)
     # shard 1 of the same shape over another input file
     other = _write_groups(tmp_path / "other.parquet", _conversations(7, tag="x"))
     foreign = tmp_path / "foreign" / "shard-1.parquet"
-    rg.regenerate_file(other, foreign, regen, target_key="tiny", chunk_size=2, shard=1, shards=3)
+    regenerate_file(other, foreign, regen, target_key="tiny", chunk_size=2, shard=1, shards=3)
     with pytest.raises(ValueError, match=rf"{foreign}: a shard of another regenerate run than {s0}: input "):
-        rg.assemble_shards([s0, foreign, s2], out)
+        assemble_shards([s0, foreign, s2], out)
     seeded = _with_report(s1, tmp_path / "seeded.parquet", seed=7)
     with pytest.raises(ValueError, match=rf"{seeded}: a shard of another regenerate run .*seed 7 != 0"):
-        rg.assemble_shards([s0, seeded, s2], out)
+        assemble_shards([s0, seeded, s2], out)
     overlapping = _with_report(s1, tmp_path / "overlap.parquet", parts=[0, 2])
     with pytest.raises(ValueError, match=rf"{overlapping}: holds parts \[0, 2\) but the parts before it end at 1"):
-        rg.assemble_shards([s0, overlapping, s2], out)
+        assemble_shards([s0, overlapping, s2], out)
     plain = _write(tmp_path / "plain.parquet", _conversations(2))
     with pytest.raises(ValueError, match=rf"{plain}: no draftsmith.regenerate metadata"):
-        rg.assemble_shards([s0, plain, s2], out)
+        assemble_shards([s0, plain, s2], out)
     with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'run' / 'shard-9.parquet'}"):
-        rg.assemble_shards([s0, s1, tmp_path / "run" / "shard-9.parquet"], out)
+        assemble_shards([s0, s1, tmp_path / "run" / "shard-9.parquet"], out)
     assert not out.exists()
-    rg.assemble_shards([s0, s1, s2], out)  # the shards of one run still assemble
+    assemble_shards([s0, s1, s2], out)  # the shards of one run still assemble
     assert pq.read_table(out).num_rows == pq.read_table(tmp_path / "run" / "train.parquet").num_rows
 
 
@@ -348,13 +363,13 @@ def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, st
     """Shard 1 of 2 (parts 2 and 3 of 4) killed during part 3 keeps part 2 in shard-1.parquet.parts; the rerun
     regenerates part 3 only and writes what an uninterrupted shard writes. A part finished for another part range
     (the same folder under 4 shards) is reused: a part does not depend on its shard."""
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=6, batch_size=2), stop)
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
-    full = rg.regenerate_file(src, tmp_path / "full" / "shard-1.parquet", regen, target_key="tiny", chunk_size=2,
-                              shard=1, shards=2)
+    full = regenerate_file(src, tmp_path / "full" / "shard-1.parquet", regen, target_key="tiny", chunk_size=2,
+                           shard=1, shards=2)
     out = tmp_path / "shard-1.parquet"
     calls = []
-    real = rg.Regenerator.regenerate
+    real = Regenerator.regenerate
 
     def dying(self, records):
         calls.append([r["id"] for r in records])
@@ -362,15 +377,15 @@ def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, st
             raise KeyboardInterrupt("killed")
         return real(self, records)
 
-    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    monkeypatch.setattr(Regenerator, "regenerate", dying)
     with pytest.raises(KeyboardInterrupt):
-        rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+        regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
     assert calls == [["b4", "c5"], ["a6"]] and not out.exists()
     assert [p.name for p in (tmp_path / "shard-1.parquet.parts").iterdir()] == ["part-000002.parquet"]
     calls.clear()
-    monkeypatch.setattr(rg.Regenerator, "regenerate",
+    monkeypatch.setattr(Regenerator, "regenerate",
                         lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
-    report = rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+    report = regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
     assert calls == [["a6"]]
     assert pq.read_table(out).replace_schema_metadata(None).equals(
         pq.read_table(tmp_path / "full" / "shard-1.parquet").replace_schema_metadata(None))
@@ -379,29 +394,29 @@ def test_a_killed_shard_resumes_from_its_finished_parts(tmp_path, model, tok, st
 
     # part 2 finished by shard 1 of 2 (parts [2, 4)), resumed as shard 2 of 4 (parts [2, 3), its own folder): the
     # part is taken from shard-1's folder, nothing is regenerated
-    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    monkeypatch.setattr(Regenerator, "regenerate", dying)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
-        rg.regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
+        regenerate_file(src, out, regen, target_key="tiny", chunk_size=2, shard=1, shards=2)
     assert [p.name for p in (tmp_path / "shard-1.parquet.parts").iterdir()] == ["part-000002.parquet"]
     calls.clear()
-    monkeypatch.setattr(rg.Regenerator, "regenerate",
+    monkeypatch.setattr(Regenerator, "regenerate",
                         lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
-    report = rg.regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2,
-                                shards=4)
+    report = regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2,
+                             shards=4)
     assert report["parts"] == [2, 3] and calls == [] and report["new_tokens_per_s"] is None
     # shard 2's folder is gone; shard 1's, emptied, stays for assembly to remove (a running shard may still use it)
     assert not (tmp_path / "shard-2.parquet.parts").exists() and not any((tmp_path / "shard-1.parquet.parts").iterdir())
     # a stale part (other settings) is redone, never mixed in
-    other = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=5, batch_size=2), stop)
-    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    other = Regenerator(model, tok, shard_settings(max_new_tokens=5, batch_size=2), stop)
+    monkeypatch.setattr(Regenerator, "regenerate", dying)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
-        rg.regenerate_file(src, out, other, target_key="tiny", chunk_size=2, shard=1, shards=2)
+        regenerate_file(src, out, other, target_key="tiny", chunk_size=2, shard=1, shards=2)
     calls.clear()
-    monkeypatch.setattr(rg.Regenerator, "regenerate",
+    monkeypatch.setattr(Regenerator, "regenerate",
                         lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
-    rg.regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2, shards=4)
+    regenerate_file(src, tmp_path / "shard-2.parquet", regen, target_key="tiny", chunk_size=2, shard=2, shards=4)
     assert calls == [["b4", "c5"]]
 
 
@@ -409,11 +424,11 @@ def test_a_killed_sharded_run_resumes_with_another_shard_count(tmp_path, model, 
     """2 shards killed after part 0 (shard 0) and part 2 (shard 1) of 4, resumed with 3 shards: each finished part
     is taken from the old layout's folders, only parts 1 and 3 are regenerated, the assembled output equals a
     one-shard run's, and no parts folder is left."""
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=6, batch_size=2), stop)
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=6, batch_size=2), stop)
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
     one, _, _ = _sharded(src, tmp_path / "one", regen, 1)
     run = tmp_path / "run"
-    real = rg.Regenerator.regenerate
+    real = Regenerator.regenerate
     calls = []
 
     def dying(self, records):
@@ -422,20 +437,20 @@ def test_a_killed_sharded_run_resumes_with_another_shard_count(tmp_path, model, 
             raise KeyboardInterrupt("killed")
         return real(self, records)
 
-    monkeypatch.setattr(rg.Regenerator, "regenerate", dying)
+    monkeypatch.setattr(Regenerator, "regenerate", dying)
     for shard in range(2):
         with pytest.raises(KeyboardInterrupt):
-            rg.regenerate_file(src, run / f"shard-{shard}.parquet", regen, target_key="tiny", chunk_size=2,
-                               shard=shard, shards=2)
+            regenerate_file(src, run / f"shard-{shard}.parquet", regen, target_key="tiny", chunk_size=2,
+                            shard=shard, shards=2)
     assert sorted(p.name for p in run.glob("*.parts/*")) == ["part-000000.parquet", "part-000002.parquet"]
     calls.clear()
-    monkeypatch.setattr(rg.Regenerator, "regenerate",
+    monkeypatch.setattr(Regenerator, "regenerate",
                         lambda self, r: (calls.append([x["id"] for x in r]), real(self, r))[1])
     shards = [run / f"shard-{i}.parquet" for i in range(3)]  # parts [0, 1), [1, 2), [2, 4)
     for i, path in enumerate(shards):
-        rg.regenerate_file(src, path, regen, target_key="tiny", chunk_size=2, shard=i, shards=3)
+        regenerate_file(src, path, regen, target_key="tiny", chunk_size=2, shard=i, shards=3)
     assert calls == [["c2", "a3"], ["a6"]]  # parts 1 and 3
-    rg.assemble_shards(shards, run / "train.parquet")
+    assemble_shards(shards, run / "train.parquet")
     assert pq.read_table(run / "train.parquet").replace_schema_metadata(None).equals(one.replace_schema_metadata(None))
     assert not list(run.glob("*.parts"))
 
@@ -444,14 +459,14 @@ def test_sampled_answers_are_separate_rows_and_counts_reconcile(model, tok, stop
     """num_answers = 2 at temperature 1: each conversation is answered twice (ids a, a@1, ...), the copies come
     from sampling (not all equal), a copy with nothing to sample (none here) would be dropped, counts reconcile."""
     torch.manual_seed(0)
-    settings = rg.GenerationSettings(max_new_tokens=12, batch_size=3, temperature=1.0, num_answers=2, max_turns=1)
-    out, stats = rg.Regenerator(model, tok, settings, stop).regenerate(json.loads(json.dumps(CONVERSATIONS)))
+    settings = shard_settings(max_new_tokens=12, batch_size=3, temperature=1.0, num_answers=2, max_turns=1)
+    out, stats = Regenerator(model, tok, settings, stop).regenerate(json.loads(json.dumps(CONVERSATIONS)))
     ids = sorted(r["id"] for r in out)
     assert ids == ["a", "a@1", "b", "b@1", "c", "c@1"]
     assert stats["records_in"] == 3 and stats["conversations_in"] == 6
     assert stats["conversations_in"] == stats["regenerated"] + stats["kept_original"] + sum(
         v for k, v in stats.items() if k.startswith("dropped."))
-    rg._check_counts(stats)
+    check_counts(stats)
     by_id = {r["id"]: r for r in out}
     answers = [(by_id[i]["messages"][-1]["content"], by_id[f"{i}@1"]["messages"][-1]["content"]) for i in "ab"]
     assert any(x != y for x, y in answers)
@@ -459,16 +474,36 @@ def test_sampled_answers_are_separate_rows_and_counts_reconcile(model, tok, stop
 
 def test_greedy_copies_and_unknown_engines_are_refused():
     with pytest.raises(ValueError, match="temperature > 0"):
-        rg.GenerationSettings(num_answers=2)
+        shard_settings(num_answers=2)
     with pytest.raises(ValueError, match="engine must be one of"):
-        rg.GenerationSettings(engine="tgi")
+        shard_settings(engine="tgi")
+
+
+def test_settings_hold_exactly_the_rules_keys():
+    """Both rules' settings hold exactly the keys draftsmith.stages names for them (output and runtime), built from
+    the rule as the scripts do (schema defaults here); the prompt limit is tokenize.max_length; a misspelled key is
+    refused with the key it resembles."""
+    from draftsmith.config import schema_defaults
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.stages import STAGE_KEYS, rule_params
+
+    config = {section: schema_defaults(section) for section in ("regenerate", "target", "tokenize")}
+    for cls in (RegenerateShardSettings, RegenerateSettings):
+        keys = {section: set(kinds.get("output", ()) + kinds.get("runtime", ()))
+                for section, kinds in STAGE_KEYS[cls.STAGE].items()}
+        assert {section: set(names) for section, names in cls.keys().items()} == keys
+        built = cls.from_rule(rule_params(config, cls.STAGE), config)
+        assert built.to_dict() == {section: {k: config[section][k] for k in names} for section, names in keys.items()}
+    assert shard_settings(tokenize={"max_length": 77}).max_prompt_tokens == 77
+    with pytest.raises(ValueError, match="regenerate.max_turn: no such key .*did you mean 'max_turns'"):
+        shard_settings(max_turn=1)
 
 
 def test_auto_engine_is_generate_on_cpu(model):
-    assert rg.resolve_engine("auto", model) == "generate"
-    assert rg.resolve_engine("auto", tiny_target("qwen3_5")) == "generate"
-    assert rg.resolve_engine("continuous", model) == "continuous"
-    assert rg.static_engine_supported(tiny_target("qwen3_5")) == (True, "")
+    assert resolve_engine("auto", model) == "generate"
+    assert resolve_engine("auto", tiny_target("qwen3_5")) == "generate"
+    assert resolve_engine("continuous", model) == "continuous"
+    assert static_engine_supported(tiny_target("qwen3_5")) == (True, "")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5", "qwen3_next"])
@@ -487,18 +522,18 @@ def test_static_engine_equals_unbatched_generate(kind):
     for prefill_tokens in (32768, 20):  # whole prompts at once, and a prefill in slices of 6 positions
         # pad with a token whose embedding is not zero (token 0 is the tiny config's padding_idx, embedded as
         # zeros: a recurrent layer would never see it): padding must be masked, not harmless by accident
-        engine = rg.StaticBatchEngine(tgt, pad_id=7, stop_ids=[stop], batch_size=3, max_new_tokens=20,
-                                      check_every=2, prefill_tokens=prefill_tokens)
+        engine = StaticBatchEngine(tgt, pad_id=7, stop_ids=[stop], batch_size=3, max_new_tokens=20,
+                                   check_every=2, prefill_tokens=prefill_tokens)
         out = engine.generate(prompts)
         for p, ref, got in zip(prompts, refs, out):
             cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
             assert got[:cut] == ref[:cut], (len(p), prefill_tokens, got, ref)
     first = refs[1].index(stop)
-    assert rg._split_stop(out[1], {stop}) == (refs[1][:first], True)
+    assert _split_stop(out[1], {stop}) == (refs[1][:first], True)
     with pytest.raises(ValueError, match="cannot run"):
-        rg.StaticBatchEngine(tiny_target("qwen3", sliding_window=8, use_sliding_window=True,
-                                         layer_types=["sliding_attention"] * 4), pad_id=0, stop_ids=[2],
-                             batch_size=2, max_new_tokens=4)
+        StaticBatchEngine(tiny_target("qwen3", sliding_window=8, use_sliding_window=True,
+                                      layer_types=["sliding_attention"] * 4), pad_id=0, stop_ids=[2],
+                          batch_size=2, max_new_tokens=4)
 
 
 def test_static_engine_phase_report_counts_every_forward(tmp_path, model, tok, stop):
@@ -509,7 +544,7 @@ def test_static_engine_phase_report_counts_every_forward(tmp_path, model, tok, s
     g = torch.Generator().manual_seed(0)
     lengths = (9, 4, 30, 12, 6)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-    engine = rg.StaticBatchEngine(model, pad_id=0, stop_ids=[10 ** 6], batch_size=2, max_new_tokens=7)
+    engine = StaticBatchEngine(model, pad_id=0, stop_ids=[10 ** 6], batch_size=2, max_new_tokens=7)
     out = engine.generate(prompts)
     assert [len(o) for o in out] == [7] * 5
     p = engine.phase_report()
@@ -519,16 +554,16 @@ def test_static_engine_phase_report_counts_every_forward(tmp_path, model, tok, s
     assert p["decode_row_steps"] + 5 == sum(len(o) for o in out)
     assert p["prefill_s"] > 0 and p["decode_s"] > 0 and p["capture_s"] == 0  # no graphs on the CPU
     assert p["decode_ms_per_step"] == pytest.approx(1e3 * engine.phases["decode_s"] / 18, abs=1e-3)
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, batch_size=3), stop,
-                           engine=rg.StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3,
-                                                       max_new_tokens=12))
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=12, batch_size=3), stop,
+                        engine=StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3,
+                                                 max_new_tokens=12))
     src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
-    report = rg.regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny")
+    report = regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny", chunk_size=512)
     phases = report["static_engine"]
     assert phases == regen.engine.phase_report() and phases["batches"] >= 2
     # rows keep decoding after their stop token until the batch stops: at least the tokens the answers kept
     assert phases["decode_row_steps"] + regen.engine.phases["rows"] >= report["counts"]["tokens_generated"]
-    assert "static engine: prefill" in rg.summary(report) and "ms a step" in rg.summary(report)
+    assert "static engine: prefill" in summary(report) and "ms a step" in summary(report)
 
 
 def _held_bytes(cache) -> int:
@@ -558,7 +593,7 @@ def test_cache_bytes_per_row_equals_what_the_static_cache_holds(kind, dtype, ove
     sliding-window and hybrid Gated DeltaNet targets, in float32 and bf16."""
     from transformers import StaticCache
 
-    from draftsmith.target import cache_kwargs
+    from draftsmith.hybrid_cache import cache_kwargs
 
     tgt = tiny_target(kind, **overrides).to(dtype)
     rows, length = 3, 40
@@ -568,11 +603,11 @@ def test_cache_bytes_per_row_equals_what_the_static_cache_holds(kind, dtype, ove
         out = tgt(input_ids=ids, use_cache=True, **cache_kwargs(tgt, cache))
         for _ in range(3):
             out = tgt(input_ids=out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(tgt, cache))
-    assert _held_bytes(cache) == rows * rg.cache_bytes_per_row(tgt.config, length, dtype)
+    assert _held_bytes(cache) == rows * cache_bytes_per_row(tgt.config, length, dtype)
     if (kind, dtype) == ("qwen3_5", torch.float32):  # by hand: 3 Gated DeltaNet layers + 1 attention layer
         conv = (2 * 2 * 16 + 4 * 16) * 4 * 4  # [conv_dim, kernel] float32
         recurrent = 4 * 16 * 16 * 4  # [value heads, key dim, value dim] float32
-        assert rg.cache_bytes_per_row(tgt.config, length, dtype) == 3 * (conv + recurrent) + 2 * 2 * 16 * length * 4
+        assert cache_bytes_per_row(tgt.config, length, dtype) == 3 * (conv + recurrent) + 2 * 2 * 16 * length * 4
 
 
 def test_cache_bytes_per_row_of_the_27b_hybrid_shape():
@@ -586,12 +621,12 @@ def test_cache_bytes_per_row_of_the_27b_hybrid_shape():
     from bench_extract import QWEN35_27B, qwen35_config
 
     cfg = qwen35_config(QWEN35_27B)
-    per_row = rg.cache_bytes_per_row(cfg, 3328, torch.bfloat16)
+    per_row = cache_bytes_per_row(cfg, 3328, torch.bfloat16)
     assert per_row == 48 * (10240 * 4 * 2 + 48 * 128 * 128 * 4) + 16 * 2 * 4 * 256 * 3328 * 2
     assert per_row / 2 ** 20 == 355.75
     cfg.layer_types = ["conv"] * cfg.num_hidden_layers
     with pytest.raises(ValueError, match="'conv' layers is unknown"):
-        rg.cache_bytes_per_row(cfg, 3328, torch.bfloat16)
+        cache_bytes_per_row(cfg, 3328, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
@@ -608,25 +643,25 @@ def test_static_engine_caps_rows_to_the_memory_budget(kind, model, tok, caplog, 
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     stop = refs[1][4]
 
-    def run(**kw):
+    def run_engine(**kw):
         # prefill slices of 8 tokens over all rows: the workspace estimate is the same for every batch
-        engine = rg.StaticBatchEngine(tgt, pad_id=7, stop_ids=[stop], batch_size=4, max_new_tokens=20, check_every=2,
-                                      prefill_tokens=8, **kw)
+        engine = StaticBatchEngine(tgt, pad_id=7, stop_ids=[stop], batch_size=4, max_new_tokens=20, check_every=2,
+                                   prefill_tokens=8, **kw)
         sizes = []
         return engine, engine.generate(prompts, sizes.append), sizes
 
-    plain, uncapped, sizes = run()
+    plain, uncapped, sizes = run_engine()
     assert plain.memory_budget is None and sizes == [4, 3] and plain.rows_capped_batches == 0
     allocated = 10 ** 6  # "weights" on a fake device, which also holds the cache of the engine's last batch
     budget = allocated + plain.projected_bytes(2, 64, 128)
     assert plain.projected_bytes(3, 64, 128) > plain.projected_bytes(2, 64, 128)
-    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: allocated + self._held_cache_bytes())
+    monkeypatch.setattr(StaticBatchEngine, "allocated_bytes", lambda self: allocated + self._held_cache_bytes())
     with caplog.at_level("INFO", logger="draftsmith.regenerate"):
-        capped, out, sizes = run(memory_budget_bytes=budget)
+        capped, out, sizes = run_engine(memory_budget_bytes=budget)
         assert sizes == [2, 2, 2, 1] and capped.rows_capped_batches == 3
         assert "2 of 4 rows on a 128-position cache" in caplog.text
         caplog.clear()
-        tiny, out_1, sizes_1 = run(memory_budget_bytes=allocated + 1)
+        tiny, out_1, sizes_1 = run_engine(memory_budget_bytes=allocated + 1)
     assert sizes_1 == [1] * 7 and tiny.rows_capped_batches == 6
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "too small for one row" in warnings[0].getMessage()
@@ -634,11 +669,11 @@ def test_static_engine_caps_rows_to_the_memory_budget(kind, model, tok, caplog, 
     for ref, a, b, c in zip(refs, uncapped, out, out_1):
         cut = next((i + 1 for i, t in enumerate(ref) if t == stop), len(ref))
         assert a[:cut] == b[:cut] == c[:cut] == ref[:cut]
-    settings = rg.GenerationSettings(max_new_tokens=4, engine="static", memory_gib=1e-6)
-    assert rg.Regenerator(model, tok, settings, [2]).engine.memory_budget is None  # the CPU: no cap
-    assert rg.GenerationSettings().memory_gib is None
+    settings = shard_settings(max_new_tokens=4, engine="static", memory_gib=1e-6)
+    assert Regenerator(model, tok, settings, [2]).engine.memory_budget is None  # the CPU: no cap
+    assert shard_settings().regenerate.memory_gib is None
     with pytest.raises(ValueError, match="memory_gib must be > 0"):
-        rg.GenerationSettings(memory_gib=0)
+        shard_settings(memory_gib=0)
 
 
 def test_memory_plan_counts_the_captured_decode_step_of_hybrid_targets(monkeypatch):
@@ -650,20 +685,20 @@ def test_memory_plan_counts_the_captured_decode_step_of_hybrid_targets(monkeypat
     from pathlib import Path
 
     hybrid, plain = tiny_target("qwen3_5"), tiny_target("llama")
-    graphs = rg.StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
+    graphs = StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
     graphs.cuda_graphs = True  # as on a GPU
-    eager = rg.StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4, cuda_graphs=False)
-    attention = rg.StaticBatchEngine(plain, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
+    eager = StaticBatchEngine(hybrid, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4, cuda_graphs=False)
+    attention = StaticBatchEngine(plain, pad_id=0, stop_ids=[2], batch_size=8, max_new_tokens=4)
     attention.cuda_graphs = True
-    states = rg.cache_bytes_per_row(hybrid.config, 0, torch.float32)
+    states = cache_bytes_per_row(hybrid.config, 0, torch.float32)
     assert states > 0 and graphs.decode_graph_bytes(8) == 8 * states
     assert eager.decode_graph_bytes(8) == 0 and attention.decode_graph_bytes(8) == 0
     assert graphs.projected_bytes(8, 40, 128) == eager.projected_bytes(8, 40, 128) + 8 * states
     graphs._graph = ((8, 128), None, None)  # the last batch's shape
-    assert graphs._held_cache_bytes() == 8 * (rg.cache_bytes_per_row(hybrid.config, 128, torch.float32) + states)
+    assert graphs._held_cache_bytes() == 8 * (cache_bytes_per_row(hybrid.config, 128, torch.float32) + states)
     graphs._graph = None
     # a budget of exactly what 8 rows need without the graph term: the graph engine cuts the batch
-    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: 0)
+    monkeypatch.setattr(StaticBatchEngine, "allocated_bytes", lambda self: 0)
     for engine in (graphs, eager):
         engine.memory_budget = eager.projected_bytes(8, 40, 128)
     assert eager._rows(8, 40, 128) == 8 and graphs._rows(8, 40, 128) < 8
@@ -671,18 +706,18 @@ def test_memory_plan_counts_the_captured_decode_step_of_hybrid_targets(monkeypat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_extract import QWEN35_27B, qwen35_config
 
-    per_row = rg.cache_bytes_per_row(qwen35_config(QWEN35_27B), 0, torch.bfloat16)
+    per_row = cache_bytes_per_row(qwen35_config(QWEN35_27B), 0, torch.bfloat16)
     assert round(256 * per_row / 2 ** 30, 1) == 36.9
 
 
 def test_report_holds_the_memory_budget_and_capped_batches(tmp_path, model, tok, stop, monkeypatch):
     """The stage report names the static engine's memory budget (GiB) and how many batches it cut to fit it."""
-    monkeypatch.setattr(rg.StaticBatchEngine, "allocated_bytes", lambda self: 2 ** 30 - 1)  # a full fake GPU
-    engine = rg.StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3, max_new_tokens=12,
-                                  memory_budget_bytes=2 ** 30)
-    regen = rg.Regenerator(model, tok, rg.GenerationSettings(max_new_tokens=12, batch_size=3), stop, engine=engine)
+    monkeypatch.setattr(StaticBatchEngine, "allocated_bytes", lambda self: 2 ** 30 - 1)  # a full fake GPU
+    engine = StaticBatchEngine(model, pad_id=0, stop_ids=stop, batch_size=3, max_new_tokens=12,
+                               memory_budget_bytes=2 ** 30)
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=12, batch_size=3), stop, engine=engine)
     src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
-    report = rg.regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny")
+    report = regenerate_file(src, tmp_path / "out.parquet", regen, target_key="tiny", chunk_size=512)
     assert report["engine"] == "static" and report["memory_budget_gib"] == 1.0
     # first round: 3 prompts in batches of 1, 1, 1 (two cut); second round: a's second turn alone (not cut)
     assert report["rows_capped_batches"] == engine.rows_capped_batches == 2
@@ -704,7 +739,7 @@ def test_static_engine_with_cuda_graphs_equals_unbatched_generate(kind, fuse):
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 12, 25, 6, 17)]
     refs = [tgt.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False, eos_token_id=None,
                          pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    engine = rg.StaticBatchEngine(tgt, pad_id=7, stop_ids=[1], batch_size=2, max_new_tokens=24)
+    engine = StaticBatchEngine(tgt, pad_id=7, stop_ids=[1], batch_size=2, max_new_tokens=24)
     with fused.fused_target(tgt, enabled=fuse) as report:
         out = engine.generate(prompts)
     assert report["enabled"] is fuse and bool(report["compiled"]) is fuse
@@ -741,14 +776,14 @@ def test_vllm_engine_passes_token_ids_and_stop_ids(monkeypatch):
 
     fake = types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    engine = rg.VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2, 3], temperature=0.0,
-                           top_p=1.0, seed=0, max_model_len=64, trust_remote_code=False)
+    engine = VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2, 3], temperature=0.0,
+                        top_p=1.0, seed=0, max_model_len=64, trust_remote_code=False)
     out = engine.generate([[1, 2], [3], [4, 4]])
     assert seen["requests"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}, {"prompt_token_ids": [4, 4]}]
     assert seen["params"].stop_token_ids == [2, 3] and seen["params"].max_tokens == 4
     assert seen["llm"]["model"] == "/models/t" and seen["llm"]["max_model_len"] == 64
-    assert [rg._split_stop(o, {2, 3}) for o in out] == [([5, 6, 7], True), ([8], True), ([9, 9, 9, 9], False)]
+    assert [_split_stop(o, {2, 3}) for o in out] == [([5, 6, 7], True), ([8], True), ([9, 9, 9, 9], False)]
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ValueError, match="vllm package is not installed"):
-        rg.VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2], temperature=0.0, top_p=1.0,
-                      seed=0, max_model_len=None, trust_remote_code=False)
+        VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2], temperature=0.0, top_p=1.0,
+                   seed=0, max_model_len=None, trust_remote_code=False)

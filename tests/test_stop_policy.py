@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from draftsmith import regenerate as rg
 from draftsmith import tokenize as tk
 from draftsmith.chat import render_prompt
 from draftsmith.evaluate import (
@@ -32,6 +31,9 @@ from draftsmith.evaluate import (
     speculative_generate,
     target_generate,
 )
+from draftsmith.regenerate.run import run as run_regenerate
+from draftsmith.regenerate.settings import RegenerateShardSettings
+from draftsmith.regenerate.turns import Regenerator
 from tiny import CURATED, tiny_llama3_tokenizer, tiny_target, tiny_tokenizer
 
 EOS, EOT = 1, 4  # <|end_of_text|>, <|eot_id|>
@@ -97,8 +99,8 @@ def test_policy_is_eos_plus_the_templates_end_of_turn(tok, target_dir):
 def test_regenerate_stops_at_end_of_turn_not_eos(model, tok, target_dir, free_answer, tmp_path):
     _, new = free_answer
     conv = {"id": "a", "source": "chat", "tools": None, "messages": [msg("user", QUESTION), msg("assistant", "x")]}
-    settings = rg.GenerationSettings(max_new_tokens=16, batch_size=1)
-    regen = rg.Regenerator(model, tok, settings)
+    settings = RegenerateShardSettings.from_config(regenerate={"max_new_tokens": 16, "batch_size": 1})
+    regen = Regenerator(model, tok, settings)
     assert regen.stop_ids == [EOS, EOT]
     out, stats = regen.regenerate([json.loads(json.dumps(conv))])
     assert out[0]["messages"][1]["content"] == tok.decode(new[:2], skip_special_tokens=False)
@@ -106,14 +108,14 @@ def test_regenerate_stops_at_end_of_turn_not_eos(model, tok, target_dir, free_an
     assert stats["turns_regenerated"] == 1 and stats["tokens_generated"] == 2
     assert not any(k.startswith("cut.") for k in stats), dict(stats)  # stopped, not cut
     # control: an eos-only stop writes the "answer<|eot_id|>..." up to max_new_tokens, cut
-    out, stats = rg.Regenerator(model, tok, settings, [EOS]).regenerate([json.loads(json.dumps(conv))])
+    out, stats = Regenerator(model, tok, settings, [EOS]).regenerate([json.loads(json.dumps(conv))])
     assert out[0]["messages"][1]["content"] == tok.decode(new, skip_special_tokens=False)
     assert out[0]["messages"][1]["content"].count("<|eot_id|>") >= 2 and stats["cut.hit_max_new_tokens"] == 1
     # the stage reads the same policy from the target folder and records it
     src = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([conv], schema=CURATED), src)
-    report = rg.run(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet", settings=settings,
-                    device="cpu")
+    report = run_regenerate(conversations=src, target_dir=target_dir, output=tmp_path / "out.parquet",
+                            settings=settings, device="cpu")
     assert report["stop_token_ids"] == [EOS, EOT] and report["counts"]["tokens_generated"] == 2
     assert "cut.hit_max_new_tokens" not in report["counts"]
 

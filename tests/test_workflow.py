@@ -539,7 +539,7 @@ def test_regenerate_shards_run_under_snakemake_and_assemble_as_one_job(workflow,
     """The regenerate rules as Snakemake runs them (scripts included): 2 regenerate_shard jobs, each with its lease,
     then the assembly; the assembled parquet equals a 1-shard run's row for row, its counts reconcile with the
     curated rows, and the lease log names both shard jobs."""
-    from draftsmith.regenerate import read_report
+    from draftsmith.regenerate.report import read_report
 
     config = yaml.safe_load((workflow / "config.yaml").read_text())
     tables, reports = {}, {}

@@ -27,7 +27,6 @@ GDN state the same way).
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -35,29 +34,12 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from draftsmith.target import cache_kwargs, decoder_layers  # noqa: F401 - cache_kwargs re-exported
+from draftsmith.hybrid_cache import cache_kwargs, hidden_states_arg, mixer_of, recurrent_layers
+from draftsmith.target import decoder_layers
 
 log = logging.getLogger("draftsmith.evaluate")
 
 ROLLBACK_MODES = ("auto", "mixer", "forward")
-
-
-# Name of the cache argument of a token mixer: ``cache_params`` up to transformers 5.23, ``cache`` from 5.24.
-_CACHE_ARGS = ("cache_params", "cache")
-
-
-def _mixer_of(layer: nn.Module) -> nn.Module | None:
-    """The token-mixer child of a decoder layer that owns a recurrent cache (its forward takes the
-    cache: ``linear_attn`` in Qwen3.5 / Qwen3-Next, ``mamba`` / ``mixer`` elsewhere). Called only on
-    layers whose cache layer is recurrent, which have no attention child."""
-    for child in layer.children():
-        try:
-            params = inspect.signature(child.forward).parameters
-        except (TypeError, ValueError):
-            continue
-        if any(name in params for name in _CACHE_ARGS):
-            return child
-    return None
 
 
 def _attention_crop(layer, tokens_to_remove: int) -> None:
@@ -67,10 +49,6 @@ def _attention_crop(layer, tokens_to_remove: int) -> None:
             cls.crop(layer, tokens_to_remove)
             return
     raise TypeError(f"no attention part in cache layer {type(layer).__name__}")
-
-
-def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
-    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 class TargetCache:
@@ -96,8 +74,7 @@ class TargetCache:
         self.target = target
         self.cache = DynamicCache(config=target.config)
         self.cache.activate_past_recording()  # conv windows / sliding windows keep the past until crop
-        self.recurrent = [i for i, layer in enumerate(self.cache.layers)
-                          if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.recurrent = recurrent_layers(self.cache)
         self.length = 0  # tokens the target has consumed (committed positions)
         self._snapshot: dict[int, dict[int, torch.Tensor]] = {}
         self._inputs: dict[int, tuple[tuple, dict]] = {}
@@ -109,7 +86,7 @@ class TargetCache:
             mixers = {}
             for i in self.recurrent:
                 layer = self.cache.layers[i]
-                mixer = _mixer_of(layers[i]) if i < len(layers) else None
+                mixer = mixer_of(layers[i]) if i < len(layers) else None
                 # a layer holding both K/V and recurrent state needs its attention part re-run too
                 if mixer is None or isinstance(layer, DynamicLayer):
                     mixers = None
@@ -202,7 +179,7 @@ class TargetCache:
                 try:
                     for idx, mixer in self._mixers.items():
                         args, kwargs = self._inputs[idx]
-                        hidden = _hidden_arg(args, kwargs)
+                        hidden = hidden_states_arg(args, kwargs)
                         if hidden.shape[1] != consumed:
                             raise RuntimeError(f"recorded input of recurrent layer {idx} has "
                                                f"{hidden.shape[1]} tokens, expected {consumed}")

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from draftsmith.evaluate.cache import TargetCache, cache_kwargs
+from draftsmith.evaluate.cache import TargetCache
+from draftsmith.hybrid_cache import cache_kwargs
 from draftsmith.evaluate.sampling import (
     SamplingConfig,
     greedy_accept,

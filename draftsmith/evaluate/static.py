@@ -33,36 +33,36 @@ so those run their forwards eagerly (``model.set_experts_implementation("batched
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.evaluate.cache import _hidden_arg
 from draftsmith.gpu import capture_graph
-from draftsmith.target import (  # noqa: F401 - static_supported re-exported
-    LayerCapture,
+from draftsmith.hybrid_cache import (
     cache_kwargs,
-    decoder_layers,
-    is_hybrid,
+    hidden_states_arg,
+    is_recurrent,
+    mixer_cache_arg,
+    mixer_of,
+    recurrent_layers,
+    recurrent_states,
+    restore,
     static_supported,
-    text_config,
 )
+from draftsmith.target import LayerCapture, decoder_layers, is_hybrid, text_config
 
 log = logging.getLogger("draftsmith.evaluate")
 
 
 def static_decoding_supported(target: nn.Module) -> tuple[bool, str]:
     """``(ok, why not)``: whether :class:`StaticTarget` can decode ``target``: attention-only targets without
-    sliding windows (:func:`draftsmith.target.static_supported`), and hybrid targets whose layers are all full
+    sliding windows (:func:`draftsmith.hybrid_cache.static_supported`), and hybrid targets whose layers are all full
     attention or Gated DeltaNet (``linear_attention``) with a locatable recurrent mixer (the child module whose
     forward takes the cache), whose state is rolled back by snapshot and replay."""
     from transformers import StaticCache
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticLayer
-
-    from draftsmith.evaluate.cache import _mixer_of
+    from transformers.cache_utils import StaticLayer
 
     ok, why = static_supported(target)
     if ok or not is_hybrid(target.config):
@@ -73,10 +73,10 @@ def static_decoding_supported(target: nn.Module) -> tuple[bool, str]:
     cache = StaticCache(config=target.config, max_cache_len=8)  # layer objects only: tensors are allocated lazily
     layers = decoder_layers(target)
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+        if is_recurrent(layer):
             if isinstance(layer, StaticLayer):
                 return False, f"cache layer {i} holds both K/V and recurrent state"
-            if i >= len(layers) or _mixer_of(layers[i]) is None:
+            if i >= len(layers) or mixer_of(layers[i]) is None:
                 return False, f"the recurrent mixer of decoder layer {i} cannot be located"
     return True, ""
 
@@ -103,9 +103,6 @@ class StaticTarget:
     def __init__(self, target: nn.Module, max_length: int, *, layer_ids: list[int] | None = None,
                  cuda_graphs: bool = True, verify_width: int | None = None):
         from transformers import StaticCache
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
-        from draftsmith.evaluate.cache import _CACHE_ARGS, _mixer_of
 
         ok, why = static_decoding_supported(target)
         if not ok:
@@ -120,8 +117,7 @@ class StaticTarget:
         self._graphs: dict[int, tuple] = {}
         self.graph_failures: dict[int, str] = {}
         # hybrid targets: Gated DeltaNet layers, their mixers, the mixers' recorded inputs and the state snapshot
-        self.recurrent = [i for i, layer in enumerate(self.cache.layers)
-                          if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.recurrent = recurrent_layers(self.cache)
         self.mixers: dict[int, nn.Module] = {}
         self._width = None  # width of the last forward_block, until commit
         self._recording = False
@@ -129,14 +125,13 @@ class StaticTarget:
         self._replays: dict[int, torch.cuda.CUDAGraph] = {}  # kept tokens -> captured rollback
         if self.recurrent:
             layers = decoder_layers(target)
-            self.mixers = {i: _mixer_of(layers[i]) for i in self.recurrent}
+            self.mixers = {i: mixer_of(layers[i]) for i in self.recurrent}
             self.max_width = max(1, int(verify_width or 1))
             dtype = target.get_input_embeddings().weight.dtype
             hidden = int(text_config(target.config).hidden_size)
             self._inputs = {i: torch.zeros((1, self.max_width, hidden), dtype=dtype, device=self.device)
                             for i in self.recurrent}
-            self._cache_arg = {i: next(a for a in _CACHE_ARGS if a in inspect.signature(m.forward).parameters)
-                               for i, m in self.mixers.items()}
+            self._cache_arg = {i: mixer_cache_arg(m) for i, m in self.mixers.items()}
             for i, mixer in self.mixers.items():
                 mixer.register_forward_pre_hook(self._recorder(i), with_kwargs=True)
 
@@ -144,18 +139,9 @@ class StaticTarget:
     def _recorder(self, idx: int):
         def hook(module, args, kwargs):
             if self._recording:
-                hidden = _hidden_arg(args, kwargs)
+                hidden = hidden_states_arg(args, kwargs)
                 self._inputs[idx][:, :hidden.shape[1]].copy_(hidden)
         return hook
-
-    def _states(self) -> list[torch.Tensor]:
-        """Every recurrent layer's live conv and recurrent state tensors (fixed addresses in the StaticCache)."""
-        out = []
-        for i in self.recurrent:
-            layer = self.cache.layers[i]
-            for states in (layer.conv_states, layer.recurrent_states):
-                out += [t for t in states.values() if t is not None]
-        return out
 
     def _snapshot(self) -> None:
         for live, snap in self._saved:
@@ -163,8 +149,7 @@ class StaticTarget:
 
     def _replay(self, keep: int) -> None:
         """Put the snapshot back and re-run the ``keep`` first recorded tokens through the recurrent mixers."""
-        for live, snap in self._saved:
-            live.copy_(snap)
+        restore(self._saved)
         for i, mixer in self.mixers.items():
             mixer(hidden_states=self._inputs[i][:, :keep], attention_mask=None, **{self._cache_arg[i]: self.cache})
 
@@ -237,7 +222,7 @@ class StaticTarget:
         with self._hooks():
             logits, feats = self._forward(ids, positions, logits_to_keep=1)
         if self.recurrent and self._saved is None:  # the states exist now (allocated by the first forward)
-            self._saved = [(t, torch.empty_like(t)) for t in self._states()]
+            self._saved = [(t, torch.empty_like(t)) for t in recurrent_states(self.cache)]
         return logits[0, -1], feats
 
     @torch.inference_mode()
@@ -307,12 +292,11 @@ class StaticTarget:
         On failure the width runs eagerly from then on (logged once)."""
         ids_buf = torch.zeros((1, width), dtype=torch.long, device=self.device)
         pos_buf = torch.arange(start, start + width, device=self.device)[None].clone()
-        saved = [(t, t.clone()) for t in self._states()]
+        saved = [(t, t.clone()) for t in recurrent_states(self.cache)]
 
         def reset() -> None:
             self.set_length(start)
-            for live, copy in saved:
-                live.copy_(copy)
+            restore(saved)
 
         def run():
             with self._hooks():
