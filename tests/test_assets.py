@@ -215,15 +215,15 @@ def test_unknown_embedded_names_list_the_known_ones(tmp_path):
 
 
 def test_embedded_paths(tmp_path):
-    assert assets.resolve_target("embedded:smollm2-135m-instruct", tmp_path, must_exist=False) == \
-        tmp_path / "targets" / "smollm2-135m-instruct"
+    assert (assets.resolve_target("embedded:smollm2-135m-instruct", tmp_path, must_exist=False)
+            == tmp_path / "targets" / "smollm2-135m-instruct")
     with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct does not exist"):
         assets.resolve_target("embedded:smollm2-135m-instruct", tmp_path)  # not materialised yet
     assert assets.resolve_data_path("embedded:champ", tmp_path) == tmp_path / "data" / "champ"
 
 
 def test_local_model_folder_is_used_as_is(tmp_path):
-    from tests.tiny import tiny_target
+    from tiny import tiny_target
 
     folder = tmp_path / "my-model"
     tiny_target("llama").save_pretrained(folder)

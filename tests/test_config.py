@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from draftsmith.config import ConfigError, check_eval_sets, config_errors
+from workflow import copy_workflow, planned_jobs
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "schemas" / "config.schema.yaml").read_text())
@@ -145,8 +146,6 @@ def test_dry_run_plans_every_stage(tmp_path):
 def test_regenerate_shards_plan_one_job_each_and_a_shard_outside_them_is_refused(tmp_path):
     """regenerate.shards: 2 plans regenerate_shard twice (shard-0, shard-1) and one regenerate that assembles both, in
     order; shard-5 of that config stops Snakemake while it builds the DAG, naming the key."""
-    from test_workflow import planned_jobs
-
     extra = "regenerate:\n  enabled: true\n  shards: 2\n"
     proc = _snakemake(tmp_path, "-n", "results/regenerated/train.parquet", config_text=extra)
     out = proc.stdout + proc.stderr
@@ -238,8 +237,6 @@ def readme_commands() -> list[str]:
 @pytest.mark.slow
 def test_readme_commands_work_as_written(tmp_path):
     """Each README command, dry-run from a copy of the project with the shipped config, builds its DAG."""
-    from test_workflow import copy_workflow
-
     commands = readme_commands()
     assert "snakemake results/features/shard-1/manifest.json" in commands and "snakemake --until merge" in commands
     work = copy_workflow(tmp_path / "project")

@@ -8,10 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.drafter_config import build_drafter_config
 from draftsmith.export import ExportError, ExportSettings, export_drafter
 from draftsmith.modeling import DFlashDraftModel
-from draftsmith.drafter_config import build_drafter_config
-from test_modeling import official  # noqa: F401 - the official z-lab dflash.model fixture
 from tiny import tiny_target
 
 MASK = 3
@@ -37,7 +36,7 @@ def trained(tmp_path):
     return tmp_path
 
 
-def test_export_writes_the_zlab_format_and_the_official_package_loads_it(official, trained):  # noqa: F811
+def test_export_writes_the_zlab_format_and_the_official_package_loads_it(official, trained):
     summary = export_drafter(trained / "trained", trained / "target", trained / "final",
                              ExportSettings.from_config(drafter={"export_dtype": "bfloat16"}))
     assert summary["readback_max_abs_diff"] == 0.0 and summary["dtype"] == "bfloat16"

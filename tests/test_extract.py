@@ -27,38 +27,14 @@ from draftsmith.merge import MergeSettings
 from draftsmith.target import decoder_layers
 from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.tokenized import read_tokenized
+from extraction import LAYER_IDS, LENGTHS, alone, run_shard, setup_run, stored_samples, write_tokenized
 from tiny import VOCAB, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["llama", "qwen3_5", "qwen3_next"]
-LAYER_IDS = [0, 1, 3]  # includes 0 and L - 1 (tiny targets have L = 4)
-# mixed lengths; with a 200-token budget batches hold up to six rows of different lengths, and
-# 210 >= budget runs alone without a mask
-LENGTHS = [210, 5, 17, 33, 64, 9, 40, 3, 70, 48, 21, 1, 66, 12]
 
 
-# ----------------------------------------------------------------------------------------- helpers
-
-
-def write_tokenized(path: Path, lengths: list[int], *, seed: int = 0, vocab: int = VOCAB) -> list[np.ndarray]:
-    """A tokenized parquet in the tokenize stage's contract; returns the input ids of every row."""
-    rng = np.random.default_rng(seed)
-    ids = [rng.integers(3, vocab, n).astype(np.int32) for n in lengths]
-    masks = [(rng.random(n) < 0.6).astype(np.int8) for n in lengths]
-    table = pa.table({
-        "id": [f"conv{r:03d}#1" for r in range(len(lengths))],
-        "source": ["tiny"] * len(lengths),
-        "input_ids": pa.array([x.tolist() for x in ids], pa.list_(pa.int32())),
-        "loss_mask": pa.array([m.tolist() for m in masks], pa.list_(pa.int8())),
-        "num_tokens": pa.array(lengths, pa.int32()),
-    })
-    table = table.replace_schema_metadata({
-        b"draftsmith.chat_template_kwargs": json.dumps({"enable_thinking": False}).encode(),
-        b"draftsmith.tokenizer_fingerprint": json.dumps("f" * 64).encode(),
-        b"draftsmith.max_length": b"1024",
-    })
-    pq.write_table(table, path)
-    return ids
+# ---------------------------------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
@@ -70,46 +46,6 @@ def targets(tmp_path_factory):
         tiny_target(kind).save_pretrained(root / kind)
         out[kind] = root / kind
     return out
-
-
-def setup_run(tmp: Path, target: Path, *, lengths=LENGTHS, shards: int = 1, layer_ids=LAYER_IDS):
-    ids = write_tokenized(tmp / "train.parquet", lengths)
-    plan = ex.build_plan(tmp / "train.parquet", target, ex.ExtractPlanSettings.from_config(
-        {"extract": {"shards": shards}, "drafter": {"target_layer_ids": layer_ids}}))
-    write_json(tmp / "plan.json", plan)
-    return ids, plan
-
-
-def run_shard(tmp: Path, target: Path, *, out: str = "features", shard: int = 0, model=None, **cfg):
-    base = {"token_budget": 200, "chunk_tokens": 100, "storage_dtype": "float32"}
-    on_chunk = cfg.pop("on_chunk", None)
-    run_stats = cfg.pop("run_stats", None)
-    settings = ex.ExtractShardSettings.from_config({"extract": {**base, **cfg}, "target": {"dtype": "float32"}})
-    return ex.extract_shard(plan_path=tmp / "plan.json", tokenized_path=tmp / "train.parquet",
-                            target_dir=target, manifest_path=tmp / out / f"shard-{shard}" / "manifest.json",
-                            shard=shard, settings=settings, model=model, device="cpu", on_chunk=on_chunk,
-                            run_stats=run_stats)
-
-
-def stored_samples(folder: Path, manifest: dict):
-    """Yield (row, hidden [n, F] float32, tensors of the sample) for every stored sample."""
-    for rec in manifest["chunks"]:
-        t = read_chunk(folder / rec["file"])
-        assert t["sample_index"].tolist() == rec["rows"]
-        hidden = t["features"]
-        off = t["offsets"].tolist()
-        for s, row in enumerate(rec["rows"]):
-            sl = slice(off[s], off[s + 1])
-            yield row, hidden[sl], {k: v[sl] for k, v in t.items()
-                                    if k in ("input_ids", "loss_mask", "target_token")}
-
-
-@torch.no_grad()
-def alone(model, ids: np.ndarray, layer_ids=LAYER_IDS):
-    """Reference: the sample alone, unpadded, through the whole model with output_hidden_states."""
-    out = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
-    return feats, out.logits[0].argmax(-1).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------- plan, batches

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from draftsmith import fused
-from draftsmith.target import decoder_layers
-from draftsmith.target import fla_available
-from test_extract import LAYER_IDS, LENGTHS, alone, run_shard, setup_run, stored_samples
+from draftsmith.target import decoder_layers, fla_available
+from extraction import LAYER_IDS, LENGTHS, alone, run_shard, setup_run, stored_samples
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]

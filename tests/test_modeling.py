@@ -9,9 +9,7 @@ inference forward itself (a training block == the decode step that would draft i
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 import time
 
 import pytest
@@ -19,6 +17,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from draftsmith.drafter_config import (
+    build_drafter_config,
+    default_loss_gamma,
+    resolve_mask_token_id,
+)
+from draftsmith.flops import attended_pairs, step_flops, training_flops
 from draftsmith.modeling import (
     DFlashDraftModel,
     PackedBatch,
@@ -29,14 +33,8 @@ from draftsmith.modeling import (
     sample_anchors,
     slot_weights,
 )
-from draftsmith.drafter_config import (
-    build_drafter_config,
-    default_loss_gamma,
-    resolve_mask_token_id,
-)
-from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.target import load_target_embeddings_and_head
-from draftsmith.flops import attended_pairs, step_flops, training_flops
+from draftsmith.target_layers import default_target_layer_ids
 from tiny import tiny_target
 
 MASK = 3
@@ -48,18 +46,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def official(unpacked_wheel):
-    """The official z-lab ``dflash.model`` (0.1.0): installed, else the pinned wheel unpacked by the shared
-    helper (its pinned dependencies would downgrade datasets / tqdm, so it is never pip-installed here)."""
-    try:
-        return importlib.import_module("dflash.model")
-    except ImportError:
-        pass
-    sys.path.insert(0, str(unpacked_wheel("dflash==0.1.0")))
-    return importlib.import_module("dflash.model")
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +175,8 @@ def test_official_package_loads_our_folder_and_matches(official, target, tmp_pat
     ref = official.DFlashDraftModel.from_pretrained(str(tmp_path)).eval()
     assert ref.target_layer_ids == ours.target_layer_ids and ref.mask_token_id == MASK and ref.block_size == 4
     assert [layer.self_attn.is_causal for layer in ref.layers] == [layer.self_attn.is_causal for layer in ours.layers]
-    assert [layer.self_attn.sliding_window for layer in ref.layers] == \
-        [layer.self_attn.sliding_window for layer in ours.layers]
+    assert ([layer.self_attn.sliding_window for layer in ref.layers]
+            == [layer.self_attn.sliding_window for layer in ours.layers])
     torch.manual_seed(1)
     noise = torch.randn(2, 4, 64)
     ctx = torch.randn(2, 9, 128)

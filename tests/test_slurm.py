@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_workflow import copy_workflow
+from workflow import copy_workflow
 
 pytestmark = pytest.mark.slow
 

@@ -34,7 +34,6 @@ from draftsmith.train import (
     split_samples,
     train,
 )
-from test_modeling import official  # noqa: F401 - the official z-lab dflash.model fixture
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ MASK = 3  # an id the tiny targets never generate in these tests' prompts (promp
 
 
 # ------------------------------------------------------------------------------------------------------------
-# helpers shared with test_export.py
+# helpers
 # ------------------------------------------------------------------------------------------------------------
 
 def greedy_continuation(target, prompt: torch.Tensor, n: int) -> torch.Tensor:
@@ -212,8 +211,8 @@ def test_batch_plan_epochs_cover_every_sample_once():
         assert used == list(range(plan.steps_per_epoch[e] * 4))
     assert plan.skipped_rows == sum(counts) - 4 * plan.total_steps
     assert plan.locate(plan.steps_per_epoch[0]) == (1, 0)
-    assert BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=1.5).steps_per_epoch == \
-        [plan.steps_per_epoch[0], -(-plan.steps_per_epoch[1] // 2)]
+    assert (BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=1.5).steps_per_epoch
+            == [plan.steps_per_epoch[0], -(-plan.steps_per_epoch[1] // 2)])
     assert BatchPlan(lengths, train_ids, 64, seed=1, world=2, grad_accum=2, epochs=1, max_steps=7).total_steps == 7
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         BatchPlan(lengths, train_ids[:2], 64, seed=1, world=2, grad_accum=2, epochs=1)
@@ -377,7 +376,7 @@ def test_torchrun_ddp_nccl_two_gpus(qwen3_setup, tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_setup, tmp_path, monkeypatch):  # noqa: F811
+def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_setup, tmp_path, monkeypatch):
     dm = official
     from draftsmith.export import ExportSettings, export_drafter
 

