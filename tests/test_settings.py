@@ -15,16 +15,28 @@ import yaml
 from draftsmith.assets import FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings
 from draftsmith.config import check_config, schema_defaults
 from draftsmith.curate import CurateSettings
+from draftsmith.evaluate.settings import EvaluateSettings
 from draftsmith.export import ExportError, ExportSettings
+from draftsmith.extract.plan import ExtractPlanSettings
+from draftsmith.extract.shard import ExtractShardSettings
+from draftsmith.merge import MergeSettings
+from draftsmith.regenerate.settings import RegenerateSettings, RegenerateShardSettings
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import STAGE_KEYS, rule_params
 from draftsmith.tokenize import TokenizeOptions, TokenizeSettings
+from draftsmith.train.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: every StageSettings class declared beside the code that reads it
-DECLARED = [FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings, CurateSettings, TokenizeSettings,
-            ExportSettings]
+DECLARED = [FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings, CurateSettings,
+            RegenerateShardSettings, RegenerateSettings, TokenizeSettings, ExtractPlanSettings, ExtractShardSettings,
+            MergeSettings, TrainSettings, ExportSettings, EvaluateSettings]
+
+
+def test_every_rule_has_one_settings_class():
+    """Each rule of STAGE_KEYS reads its keys through exactly one declared settings class."""
+    assert sorted(cls.STAGE for cls in DECLARED) == sorted(STAGE_KEYS)
 
 
 # ------------------------------------------------------------------------------------------------
