@@ -592,7 +592,7 @@ class GpuMemoryPoll:
                 for line in out.strip().splitlines():
                     gpu, used = (int(x) for x in line.split(","))
                     self.peak[gpu] = max(self.peak.get(gpu, 0), used)
-            except Exception:  # noqa: BLE001 - a cross-check only
+            except Exception:  # a cross-check only
                 return
             self.stop.wait(interval)
 
@@ -797,7 +797,7 @@ def run_ddp(args, say) -> int:
             say(f"bench formula: {est['flops_per_ctx_token']:.4g} FLOP per context token "
                 f"({est['ctx_tokens_per_row']:.0f} context tokens per row; drafter "
                 f"{est['trainable_parameters'] / 1e6:,.1f} M trainable parameters)")
-        except Exception:  # noqa: BLE001 - a cross-check only
+        except Exception:  # a cross-check only
             est = {"error": traceback.format_exc()[-1500:]}
             say("bench FLOPs estimate failed: " + est["error"].strip().splitlines()[-1])
         res["bench_flops"] = est
@@ -992,7 +992,7 @@ def main() -> int:
         except torch.OutOfMemoryError as exc:
             r = {"error": "out of memory", "detail": str(exc).splitlines()[0][:300],
                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
-        except Exception:  # noqa: BLE001 - keep the figures measured so far
+        except Exception:  # keep the figures measured so far
             r = {"error": traceback.format_exc()[-2000:]}
         results["variants"][name] = r
         if "error" in r:

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from draftsmith.drafter_config import build_drafter_config
 from draftsmith.evaluate import (
     DFlashProposer,
     EvaluateSettings,
@@ -40,7 +41,6 @@ from draftsmith.evaluate import (
 )
 from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel
-from draftsmith.drafter_config import build_drafter_config
 from draftsmith.target import capture_layers, fla_available
 from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
 
@@ -522,8 +522,8 @@ def test_sampling_probs_match_official(official):
 def test_trained_drafter_is_lossless_and_accepts_more(kind):
     """A drafter trained (draftsmith.modeling training loss, 60 AdamW steps) on the target's own greedy
     continuations: lossless, and its τ on those prompts beats the untrained drafter's."""
-    from draftsmith.modeling import PackedBatch, sample_anchors
     from draftsmith.drafter_config import default_loss_gamma
+    from draftsmith.modeling import PackedBatch, sample_anchors
 
     tgt = target(kind)
     drafter = make_drafter(tgt, seed=7)
