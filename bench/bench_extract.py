@@ -271,8 +271,8 @@ def profile_kernels(model, batch, ids, repeats: int) -> dict:
     for j, r in enumerate(batch.rows):
         x[j, :batch.lengths[j]] = torch.from_numpy(ids[r].astype(np.int64))
     x = x.cuda()
-    mask = (torch.arange(seq)[None] < torch.tensor(batch.lengths)[:, None]).long().cuda() if len(batch.rows) > 1 \
-        else None
+    mask = ((torch.arange(seq)[None] < torch.tensor(batch.lengths)[:, None]).long().cuda() if len(batch.rows) > 1
+            else None)
     dec = model.get_decoder()
     dec(input_ids=x, attention_mask=mask, use_cache=False)
     torch.cuda.synchronize()

@@ -39,8 +39,8 @@ import pyarrow.parquet as pq
 from draftsmith import tokenize as tk
 
 REPO = Path(__file__).resolve().parents[1]
-WHEEL_DIRS = [Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p] + \
-    [REPO / "resources" / "test-cache" / "wheels"]
+WHEEL_DIRS = ([Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p]
+              + [REPO / "resources" / "test-cache" / "wheels"])
 
 
 def wheel(spec: str, workdir: Path) -> zipfile.ZipFile:

@@ -39,8 +39,8 @@ def training_flops(config: Qwen3Config, *, ctx_tokens: int, block_tokens: int, h
     H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
     L = config.num_hidden_layers
     n_feat = len(draft_value(config, "target_layer_ids"))
-    per_layer = H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2) \
-        + 3 * H * config.intermediate_size
+    per_layer = (H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+                 + 3 * H * config.intermediate_size)
     out = {
         "layers": 6.0 * block_tokens * per_layer * L + 6.0 * ctx_tokens * 2 * H * config.num_key_value_heads * hd * L,
         "fc": 4.0 * ctx_tokens * n_feat * H * H,

@@ -942,8 +942,8 @@ def test_evaluate_stage_on_a_gpu_equals_the_cpu_and_resumes(stage_inputs, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         run_evaluate(**kwargs)
     monkeypatch.undo()
-    assert list(json.loads((tmp_path / "gpu" / "partial" / "heldout" / "main.json").read_text())["conversations"]) \
-        == ["c1"]
+    partial = json.loads((tmp_path / "gpu" / "partial" / "heldout" / "main.json").read_text())
+    assert list(partial["conversations"]) == ["c1"]
     gpu = run_evaluate(**kwargs)
     assert gpu["run"]["decoding"] == "static KV cache, CUDA graphs" and cpu["run"]["decoding"] == "dynamic KV cache"
     for name in ("heldout", "mtbench"):
