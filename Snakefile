@@ -38,7 +38,7 @@ include: "rules/evaluate.smk"
 
 
 rule all:
+    default_target: True
     input:
         "results/eval/report.json",
         "results/eval/report.md",
-    default_target: True

@@ -36,9 +36,9 @@ import time
 
 import torch
 
+from draftsmith.drafter_config import build_drafter_config
 from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
 from draftsmith.modeling import DFlashDraftModel
-from draftsmith.drafter_config import build_drafter_config
 
 PRESETS = {
     # tests/tiny.py-sized hybrid

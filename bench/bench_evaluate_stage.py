@@ -58,9 +58,9 @@ def write_inputs(target_dir: Path, work: Path, turns: list[list[str]], drafter_l
     from draftsmith.curate.normalize import normalize_conversation
     from draftsmith.curate.schema import OUTPUT_SCHEMA
     from draftsmith.drafter_config import build_drafter_config
-    from draftsmith.target_layers import default_target_layer_ids
     from draftsmith.modeling import DFlashDraftModel
     from draftsmith.target import text_config
+    from draftsmith.target_layers import default_target_layer_ids
     from draftsmith.tokenized import tokenized_metadata
 
     config = AutoConfig.from_pretrained(target_dir)

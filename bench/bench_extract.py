@@ -72,30 +72,29 @@ Before fusion (same day, log-normal lengths, 262K tokens): naive 5,545 tok/s, ea
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
+import shutil
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import shutil  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
+from draftsmith import extract as ex
+from draftsmith.features import read_chunk
+from draftsmith.fused import fused_target
+from draftsmith.io import write_json
+from draftsmith.target import decoder_layers, fla_available, text_config
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from draftsmith import extract as ex  # noqa: E402
-from draftsmith.features import read_chunk  # noqa: E402
-from draftsmith.fused import fused_target  # noqa: E402
-from draftsmith.io import write_json  # noqa: E402
-from draftsmith.target import decoder_layers, fla_available, text_config  # noqa: E402
 
 log = logging.getLogger("bench.extract")
 
@@ -272,8 +271,8 @@ def profile_kernels(model, batch, ids, repeats: int) -> dict:
     for j, r in enumerate(batch.rows):
         x[j, :batch.lengths[j]] = torch.from_numpy(ids[r].astype(np.int64))
     x = x.cuda()
-    mask = (torch.arange(seq)[None] < torch.tensor(batch.lengths)[:, None]).long().cuda() if len(batch.rows) > 1 \
-        else None
+    mask = ((torch.arange(seq)[None] < torch.tensor(batch.lengths)[:, None]).long().cuda() if len(batch.rows) > 1
+            else None)
     dec = model.get_decoder()
     dec(input_ids=x, attention_mask=mask, use_cache=False)
     torch.cuda.synchronize()

@@ -18,24 +18,22 @@ header-only path wins by more, since it reads ~1 KB per chunk instead of the who
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import sys
+import tempfile
+import time
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-
-from draftsmith.features import read_chunk, write_chunk  # noqa: E402
-from draftsmith.io import read_json, write_json  # noqa: E402
-from draftsmith.merge import MergeSettings, merge_features  # noqa: E402
+from draftsmith.features import read_chunk, write_chunk
+from draftsmith.io import read_json, write_json
+from draftsmith.merge import MergeSettings, merge_features
 
 SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
              "the last layer includes the final norm")

@@ -25,13 +25,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.append(str(REPO / "tests"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))
 
-import torch  # noqa: E402
+import torch
 
-from draftsmith.regenerate.settings import RegenerateShardSettings  # noqa: E402
-from draftsmith.regenerate.turns import Regenerator  # noqa: E402
+from draftsmith.regenerate.settings import RegenerateShardSettings
+from draftsmith.regenerate.turns import Regenerator
 
 PROMPTS = ["Hello! How are you today?", "Write a function that adds two numbers.",
            "Please explain speculative decoding.", "What is the answer?"]
@@ -117,8 +116,8 @@ def main() -> int:
             tok, stops = tiny_tokenizer(), [2]
             model = tiny_target("llama", **shape).to(args.device, getattr(torch, dtype))
         else:
-            from draftsmith.target import load_target
             from draftsmith.chat import load_tokenizer, stop_token_ids
+            from draftsmith.target import load_target
 
             tok = load_tokenizer(args.target)
             model = load_target(args.target, dtype=dtype, device=args.device)

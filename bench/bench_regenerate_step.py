@@ -29,14 +29,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_extract import QWEN35_27B, TINY, build_target, sync  # noqa: E402
+from bench_extract import QWEN35_27B, TINY, build_target, sync
 
-from draftsmith import fused  # noqa: E402
-from draftsmith.regenerate.static import StaticBatchEngine, cache_bytes_per_row  # noqa: E402
+from draftsmith import fused
+from draftsmith.regenerate.static import StaticBatchEngine, cache_bytes_per_row
 
 SHAPES = {"qwen3.5-27b": QWEN35_27B, "tiny-hybrid": TINY}
 PATHS = ("graph", "fused", "eager")

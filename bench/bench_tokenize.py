@@ -20,13 +20,11 @@ the tests' wheel folder under resources/test-cache, or downloaded with pip).
 
 from __future__ import annotations
 
-import os
-import sys
-
-
 import argparse
 import json
+import os
 import subprocess
+import sys
 import tempfile
 import time
 import zipfile
@@ -35,14 +33,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from draftsmith import tokenize as tk  # noqa: E402
+from draftsmith import tokenize as tk
 
 REPO = Path(__file__).resolve().parents[1]
-WHEEL_DIRS = [Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p] + \
-    [REPO / "resources" / "test-cache" / "wheels"]
+WHEEL_DIRS = ([Path(p) for p in os.environ.get("DRAFTSMITH_WHEELHOUSE", "").split(os.pathsep) if p]
+              + [REPO / "resources" / "test-cache" / "wheels"])
 
 
 def wheel(spec: str, workdir: Path) -> zipfile.ZipFile:

@@ -370,8 +370,8 @@ def target_config(shape_name: str, shape: dict):
 
     dims = dict(QWEN35_27B) if shape_name == "qwen3.5-27b" else dict(
         TINY, vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["target_layers"])
-    assert (dims["hidden_size"], dims["num_hidden_layers"], dims["vocab_size"]) == \
-        (shape["hidden"], shape["target_layers"], shape["vocab"]), (shape_name, dims)
+    assert (dims["hidden_size"], dims["num_hidden_layers"], dims["vocab_size"]) == (
+        shape["hidden"], shape["target_layers"], shape["vocab"]), (shape_name, dims)
     return qwen35_config(dims)
 
 
@@ -577,8 +577,8 @@ class GpuMemoryPoll:
 
         self.peak: dict[int, int] = {}
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(interval,), daemon=True) \
-            if shutil.which("nvidia-smi") else None
+        self.thread = (threading.Thread(target=self._run, args=(interval,), daemon=True)
+                       if shutil.which("nvidia-smi") else None)
         if self.thread:
             self.thread.start()
 
@@ -592,7 +592,7 @@ class GpuMemoryPoll:
                 for line in out.strip().splitlines():
                     gpu, used = (int(x) for x in line.split(","))
                     self.peak[gpu] = max(self.peak.get(gpu, 0), used)
-            except Exception:  # noqa: BLE001 - a cross-check only
+            except Exception:  # a cross-check only
                 return
             self.stop.wait(interval)
 
@@ -614,8 +614,8 @@ def trainer_scratch(choice: str, workdir: Path, trainable_params: int | None) ->
     if choice != "auto":
         return Path(choice), False
     shm = Path("/dev/shm")
-    if trainable_params and shm.is_dir() and os.access(shm, os.W_OK) \
-            and shutil.disk_usage(shm).free > 1.5 * 16 * trainable_params:
+    if (trainable_params and shm.is_dir() and os.access(shm, os.W_OK)
+            and shutil.disk_usage(shm).free > 1.5 * 16 * trainable_params):
         return Path(tempfile.mkdtemp(prefix="bench-ddp-train-", dir=shm)), True
     return workdir, False
 
@@ -660,8 +660,8 @@ def run_trainer(nproc: int, index: Path, tdir: Path, out_dir: Path, cfg: dict, *
     import threading
 
     label = label or str(nproc)
-    entry = ["-m", "draftsmith.train"] if ddp_mode is None else \
-        [str(Path(__file__).resolve()), "--ddp-one-process", ddp_mode, "--"]
+    entry = (["-m", "draftsmith.train"] if ddp_mode is None
+             else [str(Path(__file__).resolve()), "--ddp-one-process", ddp_mode, "--"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
            "--index", str(index), "--target", str(tdir), "--out", str(out_dir),
            "--threads", str(threads), "--args", json.dumps(cfg)]
@@ -797,7 +797,7 @@ def run_ddp(args, say) -> int:
             say(f"bench formula: {est['flops_per_ctx_token']:.4g} FLOP per context token "
                 f"({est['ctx_tokens_per_row']:.0f} context tokens per row; drafter "
                 f"{est['trainable_parameters'] / 1e6:,.1f} M trainable parameters)")
-        except Exception:  # noqa: BLE001 - a cross-check only
+        except Exception:  # a cross-check only
             est = {"error": traceback.format_exc()[-1500:]}
             say("bench FLOPs estimate failed: " + est["error"].strip().splitlines()[-1])
         res["bench_flops"] = est
@@ -854,10 +854,10 @@ def run_ddp(args, say) -> int:
         base = runs.get("1", {})
         for label in list(OVERHEAD_RUNS)[1:]:
             fig = runs.get(label, {})
-            rate = fig.get("ctx_tokens_per_s") and base.get("ctx_tokens_per_s") and \
-                fig["ctx_tokens_per_s"] / base["ctx_tokens_per_s"]
-            mem = fig.get("peak_memory_gib") and base.get("peak_memory_gib") and \
-                fig["peak_memory_gib"][0] - base["peak_memory_gib"][0]
+            rate = (fig.get("ctx_tokens_per_s") and base.get("ctx_tokens_per_s")
+                    and fig["ctx_tokens_per_s"] / base["ctx_tokens_per_s"])
+            mem = (fig.get("peak_memory_gib") and base.get("peak_memory_gib")
+                   and fig["peak_memory_gib"][0] - base["peak_memory_gib"][0])
             res.setdefault("overhead", {})[label] = {"tokens_per_s_ratio": rate, "peak_memory_extra_gib": mem}
             print(f"{label!r} vs '1': " + (f"{rate:.3f}x tokens/s" if rate else "n/a") + ", "
                   + (f"{mem:+.1f} GiB peak" if mem is not None else "n/a"))
@@ -992,7 +992,7 @@ def main() -> int:
         except torch.OutOfMemoryError as exc:
             r = {"error": "out of memory", "detail": str(exc).splitlines()[0][:300],
                  "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
-        except Exception:  # noqa: BLE001 - keep the figures measured so far
+        except Exception:  # keep the figures measured so far
             r = {"error": traceback.format_exc()[-2000:]}
         results["variants"][name] = r
         if "error" in r:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from draftsmith.chat import load_tokenizer, stop_token_ids
 from draftsmith.evaluate import (
     DFlashProposer,
     PromptLookupProposer,
@@ -44,7 +45,6 @@ from draftsmith.evaluate import (
 from draftsmith.extract import FeatureExtractor
 from draftsmith.features import FeatureIndex
 from draftsmith.target import default_device, load_target, resolve_dtype
-from draftsmith.chat import load_tokenizer, stop_token_ids
 from draftsmith.train import TrainSettings, pack_documents, split_samples
 
 

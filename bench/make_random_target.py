@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_extract import QWEN35_27B, TINY, build_target  # noqa: E402
+from bench_extract import QWEN35_27B, TINY, build_target
 
 SHAPES = {"qwen3.5-27b": QWEN35_27B, "tiny-hybrid": TINY}
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 from jsonschema import Draft202012Validator
 
-
 # the name of the held-out benchmark set's source (draftsmith.evaluate.prompts.HELDOUT)
 HELDOUT = "heldout"
 

@@ -1,11 +1,11 @@
 """Fused kernels for the target's forward pass during extraction (GPU).
 
-Profiling the hidden-state extraction of a Qwen3.5-27B-shaped target on an H200 (bench/bench_extract.py
-``--profile``) put only 55% of the GPU time in GEMMs: 30% went to small elementwise kernels around them
-(RMSNorm in float32 as a chain of 6-9 kernels, SiLU and the gate product of the MLPs, dtype copies) and
-the depthwise causal conv1d of the Gated DeltaNet layers, which transformers runs as a torch fallback
-(``F.conv1d`` on a transposed view, then slice, SiLU and three layout copies) unless the ``causal_conv1d``
-CUDA package is installed. This module removes that overhead without changing the model's code:
+Profiling the hidden-state extraction of a Qwen3.5-27B-shaped target (bench/bench_extract.py ``--profile``,
+docs/measurements.md) put little more than half of the GPU time in GEMMs: most of the rest went to small
+elementwise kernels around them (RMSNorm in float32 as a chain of 6-9 kernels, SiLU and the gate product of the
+MLPs, dtype copies) and the depthwise causal conv1d of the Gated DeltaNet layers, which transformers runs as a
+torch fallback (``F.conv1d`` on a transposed view, then slice, SiLU and three layout copies) unless the
+``causal_conv1d`` CUDA package is installed. This module removes that overhead without changing the model's code:
 
 * :func:`compile_elementwise` compiles (``torch.compile``, inductor) the ``forward`` of every norm and
   MLP module of the target -- the model's own code, so the same formula, fused into one or two kernels.
@@ -17,7 +17,7 @@ CUDA package is installed. This module removes that overhead without changing th
 
 Both are scoped (:func:`fused_target` is a context manager that undoes them) and only change rounding:
 the same float32 arithmetic in a different kernel order. On float32 tiny targets the fused features
-equal the eager ones within 1e-5 (tests/test_fused.py); the GPU figures are in bench/bench_extract.py.
+equal the eager ones within 1e-5 (tests/test_fused.py); the GPU figures are in docs/measurements.md.
 """
 
 from __future__ import annotations

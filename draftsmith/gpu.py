@@ -240,7 +240,7 @@ def capture_graph(device, run, failures: dict, key, what: str, reset=lambda: Non
         reset()
         with torch.cuda.graph(graph):
             out = run()
-    except Exception as exc:  # noqa: BLE001 - what cannot be captured runs eagerly
+    except Exception as exc:  # what cannot be captured runs eagerly
         failures[key] = f"{type(exc).__name__}: {exc}"
         logger.warning("CUDA graph capture of %s failed (%s): it runs eagerly", what, failures[key])
         logger.debug("CUDA graph capture of %s failed", what, exc_info=True)

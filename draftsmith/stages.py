@@ -110,8 +110,8 @@ def _keys(stage: str, kind: str) -> dict[str, tuple[str, ...]]:
 def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
     """A key's value as the stage sees it (one derived value: the number of tapped layers)."""
     value = config[section].get(key)
-    if (stage, section, key) == ("extract_plan", "drafter", "num_target_features") and value is None \
-            and config[section].get("target_layer_ids") is None:
+    if ((stage, section, key) == ("extract_plan", "drafter", "num_target_features") and value is None
+            and config[section].get("target_layer_ids") is None):
         value = num_tapped_layers(None, None, config[section].get("num_layers"))
     return value
 

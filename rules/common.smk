@@ -11,7 +11,6 @@ ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"
 
 
-
 def all_cores(share=1, most=None):
     """Threads of a job that uses the cores Snakemake gives it: --cores / `share` jobs, at most `most`.
 
@@ -31,9 +30,11 @@ def all_cores(share=1, most=None):
 onstart:
     # (the executor is known once the DAG is built, not at parse time)
     if workflow.non_local_exec and workflow.resource_settings.cores is not None:
-        logger.warning(f"--cores {workflow.resource_settings.cores} with a cluster executor caps the threads of "
-                       "every job at that number, the cores of this login node; profiles/slurm sizes each job "
-                       "itself (set-threads): run it without --cores")
+        logger.warning(
+            f"--cores {workflow.resource_settings.cores} with a cluster executor caps the threads of "
+            "every job at that number, the cores of this login node; profiles/slurm sizes each job "
+            "itself (set-threads): run it without --cores"
+        )
 
 
 def target_dir(wildcards=None):
@@ -89,8 +90,6 @@ def regenerated_shards(wildcards=None):
     return [f"results/regenerated/shard-{i}.parquet" for i in REGENERATE_SHARDS]
 
 
-
-
 def known_dataset(wildcards):
     """No file inputs; raises at DAG-build time for an unknown dataset, listing the known ones."""
     from draftsmith.assets import dataset_spec
@@ -114,13 +113,16 @@ def _known_shard(key, shards, output):
 
     def check(wildcards):
         if int(wildcards.shard) not in shards:
-            raise ValueError(f"{output.format(shard=wildcards.shard)}: {key} is {len(shards)}, so the shards are "
-                             f"{shards[0]}..{shards[-1]}")
+            raise ValueError(
+                f"{output.format(shard=wildcards.shard)}: {key} is {len(shards)}, so the shards are "
+                f"{shards[0]}..{shards[-1]}"
+            )
         return []
 
     return check
 
 
 known_shard = _known_shard("extract.shards", SHARDS, "results/features/shard-{shard}/manifest.json")
-known_regenerate_shard = _known_shard("regenerate.shards", REGENERATE_SHARDS,
-                                      "results/regenerated/shard-{shard}.parquet")
+known_regenerate_shard = _known_shard(
+    "regenerate.shards", REGENERATE_SHARDS, "results/regenerated/shard-{shard}.parquet"
+)

@@ -18,10 +18,10 @@ rule curate:
         "logs/curate/curate.log",
     benchmark:
         "benchmarks/curate/curate.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
     params:
         settings=rule_params(config, "curate"),
         sources=canonical([dict(s, local_path=source_path(s)) for s in config["data"]["sources"]]),
-    conda:
-        "../envs/draftsmith.yaml"
     script:
         "../scripts/curate.py"

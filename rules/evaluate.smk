@@ -19,23 +19,28 @@ rule evaluate:
     output:
         json="results/eval/report.json",
         md=report("results/eval/report.md", category="Evaluation", labels={"figure": "report (tables)"}),
-        tau=report("results/eval/tau.png", category="Evaluation",
-                   labels={"figure": "acceptance length per set (DFlash vs prompt lookup)"}),
-        positions=report("results/eval/per_position.png", category="Evaluation",
-                         labels={"figure": "per-position acceptance"}),
-        histogram=report("results/eval/acceptance_hist.png", category="Evaluation",
-                         labels={"figure": "acceptance-length histogram"}),
+        tau=report(
+            "results/eval/tau.png",
+            category="Evaluation",
+            labels={"figure": "acceptance length per set (DFlash vs prompt lookup)"},
+        ),
+        positions=report(
+            "results/eval/per_position.png", category="Evaluation", labels={"figure": "per-position acceptance"}
+        ),
+        histogram=report(
+            "results/eval/acceptance_hist.png", category="Evaluation", labels={"figure": "acceptance-length histogram"}
+        ),
     log:
         "logs/evaluate/evaluate.log",
     benchmark:
         "benchmarks/evaluate/evaluate.tsv"
-    params:
-        settings=rule_params(config, "evaluate"),
-        sources=canonical(config["data"]["sources"]),
+    conda:
+        "../envs/draftsmith.yaml"
     threads: all_cores()
     resources:
         gpu=config["evaluate"]["gpus"],
-    conda:
-        "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "evaluate"),
+        sources=canonical(config["data"]["sources"]),
     script:
         "../scripts/evaluate.py"

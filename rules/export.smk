@@ -13,9 +13,9 @@ rule export:
         "logs/export/export.log",
     benchmark:
         "benchmarks/export/export.tsv"
-    params:
-        settings=rule_params(config, "export"),
     conda:
         "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "export"),
     script:
         "../scripts/export.py"

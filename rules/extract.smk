@@ -13,10 +13,10 @@ rule extract_plan:
         "logs/extract_plan/extract_plan.log",
     benchmark:
         "benchmarks/extract_plan/extract_plan.tsv"
-    params:
-        settings=rule_params(config, "extract_plan"),
     conda:
         "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "extract_plan"),
     script:
         "../scripts/extract_plan.py"
 
@@ -33,14 +33,14 @@ rule extract_shard:
         "logs/extract_shard/shard-{shard}.log",
     benchmark:
         "benchmarks/extract_shard/shard-{shard}.tsv"
-    params:
-        settings=rule_params(config, "extract_shard"),
     wildcard_constraints:
         shard=r"\d+",
+    conda:
+        "../envs/draftsmith.yaml"
     threads: all_cores(share=len(SHARDS))
     resources:
         gpu=1,
-    conda:
-        "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "extract_shard"),
     script:
         "../scripts/extract_shard.py"

@@ -15,8 +15,8 @@ rule merge:
         "logs/merge/merge.log",
     benchmark:
         "benchmarks/merge/merge.tsv"
-    threads: all_cores(most=8)
     conda:
         "../envs/draftsmith.yaml"
+    threads: all_cores(most=8)
     script:
         "../scripts/merge.py"

@@ -18,15 +18,15 @@ rule regenerate_shard:
         "logs/regenerate_shard/shard-{shard}.log",
     benchmark:
         "benchmarks/regenerate_shard/shard-{shard}.tsv"
-    params:
-        settings=rule_params(config, "regenerate_shard"),
     wildcard_constraints:
         shard=r"\d+",
+    conda:
+        "../envs/draftsmith.yaml"
     threads: all_cores(share=len(REGENERATE_SHARDS))
     resources:
         gpu=config["regenerate"]["gpus"],
-    conda:
-        "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "regenerate_shard"),
     script:
         "../scripts/regenerate_shard.py"
 
@@ -40,9 +40,9 @@ rule regenerate:
         "logs/regenerate/regenerate.log",
     benchmark:
         "benchmarks/regenerate/regenerate.tsv"
-    params:
-        settings=rule_params(config, "regenerate"),
     conda:
         "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "regenerate"),
     script:
         "../scripts/regenerate.py"

@@ -14,10 +14,10 @@ rule tokenize:
         "logs/tokenize/tokenize.log",
     benchmark:
         "benchmarks/tokenize/tokenize.tsv"
-    params:
-        settings=rule_params(config, "tokenize"),
-    threads: config["tokenize"]["threads"]
     conda:
         "../envs/draftsmith.yaml"
+    threads: config["tokenize"]["threads"]
+    params:
+        settings=rule_params(config, "tokenize"),
     script:
         "../scripts/tokenize.py"

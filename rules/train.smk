@@ -16,12 +16,12 @@ rule train:
         "logs/train/train.log",
     benchmark:
         "benchmarks/train/train.tsv"
-    params:
-        settings=rule_params(config, "train"),
+    conda:
+        "../envs/draftsmith.yaml"
     threads: all_cores()
     resources:
         gpu=config["train"]["gpus"],
-    conda:
-        "../envs/draftsmith.yaml"
+    params:
+        settings=rule_params(config, "train"),
     script:
         "../scripts/train.py"

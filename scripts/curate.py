@@ -3,13 +3,13 @@
 from draftsmith.curate import CurateSettings, curate
 from draftsmith.io import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
-settings = CurateSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+log = setup_logging(snakemake.log[0])
+settings = CurateSettings.from_rule(snakemake.params.settings, snakemake.config)
 report = curate(
-    snakemake.params.sources,  # noqa: F821 (config entries with the resolved local_path)
-    snakemake.output.train,  # noqa: F821
-    snakemake.output.eval,  # noqa: F821
-    snakemake.output.report,  # noqa: F821
+    snakemake.params.sources,  # config entries with the resolved local_path
+    snakemake.output.train,
+    snakemake.output.eval,
+    snakemake.output.report,
     settings,
 )
 t = report["totals"]

@@ -7,24 +7,25 @@ import torch
 from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake injects it)
-lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG)  # noqa: F821
-torch.set_num_threads(snakemake.threads)  # noqa: F821
+log = setup_logging(snakemake.log[0])
+lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG)
+torch.set_num_threads(snakemake.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# the stage after the lease and after HF_HUB_OFFLINE, which huggingface_hub reads when it is imported
 from draftsmith.evaluate import EvaluateSettings, run_evaluate  # noqa: E402
 
-settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)
 
 report = run_evaluate(
-    target_dir=snakemake.input.target,  # noqa: F821
-    drafter_dir=os.path.dirname(snakemake.input.drafter),  # noqa: F821
-    curated_eval=snakemake.input.eval,  # noqa: F821
-    tokenized_eval=snakemake.input.tokenized,  # noqa: F821
-    outputs={k: snakemake.output[k] for k in ("json", "md", "tau", "positions", "histogram")},  # noqa: F821
+    target_dir=snakemake.input.target,
+    drafter_dir=os.path.dirname(snakemake.input.drafter),
+    curated_eval=snakemake.input.eval,
+    tokenized_eval=snakemake.input.tokenized,
+    outputs={k: snakemake.output[k] for k in ("json", "md", "tau", "positions", "histogram")},
     settings=settings,
-    sources=snakemake.params.sources,  # noqa: F821
-    trainer_state=snakemake.input.trainer_state,  # noqa: F821
+    sources=snakemake.params.sources,
+    trainer_state=snakemake.input.trainer_state,
 )
 
 

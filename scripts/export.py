@@ -5,11 +5,11 @@ from pathlib import Path
 from draftsmith.export import ExportSettings, export_drafter
 from draftsmith.io import setup_logging
 
-setup_logging(snakemake.log[0])  # noqa: F821 - injected by Snakemake
-settings = ExportSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+setup_logging(snakemake.log[0])
+settings = ExportSettings.from_rule(snakemake.params.settings, snakemake.config)
 export_drafter(
-    trained_dir=Path(snakemake.input.config).parent,  # noqa: F821
-    target_dir=snakemake.input.target,  # noqa: F821
-    out_dir=Path(snakemake.output.config).parent,  # noqa: F821
+    trained_dir=Path(snakemake.input.config).parent,
+    target_dir=snakemake.input.target,
+    out_dir=Path(snakemake.output.config).parent,
     settings=settings,
 )

@@ -4,28 +4,27 @@ Thin: leases one GPU from the node pool before CUDA starts, then draftsmith.extr
 (resumable: finished chunks recorded in progress.json beside the manifest are kept).
 """
 
+from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
-
-from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory  # noqa: E402
-
-lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",  # noqa: F821
+log = setup_logging(snakemake.log[0])
+lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",
            record=LEASE_LOG)  # sets CUDA_VISIBLE_DEVICES
 
+# torch and the stage after the lease, so that CUDA starts on the leased GPU only
 import torch  # noqa: E402
 
-torch.set_num_threads(int(snakemake.threads))  # noqa: F821
+torch.set_num_threads(int(snakemake.threads))
 
 from draftsmith.extract.shard import ExtractShardSettings, extract_shard  # noqa: E402
 
-settings = ExtractShardSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+settings = ExtractShardSettings.from_rule(snakemake.params.settings, snakemake.config)
 extract_shard(
-    plan_path=snakemake.input.plan,  # noqa: F821
-    tokenized_path=snakemake.input.train,  # noqa: F821
-    target_dir=snakemake.input.target,  # noqa: F821
-    manifest_path=snakemake.output[0],  # noqa: F821
-    shard=int(snakemake.wildcards.shard),  # noqa: F821
+    plan_path=snakemake.input.plan,
+    tokenized_path=snakemake.input.train,
+    target_dir=snakemake.input.target,
+    manifest_path=snakemake.output[0],
+    shard=int(snakemake.wildcards.shard),
     settings=settings,
     device="cuda" if torch.cuda.is_available() else "cpu",
 )

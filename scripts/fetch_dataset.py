@@ -3,7 +3,7 @@
 from draftsmith import assets
 from draftsmith.io import setup_logging
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-settings = assets.FetchDatasetSettings.from_rule({}, snakemake.config)  # noqa: F821 (the rule has no params)
-folder = assets.fetch_dataset(snakemake.wildcards.dataset, settings.assets, dest=snakemake.output[0])  # noqa: F821
+log = setup_logging(snakemake.log[0])
+settings = assets.FetchDatasetSettings.from_rule({}, snakemake.config)  # the rule has no params
+folder = assets.fetch_dataset(snakemake.wildcards.dataset, settings.assets, dest=snakemake.output[0])
 log.info("dataset ready in %s", folder)

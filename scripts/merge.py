@@ -3,17 +3,17 @@
 from draftsmith.io import setup_logging
 from draftsmith.merge import MergeError, MergeSettings, merge_features
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
+log = setup_logging(snakemake.log[0])
 # the rule has no params: merge reads runtime keys only (draftsmith.stages.STAGE_KEYS)
-settings = MergeSettings.from_rule({}, snakemake.config)  # noqa: F821
+settings = MergeSettings.from_rule({}, snakemake.config)
 try:
     merge_features(
-        plan_path=snakemake.input.plan,  # noqa: F821
-        manifest_paths=list(snakemake.input.manifests),  # noqa: F821
-        tokenized_path=snakemake.input.train,  # noqa: F821
-        index_path=snakemake.output[0],  # noqa: F821
+        plan_path=snakemake.input.plan,
+        manifest_paths=list(snakemake.input.manifests),
+        tokenized_path=snakemake.input.train,
+        index_path=snakemake.output[0],
         settings=settings,
-        threads=snakemake.threads,  # noqa: F821
+        threads=snakemake.threads,
         logger=log,
     )
 except MergeError as exc:

@@ -5,15 +5,16 @@ summed)."""
 from draftsmith.io import setup_logging
 from draftsmith.regenerate.settings import RegenerateSettings
 
-log = setup_logging(snakemake.log[0])  # noqa: F821
-settings = RegenerateSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+log = setup_logging(snakemake.log[0])
+settings = RegenerateSettings.from_rule(snakemake.params.settings, snakemake.config)
 
+# the stage (pyarrow, torch) once the job's log is set up: an import failure lands in the log
 from draftsmith.regenerate.report import summary  # noqa: E402
 from draftsmith.regenerate.shards import assemble_shards  # noqa: E402
 
-shards = list(snakemake.input.shards)  # noqa: F821
+shards = list(snakemake.input.shards)
 if len(shards) != settings.regenerate.shards:
-    raise ValueError(f"{snakemake.output[0]}: {len(shards)} shard inputs for regenerate.shards = "  # noqa: F821
+    raise ValueError(f"{snakemake.output[0]}: {len(shards)} shard inputs for regenerate.shards = "
                      f"{settings.regenerate.shards}")
-report = assemble_shards(shards, snakemake.output[0])  # noqa: F821
-log.info("assembled %s: %s", snakemake.output[0], summary(report))  # noqa: F821
+report = assemble_shards(shards, snakemake.output[0])
+log.info("assembled %s: %s", snakemake.output[0], summary(report))

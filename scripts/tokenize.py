@@ -6,19 +6,19 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallel across worker processes instead
 
-from draftsmith.io import setup_logging  # noqa: E402
-from draftsmith.tokenize import TokenizeSettings, run  # noqa: E402
+from draftsmith.io import setup_logging
+from draftsmith.tokenize import TokenizeSettings, run
 
-setup_logging(snakemake.log[0])  # noqa: F821
-settings = TokenizeSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
+setup_logging(snakemake.log[0])
+settings = TokenizeSettings.from_rule(snakemake.params.settings, snakemake.config)
 # the workers are the job's threads: tokenize.threads, unless the profile sets them or --cores caps them
-settings = dataclasses.replace(settings, tokenize=settings.tokenize.replace(threads=snakemake.threads))  # noqa: F821
+settings = dataclasses.replace(settings, tokenize=settings.tokenize.replace(threads=snakemake.threads))
 run(
-    train_in=snakemake.input.train,  # noqa: F821
-    eval_in=snakemake.input.eval,  # noqa: F821
-    target_dir=snakemake.input.target,  # noqa: F821
-    train_out=snakemake.output.train,  # noqa: F821
-    eval_out=snakemake.output.eval,  # noqa: F821
-    report_out=snakemake.output.report,  # noqa: F821
+    train_in=snakemake.input.train,
+    eval_in=snakemake.input.eval,
+    target_dir=snakemake.input.target,
+    train_out=snakemake.output.train,
+    eval_out=snakemake.output.eval,
+    report_out=snakemake.output.report,
     settings=settings,
 )

@@ -16,14 +16,14 @@ from draftsmith.gpu import LEASE_LOG, lease_gpus
 from draftsmith.io import setup_logging
 from draftsmith.train import TrainSettings
 
-log = setup_logging(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
-settings = TrainSettings.from_rule(snakemake.params.settings, snakemake.config)  # noqa: F821
-gpus = int(snakemake.resources.gpu)  # noqa: F821
+log = setup_logging(snakemake.log[0])
+settings = TrainSettings.from_rule(snakemake.params.settings, snakemake.config)
+gpus = int(snakemake.resources.gpu)
 lease_gpus(gpus, logger=log, job="train", record=LEASE_LOG)  # exports CUDA_VISIBLE_DEVICES; held while training runs
-out_dir = Path(snakemake.output.state).parent.parent  # noqa: F821  (results/drafter)
+out_dir = Path(snakemake.output.state).parent.parent  # results/drafter
 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(max(1, gpus)),
-       "-m", "draftsmith.train", "--index", snakemake.input.index, "--target", snakemake.input.target,  # noqa: F821
-       "--out", str(out_dir), "--threads", str(snakemake.threads),  # noqa: F821
+       "-m", "draftsmith.train", "--index", snakemake.input.index, "--target", snakemake.input.target,
+       "--out", str(out_dir), "--threads", str(snakemake.threads),
        "--args", json.dumps(settings.to_dict())]
 log.info("torchrun: %d process(es)", max(1, gpus))
 # the training processes' lines go through the log file's own handler, so they and this script's lines share one

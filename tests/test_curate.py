@@ -561,8 +561,8 @@ def test_tooltalk_adapter_tool_calls_results_and_schemas(tmp_path):
     assert s["read"] == 3 and s["kept"] == 1
     assert s["dropped"] == {"malformed_json": 1, "bad_record": 1}  # odd shapes never crash the run
     assert s["examples"]["bad_record"][0]["origin"].endswith("Odd-easy.json")
-    assert "Broken-easy.json:" in s["examples"]["malformed_json"][0]["origin"] + \
-        s["examples"]["malformed_json"][0]["detail"]
+    assert "Broken-easy.json:" in (s["examples"]["malformed_json"][0]["origin"]
+                                   + s["examples"]["malformed_json"][0]["detail"])
     msgs = train[0]["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
     assert "location: Paris" in msgs[0]["content"] and "username (if logged in): ann" in msgs[0]["content"]

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from draftsmith.drafter_config import build_drafter_config
 from draftsmith.evaluate import (
     DFlashProposer,
     EvaluateSettings,
@@ -40,7 +41,6 @@ from draftsmith.evaluate import (
 )
 from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel
-from draftsmith.drafter_config import build_drafter_config
 from draftsmith.target import capture_layers, fla_available
 from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
 
@@ -522,8 +522,8 @@ def test_sampling_probs_match_official(official):
 def test_trained_drafter_is_lossless_and_accepts_more(kind):
     """A drafter trained (draftsmith.modeling training loss, 60 AdamW steps) on the target's own greedy
     continuations: lossless, and its τ on those prompts beats the untrained drafter's."""
-    from draftsmith.modeling import PackedBatch, sample_anchors
     from draftsmith.drafter_config import default_loss_gamma
+    from draftsmith.modeling import PackedBatch, sample_anchors
 
     tgt = target(kind)
     drafter = make_drafter(tgt, seed=7)
@@ -942,8 +942,8 @@ def test_evaluate_stage_on_a_gpu_equals_the_cpu_and_resumes(stage_inputs, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         run_evaluate(**kwargs)
     monkeypatch.undo()
-    assert list(json.loads((tmp_path / "gpu" / "partial" / "heldout" / "main.json").read_text())["conversations"]) \
-        == ["c1"]
+    partial = json.loads((tmp_path / "gpu" / "partial" / "heldout" / "main.json").read_text())
+    assert list(partial["conversations"]) == ["c1"]
     gpu = run_evaluate(**kwargs)
     assert gpu["run"]["decoding"] == "static KV cache, CUDA graphs" and cpu["run"]["decoding"] == "dynamic KV cache"
     for name in ("heldout", "mtbench"):

@@ -1,6 +1,8 @@
-"""Lint: ruff (pycodestyle + pyflakes, pyproject.toml's [tool.ruff]) is clean over the repository.
+"""Lint: ruff (pycodestyle, pyflakes, import sorting, no unused ``noqa``: pyproject.toml's [tool.ruff]) is clean over
+the repository.
 
-The code's ``noqa`` comments are written against these rules; this test is what makes them mean something in CI.
+The code's ``noqa`` comments are written against these rules (RUF100 flags one that suppresses nothing); this test is
+what makes them mean something in CI. The workflow files: snakefmt's format and ``snakemake --lint``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ def test_ruff_is_clean():
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
     proc = subprocess.run([str(ruff), "check", "--output-format", "concise", "."], cwd=REPO, capture_output=True,
                           text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_snakefmt_is_clean():
+    """snakefmt (pyproject.toml's [tool.snakefmt]): the Snakefile and rules/*.smk are formatted as it would, rule
+    directives in its order."""
+    snakefmt = shutil.which("snakefmt") or (Path(sys.executable).parent / "snakefmt")
+    if not Path(snakefmt).exists():
+        pytest.skip("snakefmt is not installed (pip install -e '.[test]' installs it on Python >= 3.11)")
+    proc = subprocess.run([str(snakefmt), "--check", "--compact-diff", "Snakefile", "rules"], cwd=REPO,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 

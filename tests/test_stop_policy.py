@@ -152,8 +152,8 @@ def test_evaluate_decodes_to_the_same_end_of_turn(model, tok, target_dir, free_a
     spec = speculative_generate(model, PromptLookupProposer(3, 3), prompt, max_new_tokens=16, stop_token_ids=stops)
     assert spec.tokens == ref.tokens and spec.stopped
     # the stage: the held-out prompt is answered with the regenerated answer's tokens plus <|eot_id|>
-    from draftsmith.modeling import DFlashDraftModel
     from draftsmith.drafter_config import build_drafter_config
+    from draftsmith.modeling import DFlashDraftModel
     from draftsmith.tokenize import tokenized_metadata, tokenizer_fingerprint
 
     cfg = build_drafter_config(model.config, num_layers=1, block_size=4, target_layer_ids=[1, 2],

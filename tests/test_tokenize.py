@@ -265,8 +265,8 @@ def test_golden_qwen3_thinking_reasoning_in_history(qwen3_dir):
     res = one(worker_off, conv("p", plain))
     assert res.mode == "per_turn" and [r.id for r in res.rows] == ["p#1", "p#3"]
     off = "<think>\n\n</think>\n\n"
-    p3 = "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n" \
-         "<|im_start|>assistant\n" + off
+    p3 = ("<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+          "<|im_start|>assistant\n" + off)
     row = res.rows[1]
     assert row.input_ids.tolist() == enc(tok, p3) + enc(tok, "A2<|im_end|>\n")
     assert row.loss_mask.tolist() == [0] * len(enc(tok, p3)) + [1] * len(enc(tok, "A2<|im_end|>")) + [0]
@@ -463,8 +463,8 @@ def test_stage_counts_every_drop_and_reconciles(stage_dirs, caplog):
     assert (ev["in"], ev["single_row"], ev["prompt_only"], ev["dropped"], ev["dropped_by_reason"]) == (2, 1, 1, 0, {})
     assert report["splits"]["eval"]["per_source"]["test"]["prompt_only"] == 1
     assert pq.read_table(stage_dirs / "out" / "eval.parquet").column("id").to_pylist() == ["e1"]
-    assert "eval: 1 prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no row: " \
-           "evaluate asks them as prompts" in caplog.text
+    assert ("eval: 1 prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no row: "
+            "evaluate asks them as prompts") in caplog.text
     assert not [r for r in caplog.records if "eval.parquet" in r.getMessage() and "dropped" in r.getMessage()]
 
     meta = read_tokenized_metadata(stage_dirs / "out" / "train.parquet")

@@ -12,8 +12,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
-    Qwen3Config,
     Qwen3_5TextConfig,
+    Qwen3Config,
     Qwen3NextConfig,
 )
 

@@ -37,20 +37,77 @@ Row order in the outputs: grouped by source (config order), then the source's ow
 shuffles.
 """
 
-from .adapters import (ADAPTERS, BFCL_TYPES, CHAMP_SYSTEM, CHAMP_USER, COLUMN_FIELDS, HUMANEVAL_USER,
-                       MMATH_PROMPTS, TOOLTALK_SYSTEM, Adapter, bfcl_arguments, bfcl_ground_truth_value,
-                       bfcl_schema, convert_alpaca, convert_auto, convert_bfcl, convert_champ,
-                       convert_humaneval, convert_mmath, convert_mtbench, convert_openai,
-                       convert_prompt_response, convert_sharegpt, convert_tau2, convert_tooltalk,
-                       iter_bfcl)
-from .normalize import (ROLE_ALIASES, Conversation, canonical_json, conversation_id,
-                        normalize_conversation, normalize_tool_calls, normalize_tools)
-from .pipeline import (ROW_GROUP_ROWS, SPLITS, CurateDataOptions, CurateSettings, Source, check_sources, curate,
-                       eval_mask, id_to_u64, plan_copies, sampling_keys, splitmix64)
-from .readers import (is_hf_dataset_dir, iter_hf_disk, iter_json_array, iter_json_array_items,
-                      iter_json_document, iter_jsonl, iter_parquet, iter_records)
-from .schema import (DROP_REASONS, EXAMPLES_PER_REASON, MESSAGE_TYPE, OUTPUT_SCHEMA, REPORT_FORMAT,
-                     TOOL_CALL_TYPE, CurateError, DropRow, Malformed)
+from .adapters import (
+    ADAPTERS,
+    BFCL_TYPES,
+    CHAMP_SYSTEM,
+    CHAMP_USER,
+    COLUMN_FIELDS,
+    HUMANEVAL_USER,
+    MMATH_PROMPTS,
+    TOOLTALK_SYSTEM,
+    Adapter,
+    bfcl_arguments,
+    bfcl_ground_truth_value,
+    bfcl_schema,
+    convert_alpaca,
+    convert_auto,
+    convert_bfcl,
+    convert_champ,
+    convert_humaneval,
+    convert_mmath,
+    convert_mtbench,
+    convert_openai,
+    convert_prompt_response,
+    convert_sharegpt,
+    convert_tau2,
+    convert_tooltalk,
+    iter_bfcl,
+)
+from .normalize import (
+    ROLE_ALIASES,
+    Conversation,
+    canonical_json,
+    conversation_id,
+    normalize_conversation,
+    normalize_tool_calls,
+    normalize_tools,
+)
+from .pipeline import (
+    ROW_GROUP_ROWS,
+    SPLITS,
+    CurateDataOptions,
+    CurateSettings,
+    Source,
+    check_sources,
+    curate,
+    eval_mask,
+    id_to_u64,
+    plan_copies,
+    sampling_keys,
+    splitmix64,
+)
+from .readers import (
+    is_hf_dataset_dir,
+    iter_hf_disk,
+    iter_json_array,
+    iter_json_array_items,
+    iter_json_document,
+    iter_jsonl,
+    iter_parquet,
+    iter_records,
+)
+from .schema import (
+    DROP_REASONS,
+    EXAMPLES_PER_REASON,
+    MESSAGE_TYPE,
+    OUTPUT_SCHEMA,
+    REPORT_FORMAT,
+    TOOL_CALL_TYPE,
+    CurateError,
+    DropRow,
+    Malformed,
+)
 
 __all__ = [
     "ADAPTERS", "BFCL_TYPES", "CHAMP_SYSTEM", "CHAMP_USER", "COLUMN_FIELDS", "DROP_REASONS",

@@ -160,8 +160,8 @@ def normalize_tools(tools: Any) -> str | None:
         if not isinstance(tool, dict):
             raise DropRow("invalid_tools", f"tool {k} is not an object")
         fn = tool.get("function") if "function" in tool else tool
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
+        if (tool.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]):
             raise DropRow("invalid_tools", f"tool {k} is not a function schema with a name")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise DropRow("invalid_tools", f"tool {k} ({fn['name']}): parameters is not an object")

@@ -28,8 +28,7 @@ from draftsmith.settings import SectionSettings, StageSettings
 from .adapters import ADAPTERS, COLUMN_FIELDS
 from .normalize import normalize_conversation
 from .readers import _find
-from .schema import (DROP_REASONS, EXAMPLES_PER_REASON, OUTPUT_SCHEMA, REPORT_FORMAT, CurateError,
-                     DropRow, Malformed)
+from .schema import DROP_REASONS, EXAMPLES_PER_REASON, OUTPUT_SCHEMA, REPORT_FORMAT, CurateError, DropRow, Malformed
 
 log = logging.getLogger("draftsmith.curate")
 

@@ -291,8 +291,8 @@ def _walk(root: Path) -> Iterator[Path]:
     """Files under ``root`` in sorted order, skipping hidden files and folders, ``*.dist-info``,
     ``__pycache__`` and the assets' provenance file (:data:`ASSET_SOURCE_FILE`)."""
     for p in sorted(root.iterdir()):
-        if p.name.startswith(".") or p.name.endswith(".dist-info") or p.name == "__pycache__" \
-                or p.name == ASSET_SOURCE_FILE:
+        if (p.name.startswith(".") or p.name.endswith(".dist-info") or p.name == "__pycache__"
+                or p.name == ASSET_SOURCE_FILE):
             continue
         if p.is_dir():
             yield from _walk(p)

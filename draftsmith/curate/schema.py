@@ -9,7 +9,6 @@ import dataclasses
 
 import pyarrow as pa
 
-
 REPORT_FORMAT = "draftsmith.curate_report/1"
 EXAMPLES_PER_REASON = 5
 

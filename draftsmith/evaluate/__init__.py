@@ -23,8 +23,8 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation
 from draftsmith.evaluate.drafter import check_pair, load_drafter
+from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation
 from draftsmith.evaluate.report import lossless_check, render_markdown, summarize
 from draftsmith.evaluate.run import run_evaluate
 from draftsmith.evaluate.sampling import SamplingConfig, greedy_accept, rejection_sample, sampling_probs

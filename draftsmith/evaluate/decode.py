@@ -31,7 +31,6 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.evaluate.cache import TargetCache
-from draftsmith.hybrid_cache import cache_kwargs
 from draftsmith.evaluate.sampling import (
     SamplingConfig,
     greedy_accept,
@@ -39,6 +38,7 @@ from draftsmith.evaluate.sampling import (
     sampling_probs,
     select_tokens,
 )
+from draftsmith.hybrid_cache import cache_kwargs
 from draftsmith.target import capture_layers, without_cudnn_attention
 
 

@@ -1,8 +1,8 @@
 """Batch-1 target forwards on a static KV cache, replayed as CUDA graphs: the evaluate stage's fast path.
 
 Speculative decoding at batch size 1 is latency-bound: a small target's forward is a few hundred short kernels,
-and launching them one by one from Python (plus a growing ``DynamicCache``) cost ~25 ms per forward on an H200
-for a 135M-parameter target. Here the target's K/V live in a transformers ``StaticCache`` sized for the longest
+and launching them one by one from Python (plus a growing ``DynamicCache``) makes each forward launch-bound
+(docs/measurements.md). Here the target's K/V live in a transformers ``StaticCache`` sized for the longest
 prompt + answer of the run; every forward of one fixed width (1 token for target-only decoding, the verify width
 B for speculative decoding: shorter blocks are padded at the end) is captured once as a CUDA graph and replayed.
 The cache "length" is the ``cumulative_length`` counter of each ``StaticLayer``: a forward writes its K/V at that
@@ -20,10 +20,9 @@ than all of its ``width`` tokens are committed (rejected drafts, or the padding 
 captured graph per kept count). The cost over the attention-only path is the state copy per forward (~150 MB at a
 27B target's 48 Gated DeltaNet layers) and the mixers' re-run of the kept tokens. Sliding-window layers keep ring
 buffers that a counter cannot roll back: those targets, and the CPU by default, use the dynamic path. Greedy
-outputs equal the dynamic path's (tested on the CPU without graphs in float32, and on an H200 with graphs and
-flash-linear-attention's kernels: ``tests/test_evaluate.py -k gpu_kernels``; a 16-layer 27B-shape hybrid in
-float32 decoded lossless at every forced τ, 2.4x faster target-only than on the dynamic cache:
-docs/rehearsal-x2/README.md).
+outputs equal the dynamic path's (tested on the CPU without graphs in float32, and on a GPU with graphs and
+flash-linear-attention's kernels: ``tests/test_evaluate.py -k gpu_kernels``; a 27B-shape hybrid in float32
+decoded lossless at every forced τ, faster target-only than on the dynamic cache: docs/measurements.md).
 
 A forward that cannot be captured runs eagerly (logged once per width; ``graph_failures``), still on the static
 cache. Mixture-of-experts targets (Qwen3-Next) capture with transformers' ``grouped_mm`` experts in bf16 and with
@@ -318,12 +317,12 @@ class StaticDrafter:
     A drafting step (:meth:`draftsmith.evaluate.decode.DFlashProposer.propose`) feeds the target features of the
     positions committed since the last step (``n <= B`` of them; the prompt's in chunks of ``B``) and a block
     ``[anchor, mask x (w - 1)]`` at ``start..start+w-1``. Eagerly that is a few hundred short kernels plus a
-    growing ``DynamicCache`` (~6 ms a step for a 4-layer drafter on an H200, more than the target's verify
-    forward). Here every layer's K/V live in buffers of ``max_length + 2B`` positions: the new context rows are
-    written at ``c0..c0+B-1`` (rows past the real ``n`` are padding), then the block's at ``start..start+w-1``
-    (over the padding), and the block's queries see keys ``< start + w`` only. Stale entries past that are never
-    visible: the next step's context rows overwrite them before they could be. Same keys, values and positions
-    as the dynamic path, so the same drafts (tested in float32 on the CPU without graphs).
+    growing ``DynamicCache``, launch-bound: on a GPU it took longer than the target's verify forward
+    (docs/measurements.md). Here every layer's K/V live in buffers of ``max_length + 2B`` positions: the new
+    context rows are written at ``c0..c0+B-1`` (rows past the real ``n`` are padding), then the block's at
+    ``start..start+w-1`` (over the padding), and the block's queries see keys ``< start + w`` only. Stale entries
+    past that are never visible: the next step's context rows overwrite them before they could be. Same keys,
+    values and positions as the dynamic path, so the same drafts (tested in float32 on the CPU without graphs).
 
     Only draftsmith's :class:`~draftsmith.modeling.DFlashDraftModel` with full (non-causal, non-sliding) layers
     qualifies (:meth:`supported`); other drafters (the official package's model) draft on the dynamic path.

@@ -155,7 +155,7 @@ class Prefetcher:
                 if self.stop.is_set():
                     return
                 self._put(self.pool.submit(self._make, item))  # the bounded queue bounds the work in flight
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        except BaseException as exc:  # handed to the consumer
             self._put(exc)
             return
         self._put(self._END)

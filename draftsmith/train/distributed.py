@@ -106,8 +106,8 @@ def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.
     step_model: torch.nn.Module = _TrainStep(model)
     ddp = dist.is_initialized()
     if ddp:
-        # gradients as views into DDP's all-reduce buckets: no second copy of them (at a 27B target's drafter
-        # on 2 H200s DDP peaked at 79.5 GiB per rank against 62.2 GiB in one process, with and without it)
+        # gradients as views into DDP's all-reduce buckets: no second copy of them (DDP's remaining extra memory
+        # per rank was dynamo's graph cuts: whole_layer_graphs_under_ddp, docs/measurements.md)
         step_model = torch.nn.parallel.DistributedDataParallel(
             step_model, device_ids=[device.index] if on_gpu else None, gradient_as_bucket_view=True)
     model.activation_checkpointing = bool(settings.activation_checkpointing)

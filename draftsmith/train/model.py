@@ -41,7 +41,7 @@ def build_model_config(index: FeatureIndex, target_dir: Path, drafter: DrafterOp
                     index.layer_ids, default_target_layer_ids(index.num_target_layers, n_feat))
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    except Exception as exc:  # noqa: BLE001 - a target folder without a tokenizer
+    except Exception as exc:  # a target folder without a tokenizer
         log.warning("no tokenizer in %s (%s); mask token falls back to config", target_dir, exc)
         tokenizer = None
     mask_id, why = resolve_mask_token_id(drafter.mask_token_id, tokenizer, vocab_size)

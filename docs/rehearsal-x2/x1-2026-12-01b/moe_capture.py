@@ -14,7 +14,7 @@ import torch
 from draftsmith.evaluate.static import StaticTarget
 
 sys.path.insert(0, "tests")
-from tiny import tiny_target  # noqa: E402
+from tiny import tiny_target
 
 logging.basicConfig(level=logging.WARNING)
 logging.getLogger("draftsmith.evaluate").setLevel(logging.DEBUG)
