@@ -52,7 +52,8 @@ from draftsmith.train.metrics import (
     peak_memory_gib,
 )
 from draftsmith.train.model import build_model_config, make_optimizer
-from draftsmith.train.plan import BatchPlan, TrainData, lr_factor, pack_rows, plan_data, seed_of, split_samples
+from draftsmith.batch_plan import BatchPlan, pack_rows, seed_of, split_samples
+from draftsmith.train.plan import TrainData, lr_factor, plan_data
 from draftsmith.train.settings import CADENCE_KEYS, DrafterOptions, TrainOptions, TrainSettings
 from draftsmith.train.trainer import train
 

@@ -34,7 +34,8 @@ from draftsmith.train.metrics import (
     peak_memory_gib,
 )
 from draftsmith.train.model import build_model_config, make_optimizer
-from draftsmith.train.plan import lr_factor, pack_rows, plan_data, seed_of
+from draftsmith.batch_plan import pack_rows, seed_of
+from draftsmith.train.plan import lr_factor, plan_data
 from draftsmith.train.settings import TrainSettings
 
 log = logging.getLogger("draftsmith.train")
