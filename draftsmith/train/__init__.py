@@ -23,6 +23,7 @@ assembled under a temporary name and renamed into place, then ``latest.json`` is
 verifies the hashes, so a half-written checkpoint is never accepted.
 """
 
+from draftsmith.batch_plan import BatchPlan, pack_rows, seed_of, split_samples
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, cap_anchors, make_batch, pack_documents
 from draftsmith.train.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -52,7 +53,6 @@ from draftsmith.train.metrics import (
     peak_memory_gib,
 )
 from draftsmith.train.model import build_model_config, make_optimizer
-from draftsmith.batch_plan import BatchPlan, pack_rows, seed_of, split_samples
 from draftsmith.train.plan import TrainData, lr_factor, plan_data
 from draftsmith.train.settings import CADENCE_KEYS, DrafterOptions, TrainOptions, TrainSettings
 from draftsmith.train.trainer import train

@@ -10,7 +10,6 @@ import math
 import os
 from dataclasses import dataclass
 
-
 from draftsmith.batch_plan import BatchPlan, split_samples
 from draftsmith.features import FeatureIndex
 from draftsmith.train.settings import TrainOptions

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.batch_plan import pack_rows, seed_of
 from draftsmith.drafter_config import default_loss_gamma, drafter_config_dict
 from draftsmith.flops import step_flops
 from draftsmith.io import progress, write_json
@@ -34,7 +35,6 @@ from draftsmith.train.metrics import (
     peak_memory_gib,
 )
 from draftsmith.train.model import build_model_config, make_optimizer
-from draftsmith.batch_plan import pack_rows, seed_of
 from draftsmith.train.plan import lr_factor, plan_data
 from draftsmith.train.settings import TrainSettings
 
