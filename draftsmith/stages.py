@@ -14,7 +14,8 @@ every schema key in turn on a finished run and checks that ``snakemake -n`` plan
 it as an output key, and the stages downstream of them.
 
 Keys whose change alters the DAG itself (``target.model``, ``assets.dir``, ``data.sources``,
-``regenerate.enabled``, ``regenerate.shards``, ``extract.shards``) act through input and output paths as well.
+``regenerate.enabled``, ``regenerate.shards``, ``extract.shards``, ``stream.slices``, ``train.epochs`` and
+``stream.reuse`` in stream mode) act through input and output paths as well.
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_plan": {
-        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens")},
-        # the tapped layers: target_layer_ids, else num_target_features (else num_layers) evenly spread
-        "drafter": {"output": ("target_layer_ids", "num_target_features")},
+        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens"), "runtime": ("disk_headroom",)},
+        # the tapped layers: target_layer_ids, else num_target_features (else num_layers) evenly spread; the
+        # drafter's size only sizes the disk reserve for checkpoints (runtime)
+        "drafter": {"output": ("target_layer_ids", "num_target_features"),
+                    "runtime": ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "export_dtype")},
+        "train": {"runtime": ("keep_checkpoints",)},
+        "stream": {"runtime": ("reserve_gb",)},
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_shard": {
@@ -58,6 +64,44 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
     },
     "merge": {"merge": {"runtime": ("verify_sha256",)}},
+    # stream mode (stream.slices > 1, docs/stream.md): the global plan, each slice's extraction and merge, a phase
+    "stream_plan": {
+        "stream": {"output": ("slices", "reuse", "heldout_samples"), "runtime": ("slices_on_disk", "reserve_gb")},
+        # what decides the plan's rows and steps (the rest of train only decides how they are trained)
+        "train": {"output": ("gpus", "seed", "epochs", "max_steps", "tokens_per_batch", "grad_accum",
+                             "eval_fraction"),
+                  "runtime": ("keep_checkpoints",)},
+        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens"), "runtime": ("disk_headroom",)},
+        # the tapped layers (output); the drafter's size only sizes the disk reserve for checkpoints (runtime)
+        "drafter": {"output": ("target_layer_ids", "num_target_features"),
+                    "runtime": ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "export_dtype")},
+        "target": {"output": ("trust_remote_code",)},
+    },
+    "extract_heldout": {
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+                    "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
+        "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+    },
+    "extract_slice": {
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+                    "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
+        "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+    },
+    "merge_slice": {"merge": {"runtime": ("verify_sha256",)}},
+    "train_phase": {
+        "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
+                             "min_lr_ratio", "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors",
+                             "max_anchors_per_row", "loss_gamma", "labels", "eval_fraction", "attention",
+                             "compile"),
+                  "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
+                              "loader_workers", "progress_interval", "logits_chunk_mib",
+                              "activation_checkpointing")},
+        "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
+                               "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
+        "stream": {"output": ("slices", "reuse", "heldout_samples")},
+    },
     "train": {
         "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
                              "min_lr_ratio", "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors",
@@ -71,6 +115,17 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                                "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
     },
     "export": {"drafter": {"output": ("export_dtype",)}},
+    # before regeneration: an upper bound of the features against the free disk (checks only; never reruns)
+    "disk_plan": {
+        "regenerate": {"runtime": ("max_new_tokens", "max_turns", "num_answers")},
+        "tokenize": {"runtime": ("max_length", "chat_template_kwargs")},
+        "extract": {"runtime": ("storage_dtype", "store_target_tokens", "disk_headroom")},
+        "drafter": {"runtime": ("target_layer_ids", "num_target_features", "num_layers", "intermediate_size",
+                                "num_attention_heads", "num_key_value_heads", "head_dim", "export_dtype")},
+        "train": {"runtime": ("keep_checkpoints",)},
+        "stream": {"runtime": ("slices", "slices_on_disk", "reserve_gb")},
+        "target": {"runtime": ("trust_remote_code",)},
+    },
     "evaluate": {
         "evaluate": {"output": ("temperature", "top_p", "top_k", "prompt_lookup_ngram", "prompt_lookup_num_tokens",
                                 "block_size", "seed", "max_prompt_tokens", "stop_tokens", "sets"),
@@ -84,15 +139,23 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 DOWNSTREAM: dict[str, tuple[str, ...]] = {
     "fetch_dataset": ("curate",),
     "fetch_target": ("materialize_target",),
-    "materialize_target": ("regenerate_shard", "tokenize", "extract_plan", "extract_shard", "train", "export",
+    "materialize_target": ("disk_plan", "regenerate_shard", "tokenize", "extract_plan", "extract_shard",
+                           "stream_plan", "extract_heldout", "extract_slice", "train_phase", "train", "export",
                            "evaluate"),
-    "curate": ("regenerate_shard", "tokenize", "evaluate"),
+    "curate": ("disk_plan", "regenerate_shard", "tokenize", "evaluate"),
+    "disk_plan": ("regenerate_shard",),
     "regenerate_shard": ("regenerate",),
     "regenerate": ("tokenize",),
-    "tokenize": ("extract_plan", "extract_shard", "merge", "evaluate"),
+    "tokenize": ("extract_plan", "extract_shard", "merge", "stream_plan", "extract_heldout", "extract_slice",
+                 "merge_slice", "train_phase", "train", "evaluate"),
     "extract_plan": ("extract_shard", "merge"),
     "extract_shard": ("merge",),
     "merge": ("train",),
+    "stream_plan": ("extract_heldout", "extract_slice", "merge_slice", "train_phase", "train"),
+    "extract_heldout": ("train_phase", "train"),
+    "extract_slice": ("merge_slice", "train_phase"),
+    "merge_slice": ("train_phase",),
+    "train_phase": ("extract_slice", "train"),
     "train": ("export", "evaluate"),
     "export": ("evaluate",),
     "evaluate": (),
@@ -110,8 +173,8 @@ def _keys(stage: str, kind: str) -> dict[str, tuple[str, ...]]:
 def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
     """A key's value as the stage sees it (one derived value: the number of tapped layers)."""
     value = config[section].get(key)
-    if ((stage, section, key) == ("extract_plan", "drafter", "num_target_features") and value is None
-            and config[section].get("target_layer_ids") is None):
+    if (stage in ("extract_plan", "stream_plan") and (section, key) == ("drafter", "num_target_features")
+            and value is None and config[section].get("target_layer_ids") is None):
         value = num_tapped_layers(None, None, config[section].get("num_layers"))
     return value
 
