@@ -363,3 +363,19 @@ class StreamPlan:
 def _samples_of(rows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
     """The distinct sample keys of packed rows."""
     return sorted({s for row in rows for s, _ in row})
+
+
+def heldout_subset(heldout: Sequence[int], limit: int | None, seed: int) -> list[int]:
+    """At most ``limit`` of the held-out samples (all when ``limit`` is None or not smaller), a seeded choice kept in
+    the order given: the samples whose features stream mode keeps for the trainer's held-out metrics.
+
+    Args:
+        heldout: sample keys (e.g. :func:`split_samples`'s held-out list mapped to tokenized rows).
+        limit: ``stream.heldout_samples``.
+        seed: ``train.seed``.
+    """
+    if limit is None or limit >= len(heldout):
+        return list(heldout)
+    g = torch.Generator().manual_seed(seed_of(seed, "heldout-subset"))
+    chosen = set(torch.randperm(len(heldout), generator=g)[:limit].tolist())
+    return [s for i, s in enumerate(heldout) if i in chosen]

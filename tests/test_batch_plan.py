@@ -115,3 +115,13 @@ def test_refusals_name_the_key():
 
 def test_pack_rows_cuts_long_samples():
     assert pack_rows([5, 100, 3], [0, 1, 2], 10) == [[(0, 5)], [(1, 10)], [(2, 3)]]
+
+
+def test_heldout_subset_is_a_seeded_ordered_choice():
+    from draftsmith.batch_plan import heldout_subset
+
+    held = list(range(100, 150))
+    assert heldout_subset(held, None, 0) == held and heldout_subset(held, 80, 0) == held
+    sub = heldout_subset(held, 10, 3)
+    assert len(sub) == 10 and sub == sorted(sub) and set(sub) <= set(held)
+    assert heldout_subset(held, 10, 3) == sub and heldout_subset(held, 10, 4) != sub
