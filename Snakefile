@@ -1,8 +1,10 @@
 # draftsmith: train DFlash speculative-decoding drafters for Hugging Face causal LMs.
 # Thin on purpose: configuration, validation, the stage rule files, and the final target.
 # Stages (rules/<stage>.smk, scripts/<rule>.py, draftsmith/<stage>.py):
-#   assets -> curate -> [regenerate] -> tokenize -> extract_plan -> extract_shard x N -> merge -> train -> export
-#   -> evaluate
+#   assets -> curate -> [disk_plan -> regenerate] -> tokenize -> extract_plan -> extract_shard x N -> merge -> train
+#   -> export -> evaluate
+# With stream.slices > 1 (docs/stream.md): tokenize -> stream_plan -> per phase (extract_slice x N -> merge_slice ->
+#   train_phase) -> train -> export -> evaluate, extract_heldout once.
 
 import os
 import sys
@@ -29,6 +31,7 @@ include: "rules/common.smk"
 include: "rules/assets.smk"
 include: "rules/curate.smk"
 include: "rules/regenerate.smk"
+include: "rules/stream.smk"
 include: "rules/tokenize.smk"
 include: "rules/extract.smk"
 include: "rules/merge.smk"

@@ -21,6 +21,7 @@ Keys whose change alters the DAG itself (``target.model``, ``assets.dir``, ``dat
 from __future__ import annotations
 
 from types import MappingProxyType
+import math
 from typing import Any, Mapping
 
 from draftsmith.target_layers import num_tapped_layers
@@ -236,3 +237,9 @@ def affected(stages: set[str]) -> set[str]:
             out.add(stage)
             todo.extend(DOWNSTREAM[stage])
     return out
+
+
+def num_phases(epochs: float, slices: int, reuse: int) -> int:
+    """The phases of a stream-mode run (``stream.slices`` > 1): ``ceil(epochs / reuse)`` passes x ``slices``. The DAG
+    declares them from the config alone; :class:`draftsmith.batch_plan.StreamPlan` makes exactly as many."""
+    return math.ceil(epochs / reuse) * slices

@@ -5,7 +5,9 @@ import os
 
 from snakemake.logging import logger
 
-from draftsmith.stages import canonical, rule_params, stage_config
+import sys
+
+from draftsmith.stages import canonical, num_phases, rule_params, stage_config
 
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"
@@ -126,3 +128,43 @@ known_shard = _known_shard("extract.shards", SHARDS, "results/features/shard-{sh
 known_regenerate_shard = _known_shard(
     "regenerate.shards", REGENERATE_SHARDS, "results/regenerated/shard-{shard}.parquet"
 )
+
+
+# Stream mode (stream.slices > 1, docs/stream.md): phase p extracts slice p into results/stream/phase-{p}/ (temp),
+# trains on it, and the slice is deleted.
+STREAM = config["stream"]["slices"] > 1
+PHASES = (
+    list(range(num_phases(config["train"]["epochs"], config["stream"]["slices"], config["stream"]["reuse"])))
+    if STREAM
+    else []
+)
+# Snakemake builds a chain of phases recursively: the default limit stops the DAG near 165 phases
+sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000 + 100 * len(PHASES)))
+
+
+def phase_marker(phase):
+    return f"results/drafter/phases/phase-{phase}.json"
+
+
+def phase_shards(wildcards):
+    """The extraction shard folders of phase {phase}'s slice."""
+    return [f"results/stream/phase-{wildcards.phase}/shard-{i}" for i in SHARDS]
+
+
+def disk_token(wildcards):
+    """The disk token of extract_slice {phase}: phase p - stream.slices_on_disk's marker. temp() deletes a slice
+    once its phase succeeds, but Snakemake starts every ready job: this edge keeps at most slices_on_disk slices on
+    disk."""
+    p = int(wildcards.phase)
+    if p not in PHASES:
+        raise ValueError(
+            f"phase {p}: train.epochs / stream.reuse x stream.slices gives {len(PHASES)} phases, 0..{len(PHASES) - 1}"
+        )
+    before = p - config["stream"]["slices_on_disk"]
+    return [phase_marker(before)] if before >= 0 else []
+
+
+def previous_phase(wildcards):
+    """Phase {phase}'s predecessor's marker (it resumes from its last checkpoint); none for phase 0."""
+    p = int(wildcards.phase)
+    return [phase_marker(p - 1)] if p > 0 else []

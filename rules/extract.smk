@@ -44,3 +44,56 @@ rule extract_shard:
         settings=rule_params(config, "extract_shard"),
     script:
         "../scripts/extract_shard.py"
+
+
+# Stream mode (stream.slices > 1): the held-out samples once (kept), then each phase's slice, one job per shard,
+# written in results/stream/.staging/ and renamed into place when complete (a killed job resumes from its staged
+# chunks; Snakemake deletes a failed job's directory output). The slice is temp: gone once its phase succeeded.
+
+
+rule extract_heldout:
+    input:
+        plan="results/stream/plans/heldout.json",
+        train="results/tokenized/train.parquet",
+        target=target_dir(),
+    output:
+        directory("results/stream/heldout"),
+    log:
+        "logs/extract_heldout/extract_heldout.log",
+    benchmark:
+        "benchmarks/extract_heldout/extract_heldout.tsv"
+    conda:
+        "../envs/draftsmith.yaml"
+    threads: all_cores(share=len(SHARDS))
+    resources:
+        gpu=1,
+    params:
+        settings=rule_params(config, "extract_heldout"),
+    script:
+        "../scripts/extract_heldout.py"
+
+
+rule extract_slice:
+    input:
+        disk_token,
+        plan="results/stream/plans/phase-{phase}.json",
+        train="results/tokenized/train.parquet",
+        target=target_dir(),
+    output:
+        temp(directory("results/stream/phase-{phase}/shard-{shard}")),
+    log:
+        "logs/extract_slice/phase-{phase}/shard-{shard}.log",
+    benchmark:
+        "benchmarks/extract_slice/phase-{phase}/shard-{shard}.tsv"
+    wildcard_constraints:
+        phase=r"\d+",
+        shard=r"\d+",
+    conda:
+        "../envs/draftsmith.yaml"
+    threads: all_cores(share=len(SHARDS))
+    resources:
+        gpu=1,
+    params:
+        settings=rule_params(config, "extract_slice"),
+    script:
+        "../scripts/extract_slice.py"

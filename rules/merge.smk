@@ -20,3 +20,26 @@ rule merge:
     threads: all_cores(most=8)
     script:
         "../scripts/merge.py"
+
+
+# Stream mode: one slice's index (coverage = exactly the slice's rows); temp, like the slice.
+
+
+rule merge_slice:
+    input:
+        shards=phase_shards,
+        plan="results/stream/plans/phase-{phase}.json",
+        train="results/tokenized/train.parquet",
+    output:
+        temp("results/stream/phase-{phase}/index.json"),
+    log:
+        "logs/merge_slice/phase-{phase}.log",
+    benchmark:
+        "benchmarks/merge_slice/phase-{phase}.tsv"
+    wildcard_constraints:
+        phase=r"\d+",
+    conda:
+        "../envs/draftsmith.yaml"
+    threads: all_cores(most=8)
+    script:
+        "../scripts/merge_slice.py"

@@ -10,6 +10,8 @@
 rule regenerate_shard:
     input:
         known_regenerate_shard,
+        # the disk check before any GPU hour (ancient: a rerun of the check never reruns regeneration)
+        disk=ancient("results/stream/disk-plan.json"),
         conversations="results/curated/train.parquet",
         target=target_dir(),
     output:

@@ -1,0 +1,19 @@
+"""Entry point of rule disk_plan: refuse, before regeneration, a run whose features cannot fit the disk
+(draftsmith.stream.check_disk_before_regeneration); writes the projection when they fit."""
+
+from draftsmith.io import setup_logging
+
+log = setup_logging(snakemake.log[0])
+
+# the stage (tokenizer, transformers) once the job's log is set up: an import failure lands in the log
+from draftsmith.disk import DiskSpaceError  # noqa: E402
+from draftsmith.stream import DiskPlanSettings, check_disk_before_regeneration  # noqa: E402
+
+# the rule has no params: everything disk_plan reads is a runtime key (it checks; it never reruns a stage)
+settings = DiskPlanSettings.from_rule({}, snakemake.config)
+try:
+    check_disk_before_regeneration(snakemake.input.conversations, snakemake.input.target, snakemake.output[0],
+                                   settings)
+except DiskSpaceError as exc:
+    log.error("%s", exc)
+    raise SystemExit(1) from None

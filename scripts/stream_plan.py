@@ -1,0 +1,19 @@
+"""Entry point of rule stream_plan: the global plan of a run trained in slices -> results/stream/plan.json and each
+slice's extraction plan (draftsmith.stream.build_stream_plan)."""
+
+from pathlib import Path
+
+from draftsmith.io import setup_logging
+
+log = setup_logging(snakemake.log[0])
+
+# the stage (torch, transformers) once the job's log is set up: an import failure lands in the log
+from draftsmith.disk import DiskSpaceError  # noqa: E402
+from draftsmith.stream import StreamPlanSettings, build_stream_plan  # noqa: E402
+
+settings = StreamPlanSettings.from_rule(snakemake.params.settings, snakemake.config)
+try:
+    build_stream_plan(snakemake.input.train, snakemake.input.target, Path(snakemake.output.plan).parent, settings)
+except DiskSpaceError as exc:
+    log.error("%s", exc)
+    raise SystemExit(1) from None
