@@ -19,9 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from draftsmith import disk
 from draftsmith import extract as ex
+from draftsmith.config import schema_defaults
 from draftsmith.extract import shard as extract_shard_module
-from draftsmith.features import dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
+from draftsmith.features import balance_shards, dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeSettings
 from draftsmith.target import decoder_layers
@@ -35,6 +37,13 @@ KINDS = ["llama", "qwen3_5", "qwen3_next"]
 
 
 # ---------------------------------------------------------------------------------------- fixtures
+
+
+def with_defaults(config: dict) -> dict:
+    """``config`` as the workflow's validated config holds it: every key of the extraction rules' sections, schema
+    defaults where not given."""
+    sections = set(config) | {"extract", "drafter", "target", "train", "stream"}
+    return {section: {**schema_defaults(section), **config.get(section, {})} for section in sections}
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +73,19 @@ def test_default_layer_ids_follow_the_official_formula():
 
 
 def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
-    """ExtractPlanSettings / ExtractShardSettings: exactly the keys draftsmith.stages names for their rules; with
-    neither target_layer_ids nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
+    """ExtractPlanSettings / ExtractShardSettings (and the stream-mode rules' ExtractSliceSettings /
+    ExtractHeldoutSettings): exactly the keys draftsmith.stages names for their rules; with neither target_layer_ids
+    nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
     from draftsmith.stages import STAGE_KEYS, rule_params
 
-    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings):
+    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings, ex.ExtractSliceSettings,
+                ex.ExtractHeldoutSettings):
         want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
                 for section, kinds in STAGE_KEYS[cls.STAGE].items()}
         assert {section: set(keys) for section, keys in cls.keys().items()} == want
-    config = {"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
-              "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
-              "target": {"trust_remote_code": False}}
+    config = with_defaults({"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
+                            "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
+                            "target": {"trust_remote_code": False}})
     from_rule = ex.ExtractPlanSettings.from_rule(rule_params(config, "extract_plan"), config)
     assert from_rule == ex.ExtractPlanSettings.from_config(config)
     assert from_rule.drafter.num_target_features == 3 and from_rule.extract.shards == 2
@@ -85,13 +96,13 @@ def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
 def test_shards_are_balanced_deterministic_and_complete():
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 5000, 997)
-    shards = ex.balance_shards(tokens, 8)
-    assert shards == ex.balance_shards(tokens, 8)
+    shards = balance_shards(tokens, 8)
+    assert shards == balance_shards(tokens, 8)
     assert sorted(r for s in shards for r in s) == list(range(997))
     loads = [int(tokens[s].sum()) for s in shards]
     assert max(loads) - min(loads) <= tokens.max()  # LPT: within one row of each other
     assert all(s == sorted(s) for s in shards)
-    assert ex.balance_shards([3, 2], 4)[2:] == [[], []]
+    assert balance_shards([3, 2], 4)[2:] == [[], []]
 
 
 def test_batches_respect_the_token_budget_and_long_rows_run_alone():
@@ -177,7 +188,7 @@ def test_bf16_storage_projection_and_stats(tmp_path, targets):
     ids, _ = setup_run(tmp_path, targets["llama"])
     model = tiny_target("llama")
     man = run_shard(tmp_path, targets["llama"], storage_dtype="bfloat16")
-    projected = ex.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True, len(man["chunks"]))
+    projected = disk.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True, len(man["chunks"]))
     assert abs(man["bytes"] - projected) <= 0.02 * projected, (man["bytes"], projected)
     assert man["bytes"] == sum(os.path.getsize(tmp_path / "features/shard-0" / c["file"]) for c in man["chunks"])
     for rec in man["chunks"]:
@@ -317,7 +328,7 @@ def test_changed_config_restarts_the_shard(tmp_path, targets):
 def test_refuses_when_the_disk_cannot_hold_the_projection(tmp_path, targets, monkeypatch):
     setup_run(tmp_path, targets["llama"])
     monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: 10_000)
-    with pytest.raises(ex.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
+    with pytest.raises(disk.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
         run_shard(tmp_path, targets["llama"], disk_headroom=1.05)
     assert not list((tmp_path / "features/shard-0").glob("chunk-*"))
 
@@ -389,7 +400,7 @@ def test_fp8_storage_end_to_end(tmp_path, targets):
     model = tiny_target("qwen3_5")
     man = run_shard(tmp_path, targets["qwen3_5"], storage_dtype="float8_e4m3fn")
     assert man["storage_dtype"] == "float8_e4m3fn"
-    per_token = ex.bytes_per_token(3, 64, "float8_e4m3fn", True)
+    per_token = disk.bytes_per_token(3, 64, "float8_e4m3fn", True)
     assert per_token == 3 * 64 + 12 + 9
     for row, hidden, _ in stored_samples(tmp_path / "features" / "shard-0", man):
         ref = alone(model, ids[row])[0]
@@ -426,8 +437,8 @@ def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch
                    "store_target_tokens": True, "require_fla": False, "disk_headroom": 1.05,
                    "padding_mask": True}
     target_cfg = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": False}
-    config = {"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
-              "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}}
+    config = with_defaults({"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
+                            "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}})
     root_handlers = logging.getLogger().handlers[:]
     try:
         runpy.run_path(str(REPO / "scripts/extract_plan.py"), init_globals={"snakemake": SimpleNamespace(
