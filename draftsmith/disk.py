@@ -235,7 +235,8 @@ class DiskFit:
                 f"{self.reserve_bytes / GB:.3f} GB for checkpoints and the trained drafter{kept} = "
                 f"{self.needed_bytes / GB:.3f} GB, with {self.free_bytes / GB:.3f} GB free under {self.where}: "
                 f"{'fits' if self.fits else 'does not fit'}. ")
-        text += self._advice(self.min_slices, "")
+        advice = self._advice(self.min_slices, "")
+        text += advice[0].upper() + advice[1:]
         if self.storage_dtype != FP8:
             text += (f" With extract.storage_dtype: {FP8} ({self.fp8_bytes_per_token} bytes a token, "
                      f"{self.fp8_feature_bytes / GB:.3f} GB in all): " + self._advice(self.fp8_min_slices, "fp8"))

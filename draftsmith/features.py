@@ -2,10 +2,12 @@
 
 This module owns the format: the other stages write and read features only through it.
 
-Files under ``results/features/``: ``plan.json`` (:data:`PLAN_FORMAT`, rule extract_plan: rows per shard, layer
-ids), ``shard-{i}/manifest.json`` (:data:`FEATURES_FORMAT`: the shard's chunks with sha256, rows and statistics),
-``shard-{i}/progress.json`` (:data:`PROGRESS_FORMAT`: finished chunks, for resuming), ``index.json``
-(:data:`INDEX_FORMAT`, rule merge: every chunk of every shard; :func:`write_index`, read by :class:`FeatureIndex`).
+Files under ``results/features/``: ``plan.json`` (:data:`PLAN_FORMAT`, built by :func:`shard_plan` for rule
+extract_plan: rows per shard, layer ids, the run's disk reserve; stream mode's plans of a phase's slice or of the
+held-out samples carry a ``subset`` and list only its rows), ``shard-{i}/manifest.json`` (:data:`FEATURES_FORMAT`:
+the shard's chunks with sha256, rows and statistics), ``shard-{i}/progress.json`` (:data:`PROGRESS_FORMAT`:
+finished chunks, for resuming), ``index.json`` (:data:`INDEX_FORMAT`, rule merge: every chunk of every shard;
+:func:`write_index`, read by :class:`FeatureIndex`).
 
 Chunk file (``shard-{i}/chunk-{j:05d}.safetensors``), samples concatenated without padding; declared once in
 :data:`CHUNK_TENSORS`, written by :func:`write_chunk`, read by :class:`ChunkFile` / :func:`read_chunk` (and, without

@@ -96,7 +96,7 @@ class MergeError(ValueError):
         self.problems = [f"{scope}: {p}" for p in problems] if scope else list(problems)
         shown = self.problems[:MAX_LISTED]
         more = len(self.problems) - len(shown)
-        of = f" of {scope}" if scope else ""
+        of = f" ({scope})" if scope else ""
         text = f"merge found {len(self.problems)} problem(s) in the extracted features{of}:\n" + "\n".join(
             f"  - {p}" for p in shown)
         if more:
