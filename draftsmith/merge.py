@@ -10,7 +10,8 @@ What is checked (every failure names the shard, the chunk and the sample: tokeni
 
 * **coverage** -- every tokenized train row (``plan.json``'s rows and the tokenized parquet's row
   count) is stored exactly once, in the shard the plan assigned it to, under the tokenized id it
-  has now (a stale extraction of an older tokenized set is caught);
+  has now (a stale extraction of an older tokenized set is caught); for a plan with a ``subset`` (stream mode:
+  one phase's slice, or the held-out samples), exactly the plan's rows, each once, and no other row;
 * **chunk files** -- each one exists, has the manifest's size, a parseable safetensors header whose
   tensors have the contract's names, dtypes and shapes for the manifest's sample/token counts, and
   whose data region ends exactly at the end of the file (a truncated file is caught even when its
@@ -54,6 +55,7 @@ from draftsmith.features import (
     index_document,
     read_chunk_samples,
     read_safetensors_header,
+    subset_label,
     write_index,
 )
 from draftsmith.io import read_json, sha256_file
@@ -86,14 +88,16 @@ MAX_LISTED = 50
 class MergeError(ValueError):
     """The shards do not form a complete, consistent feature set.
 
-    ``problems`` holds one line per problem, each naming shard, chunk and sample (row index and id).
+    ``problems`` holds one line per problem, each naming shard, chunk and sample (row index and id), and the plan's
+    subset (``phase 3``, ``held-out``) when it has one (``scope``).
     """
 
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
+    def __init__(self, problems: Sequence[str], scope: str = ""):
+        self.problems = [f"{scope}: {p}" for p in problems] if scope else list(problems)
         shown = self.problems[:MAX_LISTED]
         more = len(self.problems) - len(shown)
-        text = f"merge found {len(self.problems)} problem(s) in the extracted features:\n" + "\n".join(
+        of = f" ({scope})" if scope else ""
+        text = f"merge found {len(self.problems)} problem(s) in the extracted features{of}:\n" + "\n".join(
             f"  - {p}" for p in shown)
         if more:
             text += f"\n  ... and {more} more"
@@ -277,13 +281,18 @@ def _missing_fields(obj: Any, fields: Sequence[str]) -> list[str]:
 
 
 def _check_plan(plan: dict[str, Any], plan_path: str, tok: Tokenized) -> tuple[list[str], dict[int, list[int]]]:
-    """Plan against the tokenized set; returns (problems, shard -> planned rows)."""
+    """Plan against the tokenized set; returns (problems, shard -> planned rows). A plan without subset partitions
+    the tokenized rows; one with a subset lists each of its rows once and states their totals."""
     missing = _missing_fields(plan, ("format", "num_shards", "layer_ids", "hidden_size", "num_target_layers",
                                      "tokenized_rows", "tokenized_tokens", "shards"))
     if missing:
         raise MergeError([f"{plan_path}: no field(s) {', '.join(missing)} (not a {PLAN_FORMAT} plan)"])
     if plan["format"] != PLAN_FORMAT:
         raise MergeError([f"{plan_path}: format {plan['format']!r}, expected {PLAN_FORMAT!r}"])
+    try:
+        subset_label(plan.get("subset"))
+    except ValueError as exc:
+        raise MergeError([f"{plan_path}: {exc}"]) from None
     problems = []
     total_tokens = int(tok.num_tokens.sum())
     if plan["tokenized_rows"] != tok.num_rows or plan["tokenized_tokens"] != total_tokens:
@@ -310,16 +319,33 @@ def _check_plan(plan: dict[str, Any], plan_path: str, tok: Tokenized) -> tuple[l
         if bad.size:
             problems.append(f"{plan_path}: shard {s} plans {tok.describe(int(bad[0]))}")
         np.add.at(counts, arr[(arr >= 0) & (arr < tok.num_rows)], 1)
-    if (counts != 1).any() and not problems:
-        rows = np.flatnonzero(counts != 1)
-        problems.append(f"{plan_path}: the shards do not partition the tokenized rows: "
-                        f"{tok.describe_rows(rows.tolist())} planned {counts[rows[0]]} time(s)")
+    if plan.get("subset") is None:
+        if (counts != 1).any() and not problems:
+            rows = np.flatnonzero(counts != 1)
+            problems.append(f"{plan_path}: the shards do not partition the tokenized rows: "
+                            f"{tok.describe_rows(rows.tolist())} planned {counts[rows[0]]} time(s)")
+        return problems, planned
+    if (counts > 1).any() and not problems:
+        rows = np.flatnonzero(counts > 1)
+        problems.append(f"{plan_path}: {tok.describe_rows(rows.tolist())} planned {counts[rows[0]]} times")
+    totals = {"num_samples": int((counts > 0).sum()), "num_tokens": int(tok.num_tokens[counts > 0].sum())}
+    for key, value in totals.items():
+        if plan.get(key) != value:
+            problems.append(f"{plan_path}: {key} {plan.get(key)!r} but its shards hold {value}")
     return problems, planned
 
 
-def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int, problems: list[str]
+def _subset_name(subset: Any) -> str:
+    try:
+        return subset_label(subset) or "the whole train set"
+    except ValueError:
+        return f"subset {subset!r}"
+
+
+def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int, subset: Any, problems: list[str]
                     ) -> dict[int, tuple[Path, dict[str, Any]]]:
-    """The shard manifests that are there and well formed, by shard; every other one becomes a problem."""
+    """The shard manifests that are there and well formed, by shard; every other one becomes a problem (one made for
+    another plan's ``subset`` too)."""
     manifests: dict[int, tuple[Path, dict[str, Any]]] = {}
     for mpath in map(Path, manifest_paths):
         if not mpath.exists():
@@ -343,6 +369,9 @@ def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int
         elif manifest["num_shards"] != num_shards:
             problems.append(f"shard {s} ({mpath}): extracted as one of {manifest['num_shards']} shards, the plan "
                             f"has {num_shards} (stale shard from another plan)")
+        elif manifest.get("subset") != subset:
+            problems.append(f"shard {s} ({mpath}): extracted for {_subset_name(manifest.get('subset'))}, the plan is "
+                            f"{_subset_name(subset)}'s (stale shard from another plan)")
         else:
             manifests[s] = (mpath, manifest)
     return manifests
@@ -418,7 +447,9 @@ def _check_chunks(manifests: dict, owner: np.ndarray, tok: Tokenized, problems: 
             foreign = rows[(owner[rows] != s)]
             if foreign.size:
                 r = int(foreign[0])
-                problems.append(f"{chunk.where}: sample {tok.describe(r)} is planned for shard {owner[r]}, "
+                problems.append(f"{chunk.where}: sample {tok.describe(r)} is not one of the plan's samples"
+                                if owner[r] < 0 else
+                                f"{chunk.where}: sample {tok.describe(r)} is planned for shard {owner[r]}, "
                                 f"not shard {s}")
             expected_tokens = int(tok.num_tokens[rows].sum())
             if expected_tokens != int(entry["num_tokens"]):
@@ -432,8 +463,9 @@ def _check_chunks(manifests: dict, owner: np.ndarray, tok: Tokenized, problems: 
 
 
 def _check_coverage(counts: np.ndarray, chunks: list[Chunk], owner: np.ndarray, missing_shards: list[int],
-                    tok: Tokenized, problems: list[str]) -> None:
-    """Every tokenized train row stored exactly once (rows of missing shards are reported with the shard)."""
+                    tok: Tokenized, problems: list[str], subset: bool = False) -> None:
+    """Every planned row stored exactly once (rows of missing shards are reported with the shard): every tokenized
+    train row, or with a ``subset`` plan its rows (rows outside it are reported per chunk)."""
     duplicated = np.flatnonzero(counts > 1)
     if duplicated.size:
         dup = set(duplicated[:MAX_LISTED].tolist())
@@ -446,7 +478,7 @@ def _check_coverage(counts: np.ndarray, chunks: list[Chunk], owner: np.ndarray, 
             problems.append(f"sample {tok.describe(row)} is stored {counts[row]} times: {'; '.join(places[row])}")
         if duplicated.size > len(dup):
             problems.append(f"... {duplicated.size} duplicated samples in all")
-    absent = np.flatnonzero(counts == 0)
+    absent = np.flatnonzero((counts == 0) & (owner >= 0)) if subset else np.flatnonzero(counts == 0)
     absent = absent[~np.isin(owner[absent], missing_shards)]  # missing shards are reported above
     for row in absent[:MAX_LISTED].tolist():
         problems.append(f"sample {tok.describe(row)}, planned for shard {owner[row]}, is in no chunk of "
@@ -491,9 +523,9 @@ def _check_chunk_files(chunks: list[Chunk], tok: Tokenized, verify_sha256: bool,
 
 
 def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk], meta: dict[str, Any],
-                 num_shards: int, verify_sha256: bool, base: Path) -> dict[str, Any]:
+                 num_shards: int, verify_sha256: bool, base: Path, subset: Any = None) -> dict[str, Any]:
     """The index document (:func:`draftsmith.features.index_document`): chunk paths relative to ``base``, totals,
-    shared metadata, stats."""
+    shared metadata, stats (and the plan's ``subset`` when it has one)."""
     folders = {s: os.path.relpath(mpath.parent, base) for s, (mpath, _) in manifests.items()}
     index_chunks = [{"path": os.path.join(folders[c.shard], c.file), "shard": c.shard,
                      "sha256": c.entry["sha256"], "num_samples": int(c.entry["num_samples"]),
@@ -502,6 +534,7 @@ def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk],
                     for c in chunks]
     return index_document({
         "num_shards": num_shards,
+        **({"subset": subset} if subset is not None else {}),
         "num_samples": sum(c["num_samples"] for c in index_chunks),
         "num_tokens": sum(c["num_tokens"] for c in index_chunks),
         "bytes": sum(c["bytes"] for c in index_chunks),
@@ -535,10 +568,22 @@ class MergeSettings(StageSettings):
     merge: MergeOptions
 
 
+@dataclass(frozen=True)
+class MergeSliceSettings(MergeSettings):
+    """Everything rule merge_slice (a stream-mode slice's shards) reads: rule merge's keys."""
+
+    STAGE: ClassVar[str] = "merge_slice"
+
+
 def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | os.PathLike],
                    tokenized_path: str | os.PathLike, index_path: str | os.PathLike | None = None, *,
                    settings: MergeSettings, threads: int = 1, logger: logging.Logger | None = None) -> dict[str, Any]:
     """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
+
+    A plan with a ``subset`` (stream mode: a phase's slice, the held-out samples; see
+    :func:`draftsmith.features.shard_plan`) is merged the same way, its coverage being exactly the plan's rows
+    (each once) and its totals the plan's; every problem then names the subset (``phase 3: shard 1 chunk ...``), and
+    the index records it.
 
     Args:
         plan_path: ``results/features/plan.json`` (:data:`draftsmith.features.PLAN_FORMAT`).
@@ -546,9 +591,9 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
             files are found beside their manifest.
         tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema
             metadata are read.
-        index_path: where to write the index (atomically, :func:`draftsmith.features.write_index`); ``None``
-            only returns it. Chunk paths in the index are relative to this file's folder (``results/features``);
-            with ``None``, relative to the plan's folder.
+        index_path: where to write the index (atomically, :func:`draftsmith.features.write_index`), anywhere;
+            ``None`` only returns it. Chunk paths in the index are relative to this file's folder
+            (``results/features``); with ``None``, relative to the plan's folder.
         settings: the stage's keys (``merge.verify_sha256``, see :class:`MergeOptions`).
         threads: chunk files checked in parallel.
         logger: where the summary and the per-layer table go (default ``draftsmith.merge``).
@@ -557,7 +602,8 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
         The index (:data:`draftsmith.features.INDEX_FORMAT`): ``chunks`` (``path``, ``shard``, ``sha256``,
         ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
         ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
-        tokens), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards``, ``layer_stats`` (see
+        tokens, or to the subset's), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards`` (and ``subset``
+        when the plan has one), ``layer_stats`` (see
         :func:`merge_layer_stats`) and ``stats`` (total non-finite values and zero rows).
 
     Raises:
@@ -570,36 +616,44 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
     tok = read_tokenized(tokenized_path, with_tokens=False)
     plan = read_json(plan_path)
     problems, planned = _check_plan(plan, plan_path, tok)
+    subset, scope = plan.get("subset"), subset_label(plan.get("subset"))
     num_shards = int(plan["num_shards"])
     owner = np.full(tok.num_rows, -1, dtype=np.int64)  # planned shard of each row
     for s, rows in planned.items():
         rows_arr = np.asarray(rows, dtype=np.int64)
         owner[rows_arr[(rows_arr >= 0) & (rows_arr < tok.num_rows)]] = s
 
-    manifests = _read_manifests(manifest_paths, num_shards, problems)
+    manifests = _read_manifests(manifest_paths, num_shards, subset, problems)
     features_dir = Path(plan_path).parent
     missing_shards = [s for s in range(num_shards) if s not in manifests]
     for s in missing_shards:
-        problems.append(f"shard {s}: no manifest (expected {features_dir / f'shard-{s}' / 'manifest.json'}); "
+        expected = next((Path(p) for p in manifest_paths if Path(p).parent.name == f"shard-{s}"),
+                        features_dir / f"shard-{s}" / "manifest.json")
+        problems.append(f"shard {s}: no manifest (expected {expected}); "
                         f"no chunk holds its planned {tok.describe_rows(planned.get(s, []))}")
 
     meta = _check_shared_metadata(manifests, plan, plan_path, tok, problems)
     chunks, counts = _check_chunks(manifests, owner, tok, problems)
-    _check_coverage(counts, chunks, owner, missing_shards, tok, problems)
+    _check_coverage(counts, chunks, owner, missing_shards, tok, problems, subset is not None)
     stat_chunks = _check_stats(chunks, tok, problems)
     _check_chunk_files(chunks, tok, verify_sha256, threads, problems)
     if problems:
-        raise MergeError(problems)
+        raise MergeError(problems, scope)
 
     base = Path(index_path).parent if index_path is not None else features_dir
-    index = _build_index(manifests, chunks, stat_chunks, meta, num_shards, verify_sha256, base)
+    index = _build_index(manifests, chunks, stat_chunks, meta, num_shards, verify_sha256, base, subset)
     # Follows from the checks above; kept as the stage's contract, stated once more.
-    if index["num_samples"] != tok.num_rows or index["num_tokens"] != int(tok.num_tokens.sum()):
+    if subset is None:
+        want, of = (tok.num_rows, int(tok.num_tokens.sum())), f"{tok.path}'s"
+    else:
+        want, of = (plan["num_samples"], plan["num_tokens"]), f"{plan_path}'s ({scope})"
+    if (index["num_samples"], index["num_tokens"]) != want:
         raise MergeError([f"totals {index['num_samples']} samples / {index['num_tokens']} tokens differ from "
-                          f"{tok.path}'s {tok.num_rows} / {int(tok.num_tokens.sum())}"])
-    logger.info("merged %d shards, %d chunks: %d samples, %d tokens, %.3f GB (%s, layers %s%s)",
-                num_shards, len(index["chunks"]), index["num_samples"], index["num_tokens"], index["bytes"] / 1e9,
-                meta["storage_dtype"], meta["layer_ids"], ", sha256 verified" if verify_sha256 else "")
+                          f"{of} {want[0]} / {want[1]}"], scope)
+    logger.info("merged %s%d shards, %d chunks: %d samples, %d tokens, %.3f GB (%s, layers %s%s)",
+                f"{scope}: " if scope else "", num_shards, len(index["chunks"]), index["num_samples"],
+                index["num_tokens"], index["bytes"] / 1e9, meta["storage_dtype"], meta["layer_ids"],
+                ", sha256 verified" if verify_sha256 else "")
     logger.info("per-layer statistics of the target features:\n%s", format_layer_stats(index))
     if index_path is not None:
         write_index(index_path, index)

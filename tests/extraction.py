@@ -56,11 +56,13 @@ def run_shard(tmp: Path, target: Path, *, out: str = "features", shard: int = 0,
     base = {"token_budget": 200, "chunk_tokens": 100, "storage_dtype": "float32"}
     on_chunk = cfg.pop("on_chunk", None)
     run_stats = cfg.pop("run_stats", None)
+    staging_dir = cfg.pop("staging_dir", None)
+    plan = cfg.pop("plan", tmp / "plan.json")
     settings = ex.ExtractShardSettings.from_config({"extract": {**base, **cfg}, "target": {"dtype": "float32"}})
-    return ex.extract_shard(plan_path=tmp / "plan.json", tokenized_path=tmp / "train.parquet",
+    return ex.extract_shard(plan_path=plan, tokenized_path=tmp / "train.parquet",
                             target_dir=target, manifest_path=tmp / out / f"shard-{shard}" / "manifest.json",
                             shard=shard, settings=settings, model=model, device="cpu", on_chunk=on_chunk,
-                            run_stats=run_stats)
+                            run_stats=run_stats, staging_dir=staging_dir)
 
 
 def stored_samples(folder: Path, manifest: dict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import runpy
 from pathlib import Path
@@ -19,9 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from draftsmith import disk
 from draftsmith import extract as ex
+from draftsmith.config import schema_defaults
 from draftsmith.extract import shard as extract_shard_module
-from draftsmith.features import dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
+from draftsmith.features import balance_shards, dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeSettings
 from draftsmith.target import decoder_layers
@@ -35,6 +38,13 @@ KINDS = ["llama", "qwen3_5", "qwen3_next"]
 
 
 # ---------------------------------------------------------------------------------------- fixtures
+
+
+def with_defaults(config: dict) -> dict:
+    """``config`` as the workflow's validated config holds it: every key of the extraction rules' sections, schema
+    defaults where not given."""
+    sections = set(config) | {"extract", "drafter", "target", "train", "stream"}
+    return {section: {**schema_defaults(section), **config.get(section, {})} for section in sections}
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +74,19 @@ def test_default_layer_ids_follow_the_official_formula():
 
 
 def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
-    """ExtractPlanSettings / ExtractShardSettings: exactly the keys draftsmith.stages names for their rules; with
-    neither target_layer_ids nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
+    """ExtractPlanSettings / ExtractShardSettings (and the stream-mode rules' ExtractSliceSettings /
+    ExtractHeldoutSettings): exactly the keys draftsmith.stages names for their rules; with neither target_layer_ids
+    nor num_target_features, the tap count is drafter.num_layers (as the rule's params)."""
     from draftsmith.stages import STAGE_KEYS, rule_params
 
-    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings):
+    for cls in (ex.ExtractPlanSettings, ex.ExtractShardSettings, ex.ExtractSliceSettings,
+                ex.ExtractHeldoutSettings):
         want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
                 for section, kinds in STAGE_KEYS[cls.STAGE].items()}
         assert {section: set(keys) for section, keys in cls.keys().items()} == want
-    config = {"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
-              "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
-              "target": {"trust_remote_code": False}}
+    config = with_defaults({"drafter": {"num_layers": 3, "target_layer_ids": None, "num_target_features": None},
+                            "extract": {"shards": 2, "storage_dtype": "bfloat16", "store_target_tokens": True},
+                            "target": {"trust_remote_code": False}})
     from_rule = ex.ExtractPlanSettings.from_rule(rule_params(config, "extract_plan"), config)
     assert from_rule == ex.ExtractPlanSettings.from_config(config)
     assert from_rule.drafter.num_target_features == 3 and from_rule.extract.shards == 2
@@ -85,13 +97,13 @@ def test_settings_hold_the_stage_keys_and_the_effective_tap_count():
 def test_shards_are_balanced_deterministic_and_complete():
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 5000, 997)
-    shards = ex.balance_shards(tokens, 8)
-    assert shards == ex.balance_shards(tokens, 8)
+    shards = balance_shards(tokens, 8)
+    assert shards == balance_shards(tokens, 8)
     assert sorted(r for s in shards for r in s) == list(range(997))
     loads = [int(tokens[s].sum()) for s in shards]
     assert max(loads) - min(loads) <= tokens.max()  # LPT: within one row of each other
     assert all(s == sorted(s) for s in shards)
-    assert ex.balance_shards([3, 2], 4)[2:] == [[], []]
+    assert balance_shards([3, 2], 4)[2:] == [[], []]
 
 
 def test_batches_respect_the_token_budget_and_long_rows_run_alone():
@@ -177,7 +189,7 @@ def test_bf16_storage_projection_and_stats(tmp_path, targets):
     ids, _ = setup_run(tmp_path, targets["llama"])
     model = tiny_target("llama")
     man = run_shard(tmp_path, targets["llama"], storage_dtype="bfloat16")
-    projected = ex.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True, len(man["chunks"]))
+    projected = disk.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True, len(man["chunks"]))
     assert abs(man["bytes"] - projected) <= 0.02 * projected, (man["bytes"], projected)
     assert man["bytes"] == sum(os.path.getsize(tmp_path / "features/shard-0" / c["file"]) for c in man["chunks"])
     for rec in man["chunks"]:
@@ -301,6 +313,85 @@ def test_resume_after_a_kill_recomputes_nothing_finished(tmp_path, targets):
     assert run_shard(tmp_path, target, model=model) == man and not calls
 
 
+def test_staged_shard_resumes_after_a_kill_and_appears_only_complete(tmp_path, targets):
+    """A staged shard (stream mode) writes in its staging folder; killed after chunk 1, its output folder does not
+    exist, the rerun keeps chunks 0 and 1 (same files) and renames the finished folder into place, byte-identical to
+    an unstaged run and with no staging path in its records."""
+    target = targets["llama"]
+    setup_run(tmp_path, target)
+    reference = run_shard(tmp_path, target, out="reference")
+    staging, out = tmp_path / "stage" / "shard-0", tmp_path / "features" / "shard-0"
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_1(index, rec):
+        if index == 1:
+            raise Killed
+
+    model = tiny_target("llama")
+    with pytest.raises(Killed):
+        run_shard(tmp_path, target, model=model, on_chunk=kill_after_1, staging_dir=staging)
+    assert not out.exists()
+    finished = {r["file"] for r in read_json(staging / "progress.json")["chunks"]}
+    assert {"chunk-00000.safetensors", "chunk-00001.safetensors"} <= finished
+    kept = {name: (staging / name).stat().st_ino for name in finished}
+
+    out.mkdir(parents=True)  # an empty output folder (as a workflow engine may create) is replaced
+    calls = []
+    model.get_decoder().register_forward_pre_hook(lambda m, a: calls.append(1))
+    stats = {}
+    man = run_shard(tmp_path, target, model=model, staging_dir=staging, run_stats=stats)
+    assert stats["chunks_done"] == len(reference["chunks"]) - len(finished) and len(calls) == stats["forwards"]
+    assert not staging.exists() and (out / "manifest.json").is_file()
+    assert {name: (out / name).stat().st_ino for name in finished} == kept
+    assert man == reference == read_json(out / "manifest.json")
+    for rec in reference["chunks"]:
+        assert (out / rec["file"]).read_bytes() == (tmp_path / "reference/shard-0" / rec["file"]).read_bytes()
+    for name in ("manifest.json", "progress.json"):
+        assert str(tmp_path) not in (out / name).read_text()
+
+    # a rerun on the finished folder moves it back to stage, computes nothing and puts it into place again
+    calls.clear()
+    assert run_shard(tmp_path, target, model=model, staging_dir=staging) == man and not calls
+    assert not staging.exists() and (out / "manifest.json").is_file()
+
+
+def test_subset_plan_extracts_and_merges_exactly_its_rows(tmp_path, targets):
+    """Stream mode's extraction: a subset plan (features.shard_plan, one phase's rows) in two staged shards, merged
+    into an index beside them whose totals are the subset's; a sample outside the subset is named with it."""
+    from draftsmith.features import shard_plan
+    from draftsmith.merge import MergeError, merge_features
+
+    target = targets["llama"]
+    write_tokenized(tmp_path / "train.parquet", LENGTHS)
+    rows = [0, 3, 5, 8, 11, 12]
+    plan = shard_plan(rows, [LENGTHS[r] for r in rows], 2, layer_ids=LAYER_IDS, hidden_size=64, num_target_layers=4,
+                      tokenized_rows=len(LENGTHS), tokenized_tokens=sum(LENGTHS), subset={"phase": 1})
+    write_json(tmp_path / "plans" / "phase-1.json", plan)
+    manifests = []
+    for shard in range(2):
+        man = run_shard(tmp_path, target, out="stream/phase-1", shard=shard, plan=tmp_path / "plans/phase-1.json",
+                        staging_dir=tmp_path / "stream/.staging/phase-1" / f"shard-{shard}")
+        assert man["subset"] == {"phase": 1} and man["num_tokens"] == plan["shards"][shard]["num_tokens"]
+        manifests.append(tmp_path / "stream/phase-1" / f"shard-{shard}" / "manifest.json")
+    index = merge_features(tmp_path / "plans/phase-1.json", manifests, tmp_path / "train.parquet",
+                           tmp_path / "stream/phase-1/index.json",
+                           settings=MergeSettings.from_config({"merge": {"verify_sha256": True}}))
+    assert (index["num_samples"], index["num_tokens"]) == (len(rows), sum(LENGTHS[r] for r in rows))
+    assert index["subset"] == {"phase": 1} and sorted(r for c in index["chunks"] for r in c["rows"]) == rows
+    assert all(c["path"].startswith(f"shard-{c['shard']}/") for c in index["chunks"])
+
+    # the plan of another phase, holding one row more, is not satisfied by these shards: the row is named
+    other = shard_plan(rows + [1], [LENGTHS[r] for r in rows + [1]], 2, layer_ids=LAYER_IDS, hidden_size=64,
+                       num_target_layers=4, tokenized_rows=len(LENGTHS), tokenized_tokens=sum(LENGTHS),
+                       subset={"phase": 1})
+    write_json(tmp_path / "plans" / "phase-1.json", other)
+    with pytest.raises(MergeError, match=r"phase 1: sample row 1 \(id 'conv001#1'\), planned for shard"):
+        merge_features(tmp_path / "plans/phase-1.json", manifests, tmp_path / "train.parquet",
+                       settings=MergeSettings.from_config({}))
+
+
 def test_changed_config_restarts_the_shard(tmp_path, targets):
     target = targets["llama"]
     setup_run(tmp_path, target)
@@ -317,9 +408,61 @@ def test_changed_config_restarts_the_shard(tmp_path, targets):
 def test_refuses_when_the_disk_cannot_hold_the_projection(tmp_path, targets, monkeypatch):
     setup_run(tmp_path, targets["llama"])
     monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: 10_000)
-    with pytest.raises(ex.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
+    with pytest.raises(disk.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
         run_shard(tmp_path, targets["llama"], disk_headroom=1.05)
     assert not list((tmp_path / "features/shard-0").glob("chunk-*"))
+
+
+def test_plan_refuses_when_features_and_reserve_do_not_fit_naming_the_smallest_slices_and_fp8(tmp_path, targets,
+                                                                                                monkeypatch):
+    """extract_plan fails before any GPU work when features x headroom + reserve exceed the free disk; the message
+    names the smallest stream.slices whose slice fits (checked here by trying every count) and fp8's bytes a token."""
+    from draftsmith.extract import plan as extract_plan_module
+
+    write_tokenized(tmp_path / "train.parquet", LENGTHS)
+    reserve = 5_000
+    features = disk.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True)
+    free = reserve + int(features * 1.05 / 3.5)
+    monkeypatch.setattr(extract_plan_module, "free_disk_bytes", lambda path: free)
+    settings = ex.ExtractPlanSettings.from_config({"drafter": {"target_layer_ids": LAYER_IDS},
+                                                   "stream": {"reserve_gb": reserve / 1e9}})
+    with pytest.raises(disk.DiskSpaceError) as info:
+        ex.build_plan(tmp_path / "train.parquet", targets["llama"], settings)
+    smallest = next(s for s in range(1, len(LENGTHS) + 1) if math.ceil(-(-features // s) * 1.05) + reserve <= free)
+    assert smallest == 4
+    msg = str(info.value)
+    assert f"does not fit. The smallest stream.slices that fits is {smallest} " in msg
+    fp8 = disk.bytes_per_token(3, 64, "float8_e4m3fn", True)
+    assert f"With extract.storage_dtype: float8_e4m3fn ({fp8} bytes a token" in msg
+    assert f"{disk.bytes_per_token(3, 64, 'bfloat16', True)} bytes a token in bfloat16" in msg
+
+    monkeypatch.setattr(extract_plan_module, "free_disk_bytes", lambda path: reserve + math.ceil(features * 1.05))
+    assert ex.build_plan(tmp_path / "train.parquet", targets["llama"], settings)["reserve_bytes"] == reserve
+
+
+def test_shard_disk_check_counts_every_shard_of_the_plan(tmp_path, targets, monkeypatch):
+    """Shards run at once: each checks what all shards of its plan still have to write (plus the plan's reserve).
+    Two shards whose shares each fit but not together are refused, naming both; once shard 1 is done (its staged
+    folder renamed into place), shard 0 fits the same free disk."""
+    target = targets["llama"]
+    _, plan = setup_run(tmp_path, target, shards=2)
+    write_json(tmp_path / "plan.json", {**plan, "reserve_bytes": 0})
+    shares = [disk.projected_bytes(s["num_tokens"], len(s["rows"]), 3, 64, "float32", True,
+                                   -(-s["num_tokens"] // 100)) for s in plan["shards"]]
+    free = int(1.05 * 0.8 * sum(shares))
+    assert free > 1.05 * max(shares) + 4096
+    staging = tmp_path / ".staging"
+    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: free)
+    with pytest.raises(disk.DiskSpaceError, match=r"shard 0: .* by the 2 shards of the plan, which run at once "
+                                                  r"\(shard 0: .*, shard 1: .*\).* only .* GB free"):
+        run_shard(tmp_path, target, shard=0, staging_dir=staging / "shard-0")
+    assert not list((staging / "shard-0").glob("chunk-*")) and not (tmp_path / "features/shard-0").exists()
+
+    monkeypatch.undo()
+    run_shard(tmp_path, target, shard=1, staging_dir=staging / "shard-1")
+    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: free)
+    man = run_shard(tmp_path, target, shard=0, staging_dir=staging / "shard-0")
+    assert man["num_tokens"] == plan["shards"][0]["num_tokens"]
 
 
 @pytest.mark.parametrize("bad", ["zero", "nan"])
@@ -389,7 +532,7 @@ def test_fp8_storage_end_to_end(tmp_path, targets):
     model = tiny_target("qwen3_5")
     man = run_shard(tmp_path, targets["qwen3_5"], storage_dtype="float8_e4m3fn")
     assert man["storage_dtype"] == "float8_e4m3fn"
-    per_token = ex.bytes_per_token(3, 64, "float8_e4m3fn", True)
+    per_token = disk.bytes_per_token(3, 64, "float8_e4m3fn", True)
     assert per_token == 3 * 64 + 12 + 9
     for row, hidden, _ in stored_samples(tmp_path / "features" / "shard-0", man):
         ref = alone(model, ids[row])[0]
@@ -426,8 +569,8 @@ def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch
                    "store_target_tokens": True, "require_fla": False, "disk_headroom": 1.05,
                    "padding_mask": True}
     target_cfg = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": False}
-    config = {"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
-              "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}}
+    config = with_defaults({"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
+                            "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}})
     root_handlers = logging.getLogger().handlers[:]
     try:
         runpy.run_path(str(REPO / "scripts/extract_plan.py"), init_globals={"snakemake": SimpleNamespace(

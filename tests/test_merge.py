@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.features import read_chunk, read_safetensors_header, write_chunk
+from draftsmith.features import read_chunk, read_safetensors_header, shard_plan, write_chunk
 from draftsmith.io import read_json, sha256_file, write_json
-from draftsmith.merge import MergeError, MergeSettings, format_layer_stats, merge_features
+from draftsmith.merge import MergeError, MergeSettings, MergeSliceSettings, format_layer_stats, merge_features
 
 SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
              "the last layer includes the final norm")
@@ -83,8 +83,9 @@ def _stats(hidden: torch.Tensor, n_layers: int) -> dict:
 
 
 def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int, layer_ids, storage="bfloat16",
-                target_token=True, chunk_samples=2, input_ids=None, loss_mask=None, seed=0) -> Path:
-    """Write shard-{shard}/ chunk files + manifest to the extraction contract."""
+                target_token=True, chunk_samples=2, input_ids=None, loss_mask=None, seed=0, subset=None) -> Path:
+    """Write shard-{shard}/ chunk files + manifest to the extraction contract (a subset plan's manifest records
+    its ``subset``)."""
     folder = fs.root / "features" / f"shard-{shard}"
     folder.mkdir(parents=True, exist_ok=True)
     n = len(layer_ids)
@@ -109,7 +110,8 @@ def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int,
                        "ids": [fs.ids[r] for r in part], "stats": _stats(stored, n)})
     all_hidden = torch.cat([fs.hidden[r] for r in rows]) if rows else torch.zeros(0, n * HIDDEN)
     manifest = {
-        "format": "draftsmith.features/1", "shard": shard, "num_shards": num_shards, "layer_ids": list(layer_ids),
+        "format": "draftsmith.features/1", "shard": shard, "num_shards": num_shards,
+        **({"subset": subset} if subset is not None else {}), "layer_ids": list(layer_ids),
         "layer_semantics": SEMANTICS, "hidden_size": HIDDEN, "num_target_layers": 4, "storage_dtype": storage,
         "has_target_token": target_token, "target_fingerprint": "target-fp", "tokenizer_fingerprint": "tok-fp",
         "chat_template_kwargs": {}, "num_samples": len(rows), "num_tokens": sum(c["num_tokens"] for c in chunks),
@@ -338,6 +340,7 @@ def test_merge_settings_hold_the_stage_keys():
     from draftsmith.stages import STAGE_KEYS
 
     assert MergeSettings.keys() == {"merge": STAGE_KEYS["merge"]["merge"]["runtime"]}
+    assert MergeSliceSettings.keys() == {"merge": STAGE_KEYS["merge_slice"]["merge"]["runtime"]}
     assert MergeSettings.from_config().merge.verify_sha256 is False  # the schema default
     with pytest.raises(ValueError, match="did you mean 'verify_sha256'"):
         MergeSettings.from_config({"merge": {"verify_sha265": True}})
@@ -423,3 +426,95 @@ def test_merges_the_real_extract_stage_output(tmp_path):
     truth = stored.reshape(sum(lengths), 2, -1).pow(2).mean(dim=(0, 2)).sqrt()
     got = torch.tensor([row["rms"] for row in index["layer_stats"]], dtype=torch.float32)
     torch.testing.assert_close(got, truth, rtol=1e-4, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ subset plans
+
+
+SUBSET_ROWS = [1, 2, 4, 6, 7]
+
+
+def make_subset_set(root: Path, subset=None, *, rows=SUBSET_ROWS, num_rows=9, num_shards=2) -> FeatureSet:
+    """A correct feature set of a subset plan (stream mode: a phase's slice), from draftsmith.features.shard_plan:
+    the tokenized set has ``num_rows`` rows, the plan and the shards only ``rows``."""
+    subset = subset or {"phase": 2}
+    lengths = [5 + (7 * r) % 11 for r in range(num_rows)]
+    ids = [f"{r:04x}c0ffee{r:02d}" for r in range(num_rows)]
+    tokenized = root / "tokenized" / "train.parquet"
+    input_ids, loss_mask = _write_tokenized(tokenized, ids, lengths)
+    plan = shard_plan(rows, [lengths[r] for r in rows], num_shards, layer_ids=[1, 3], hidden_size=HIDDEN,
+                      num_target_layers=4, tokenized_rows=num_rows, tokenized_tokens=sum(lengths), subset=subset)
+    plan_path = root / "plans" / "phase.json"
+    write_json(plan_path, plan)
+    fs = FeatureSet(root=root, plan=plan_path, tokenized=tokenized, manifests=[], ids=ids, lengths=lengths)
+    fs._input_ids, fs._loss_mask = input_ids, loss_mask
+    for spec in plan["shards"]:
+        fs.manifests.append(write_shard(fs, spec["shard"], spec["rows"], num_shards=num_shards, layer_ids=[1, 3],
+                                        input_ids=input_ids, loss_mask=loss_mask, subset=subset))
+    return fs
+
+
+def test_subset_plan_merges_exactly_its_rows_and_the_index_goes_anywhere(tmp_path):
+    fs = make_subset_set(tmp_path)
+    plan = read_json(fs.plan)
+    assert plan["subset"] == {"phase": 2} and plan["num_samples"] == len(SUBSET_ROWS)
+    assert sorted(r for s in plan["shards"] for r in s["rows"]) == SUBSET_ROWS
+    index_path = tmp_path / "elsewhere" / "phase-2" / "index.json"
+    index = merge_features(fs.plan, fs.manifests, fs.tokenized, index_path,
+                           settings=MergeSettings.from_config({"merge": {"verify_sha256": True}}))
+    assert index == read_json(index_path) and index["subset"] == {"phase": 2}
+    assert index["num_samples"] == len(SUBSET_ROWS) == plan["num_samples"]
+    assert index["num_tokens"] == sum(fs.lengths[r] for r in SUBSET_ROWS) == plan["num_tokens"]
+    seen = []
+    for chunk in index["chunks"]:
+        assert not Path(chunk["path"]).is_absolute()
+        with safe_open(str(index_path.parent / chunk["path"]), "pt") as fh:
+            assert fh.get_tensor("sample_index").tolist() == chunk["rows"]
+        seen += chunk["rows"]
+    assert sorted(seen) == SUBSET_ROWS
+
+
+def test_subset_plan_names_a_missing_and_a_foreign_row_with_the_subset(tmp_path):
+    fs = make_subset_set(tmp_path, {"heldout": True})
+    plan = read_json(fs.plan)
+    # the plan gains row 3 for shard 0, which no chunk holds; shard 1 stores row 8, which the plan does not list
+    plan["shards"][0]["rows"] = sorted(plan["shards"][0]["rows"] + [3])
+    plan["shards"][0]["num_tokens"] += fs.lengths[3]
+    plan["num_samples"] += 1
+    plan["num_tokens"] += fs.lengths[3]
+    write_json(fs.plan, plan)
+    shard1 = plan["shards"][1]["rows"]
+    write_shard(fs, 1, shard1 + [8], num_shards=2, layer_ids=[1, 3], input_ids=fs._input_ids,
+                loss_mask=fs._loss_mask, subset={"heldout": True})
+    msg = _fail(fs)
+    assert "problem(s) in the extracted features (held-out):" in msg
+    assert (f"held-out: sample row 3 (id {fs.ids[3]!r}), planned for shard 0, is in no chunk of shard 0's "
+            "manifest") in msg
+    assert "held-out: shard 1 chunk chunk-0000" in msg and f"sample row 8 (id {fs.ids[8]!r}) is not one of" in msg
+
+
+def test_subset_plan_refuses_a_shard_of_another_subset(tmp_path):
+    fs = make_subset_set(tmp_path, {"phase": 2})
+    write_shard(fs, 0, read_json(fs.plan)["shards"][0]["rows"], num_shards=2, layer_ids=[1, 3],
+                input_ids=fs._input_ids, loss_mask=fs._loss_mask, subset={"phase": 1})
+    msg = _fail(fs)
+    assert "phase 2: shard 0 (" in msg and "extracted for phase 1, the plan is phase 2's" in msg
+
+
+def test_shard_plan_checks_its_rows():
+    kw = dict(layer_ids=[1], hidden_size=HIDDEN, num_target_layers=4, tokenized_rows=5, tokenized_tokens=50)
+    whole = shard_plan(range(5), [10] * 5, 2, **kw)
+    assert "subset" not in whole and sorted(r for s in whole["shards"] for r in s["rows"]) == list(range(5))
+    with pytest.raises(ValueError, match="covers all 5 tokenized rows, got 3"):
+        shard_plan([0, 1, 2], [10] * 3, 2, **kw)
+    with pytest.raises(ValueError, match="row 2 is listed twice"):
+        shard_plan([2, 0, 2], [10] * 3, 2, subset={"phase": 0}, **kw)
+    with pytest.raises(ValueError, match="outside the tokenized set"):
+        shard_plan([4, 5], [10] * 2, 1, subset={"phase": 0}, **kw)
+    with pytest.raises(ValueError, match="plan subset"):
+        shard_plan([1], [10], 1, subset={"slice": 0}, **kw)
+    # the same rows in any order make the same plan, balanced by tokens
+    a = shard_plan([4, 0, 3], [7, 9, 2], 2, subset={"phase": 1}, reserve_bytes=123, **kw)
+    assert a == shard_plan([0, 3, 4], [9, 2, 7], 2, subset={"phase": 1}, reserve_bytes=123, **kw)
+    assert (a["num_samples"], a["num_tokens"], a["reserve_bytes"]) == (3, 18, 123)
+    assert [s["num_tokens"] for s in a["shards"]] == [9, 9]

@@ -18,8 +18,8 @@ from draftsmith.curate import CurateSettings
 from draftsmith.evaluate.settings import EvaluateSettings
 from draftsmith.export import ExportError, ExportSettings
 from draftsmith.extract.plan import ExtractPlanSettings
-from draftsmith.extract.shard import ExtractShardSettings
-from draftsmith.merge import MergeSettings
+from draftsmith.extract.shard import ExtractHeldoutSettings, ExtractShardSettings, ExtractSliceSettings
+from draftsmith.merge import MergeSettings, MergeSliceSettings
 from draftsmith.regenerate.settings import RegenerateSettings, RegenerateShardSettings
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import STAGE_KEYS, rule_params
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: every StageSettings class declared beside the code that reads it
 DECLARED = [FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings, CurateSettings,
             RegenerateShardSettings, RegenerateSettings, TokenizeSettings, ExtractPlanSettings, ExtractShardSettings,
-            MergeSettings, TrainSettings, ExportSettings, EvaluateSettings]
+            MergeSettings, ExtractSliceSettings, ExtractHeldoutSettings, MergeSliceSettings, TrainSettings,
+            ExportSettings, EvaluateSettings]
 
 
 def test_every_rule_has_one_settings_class():

@@ -29,27 +29,29 @@ tokens are wanted) is faster than ``output_hidden_states=True`` on the same batc
 (``bench/bench_extract.py``; figures in docs/measurements.md). Eager features equal the naive path's bit for
 bit; fused ones differ by bf16 rounding and are as close to a float32 reference (tests/test_fused.py).
 
-Modules: :mod:`.plan` (rule extract_plan: :class:`ExtractPlanSettings`, :func:`build_plan`) and :mod:`.shard`
-(rule extract_shard: :class:`ExtractShardSettings`, :class:`FeatureExtractor`, :func:`extract_shard`).
+Modules: :mod:`.plan` (rule extract_plan: :class:`ExtractPlanSettings`, :func:`build_plan`), :mod:`.shard`
+(rule extract_shard, and stream mode's extract_slice / extract_heldout: :class:`ExtractShardSettings`,
+:class:`FeatureExtractor`, :func:`extract_shard`) and :mod:`.folders` (the staging folder of a staged shard, the bytes
+every shard of a plan still has to write). The plan's format: :func:`draftsmith.features.shard_plan`; the disk
+projections and the reserve: :mod:`draftsmith.disk`.
 """
 
 from draftsmith.extract.plan import (
     ExtractPlanSettings,
     PlanDrafterOptions,
     PlanExtractOptions,
+    PlanStreamOptions,
     PlanTargetOptions,
-    balance_shards,
+    PlanTrainOptions,
     build_plan,
-    bytes_per_token,
-    free_disk_bytes,
-    projected_bytes,
     resolve_layer_ids,
     target_dims,
 )
 from draftsmith.extract.shard import (
     Batch,
-    DiskSpaceError,
+    ExtractHeldoutSettings,
     ExtractShardSettings,
+    ExtractSliceSettings,
     FeatureExtractor,
     FeatureSanityError,
     ShardExtractOptions,
@@ -61,8 +63,8 @@ from draftsmith.extract.shard import (
 )
 
 __all__ = [
-    "Batch", "DiskSpaceError", "ExtractPlanSettings", "ExtractShardSettings", "FeatureExtractor",
-    "FeatureSanityError", "PlanDrafterOptions", "PlanExtractOptions", "PlanTargetOptions", "ShardExtractOptions",
-    "ShardTargetOptions", "balance_shards", "build_plan", "bytes_per_token", "chunk_name", "extract_shard",
-    "free_disk_bytes", "make_batches", "make_chunks", "projected_bytes", "resolve_layer_ids", "target_dims",
+    "Batch", "ExtractHeldoutSettings", "ExtractPlanSettings", "ExtractShardSettings", "ExtractSliceSettings",
+    "FeatureExtractor", "FeatureSanityError", "PlanDrafterOptions", "PlanExtractOptions", "PlanStreamOptions",
+    "PlanTargetOptions", "PlanTrainOptions", "ShardExtractOptions", "ShardTargetOptions", "build_plan", "chunk_name",
+    "extract_shard", "make_batches", "make_chunks", "resolve_layer_ids", "target_dims",
 ]

@@ -16,14 +16,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from draftsmith import fused
-from draftsmith.extract.plan import bytes_per_token, free_disk_bytes, projected_bytes, target_dims
+from draftsmith.disk import DiskSpaceError, bytes_per_token, free_disk_bytes, needed_bytes, projected_bytes
+from draftsmith.extract.folders import bytes_left, open_staging, publish, shard_folders
+from draftsmith.extract.plan import target_dims
 from draftsmith.features import (
     FEATURES_FORMAT,
     LAYER_SEMANTICS,
@@ -32,6 +34,7 @@ from draftsmith.features import (
     quantize_fp8,
     row_absmax,
     storage_torch_dtype,
+    subset_label,
     write_chunk,
 )
 from draftsmith.io import progress, read_json, sha256_file, target_fingerprint, write_json
@@ -55,10 +58,6 @@ LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once 
 
 class FeatureSanityError(RuntimeError):
     """Non-finite values or all-zero feature rows in the target's hidden states (names the sample)."""
-
-
-class DiskSpaceError(RuntimeError):
-    """The projected bytes of a shard (times the headroom) exceed the free disk."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,6 +269,20 @@ class ExtractShardSettings(StageSettings):
     target: ShardTargetOptions
 
 
+@dataclass(frozen=True)
+class ExtractSliceSettings(ExtractShardSettings):
+    """Everything rule extract_slice (one shard of a stream-mode slice) reads: rule extract_shard's keys."""
+
+    STAGE: ClassVar[str] = "extract_slice"
+
+
+@dataclass(frozen=True)
+class ExtractHeldoutSettings(ExtractShardSettings):
+    """Everything rule extract_heldout (the held-out samples of stream mode) reads: rule extract_shard's keys."""
+
+    STAGE: ClassVar[str] = "extract_heldout"
+
+
 @dataclass
 class _ChunkWork:
     index: int
@@ -346,7 +359,7 @@ def _read_shard_inputs(plan_path, tokenized_path, target_dir, shard: int, trust_
     return plan, rows, tok
 
 
-def _resume_chunks(folder: Path, shard: int, layout: str, chunks: list[_ChunkWork]) -> dict[int, dict]:
+def _resume_chunks(folder: Path, name: str, layout: str, chunks: list[_ChunkWork]) -> dict[int, dict]:
     """Finished chunks kept from an earlier run of this layout (file, size and sha256 verified); partial
     files, chunks of another layout and unverifiable ones are removed or redone."""
     progress_path = folder / "progress.json"
@@ -356,15 +369,15 @@ def _resume_chunks(folder: Path, shard: int, layout: str, chunks: list[_ChunkWor
         if prog.get("format") == PROGRESS_FORMAT and prog.get("layout") == layout:
             records = {r["file"]: r for r in prog.get("chunks", [])}
         else:
-            log.warning("shard %d: %s was made for another layout (plan, data, target or config "
-                        "changed): recomputing every chunk", shard, progress_path)
+            log.warning("%s: %s was made for another layout (plan, data, target or config "
+                        "changed): recomputing every chunk", name, progress_path)
     for tmp in folder.glob(".chunk-*.tmp*"):
-        log.warning("shard %d: removing partial file %s left by a killed job", shard, tmp.name)
+        log.warning("%s: removing partial file %s left by a killed job", name, tmp.name)
         tmp.unlink()
     wanted = {chunk_name(c.index) for c in chunks}
     for stale in folder.glob("chunk-*.safetensors"):
         if stale.name not in wanted:
-            log.warning("shard %d: removing %s, not part of the current layout", shard, stale.name)
+            log.warning("%s: removing %s, not part of the current layout", name, stale.name)
             stale.unlink()
     done: dict[int, dict] = {}
     for c in chunks:
@@ -375,7 +388,7 @@ def _resume_chunks(folder: Path, shard: int, layout: str, chunks: list[_ChunkWor
         if reason is None and rec["rows"] == c.rows:
             done[c.index] = rec
         else:
-            log.warning("shard %d: %s will be redone: %s", shard, rec["file"], reason or "rows differ")
+            log.warning("%s: %s will be redone: %s", name, rec["file"], reason or "rows differ")
 
     return done
 
@@ -385,7 +398,8 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
                   settings: ExtractShardSettings, model: nn.Module | None = None,
                   device: torch.device | str | None = None,
                   on_chunk: Callable[[int, dict], None] | None = None,
-                  run_stats: dict | None = None) -> dict:
+                  run_stats: dict | None = None, staging_dir: str | os.PathLike | None = None,
+                  shard_dirs: Sequence[str | os.PathLike | Sequence[str | os.PathLike]] | None = None) -> dict:
     """Extract one shard of the plan into chunk files beside ``manifest_path`` and write the manifest.
 
     Resumable: ``progress.json`` beside the chunks (written atomically after each chunk) records every
@@ -394,9 +408,20 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     chunk layout (batches and chunk boundaries) is a pure function of the plan, the tokenized rows and
     the config, and its hash is recorded: a changed layout restarts the shard.
 
+    **Staged** (``staging_dir`` given): chunks, ``progress.json`` and the manifest are written in ``staging_dir``,
+    which is renamed onto ``manifest_path``'s folder once the manifest is written (``os.replace``: the two must be
+    on one file system, the destination absent or empty). A killed job's chunks survive the deletion of the rule's
+    ``directory()`` output and the rerun resumes from them; the output folder appears only complete. A non-empty
+    output folder without a staging folder is moved back into ``staging_dir`` first (a rerun resumes from it).
+    Records name files relative to their folder, so nothing holds the staging path.
+
+    A plan with a ``subset`` (:func:`draftsmith.features.shard_plan`, stream mode) is extracted the same way; its
+    manifest records the subset and the errors name it (``phase 3 shard 1 chunk 2: ...``).
+
     Args:
         plan_path / tokenized_path / target_dir: inputs of the rule.
-        manifest_path: ``results/features/shard-{i}/manifest.json``.
+        manifest_path: ``results/features/shard-{i}/manifest.json`` (stream mode:
+            ``results/stream/phase-{p}/shard-{i}/manifest.json``).
         shard: shard index in the plan.
         settings: the stage's keys: ``extract`` (storage_dtype, store_target_tokens, chunk_tokens,
             token_budget, padding_mask, require_fla, disk_headroom, fuse) and ``target`` (dtype,
@@ -410,23 +435,33 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
             (forwards + checks + copies), ``write_s`` (writer thread busy), ``wait_s`` (compute waiting
             on the writer), ``host_alloc_s`` (pinned buffers), ``chunks_done`` (computed now), ``fused``
             (what :func:`draftsmith.fused.fused_target` changed).
+        staging_dir: where this shard is written before it is renamed into place (see above); ``None`` writes
+            beside ``manifest_path`` directly.
+        shard_dirs: for the disk check, every shard of the plan's folders (one entry per shard: a folder or a list
+            of folders, e.g. its output and its staging folder). Default: ``<manifest's folder>/../shard-{j}`` and,
+            when staged, ``<staging_dir>/../shard-{j}``.
 
     Returns:
         The manifest (``draftsmith.features/1``), also written to ``manifest_path``.
 
     Raises:
-        DiskSpaceError: free disk < remaining projected bytes x ``disk_headroom``.
+        DiskSpaceError: free disk < the bytes all shards of the plan still have to write x ``disk_headroom`` + the
+            plan's ``reserve_bytes`` (:func:`_check_disk`).
         FeatureSanityError: non-finite values or all-zero rows (names sample id, row, layer, position).
         ValueError: a stale plan (tokenized rows changed), bad tokenized input, token ids outside the
-            vocabulary -- naming file, row and field.
+            vocabulary -- naming file, row and field; a staging folder on another file system than the output.
+        RuntimeError: the output folder and the staging folder both hold files.
     """
     opts = settings.extract
     storage, want_tt = opts.storage_dtype, bool(opts.store_target_tokens)
     manifest_path = Path(manifest_path)
-    folder = manifest_path.parent
+    out = manifest_path.parent
+    folder = out if staging_dir is None else open_staging(Path(staging_dir), out)
     folder.mkdir(parents=True, exist_ok=True)
     plan, rows, tok = _read_shard_inputs(plan_path, tokenized_path, target_dir, shard,
                                          settings.target.trust_remote_code)
+    scope = subset_label(plan.get("subset"))
+    name = f"{scope} shard {shard}" if scope else f"shard {shard}"
     layer_ids, hidden = plan["layer_ids"], plan["hidden_size"]
     lengths = [int(tok.num_tokens[r]) for r in rows]
     batches = make_batches(rows, lengths, int(opts.token_budget))
@@ -441,24 +476,30 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
                          layer_ids=layer_ids, storage=storage, target_token=want_tt,
                          padding_mask=bool(opts.padding_mask), target=fingerprint,
                          dtype=model_dtype.replace("torch.", ""), content=_content_hash(tok, rows))
-    done = _resume_chunks(folder, shard, layout, chunks)
+    done = _resume_chunks(folder, name, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
-    _check_disk(folder, shard, rows, lengths, batches, chunks, todo, len(layer_ids), hidden, storage, want_tt,
-                float(opts.disk_headroom))
+    dirs = shard_folders(plan["num_shards"], out, staging_dir, shard_dirs)
+    _check_disk(folder, name, shard, plan, len(batches), chunks, todo, dirs, storage, want_tt, opts)
 
-    common = {
-        "shard": shard, "num_shards": plan["num_shards"], "layer_ids": layer_ids,
-        "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden, "num_target_layers": plan["num_target_layers"],
-        "storage_dtype": storage, "has_target_token": want_tt, "target_fingerprint": fingerprint,
-        "tokenizer_fingerprint": tok.metadata.get("tokenizer_fingerprint"),
+    common = {"shard": shard, "num_shards": plan["num_shards"]}
+    if "subset" in plan:
+        common["subset"] = plan["subset"]
+    common.update({
+        "layer_ids": layer_ids, "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden,
+        "num_target_layers": plan["num_target_layers"], "storage_dtype": storage, "has_target_token": want_tt,
+        "target_fingerprint": fingerprint, "tokenizer_fingerprint": tok.metadata.get("tokenizer_fingerprint"),
         "chat_template_kwargs": tok.metadata.get("chat_template_kwargs") or {},
-    }
+    })
     if common["tokenizer_fingerprint"] is None:
         log.warning("%s has no draftsmith.tokenizer_fingerprint metadata: recorded as null", tokenized_path)
     if todo:
-        _compute_chunks(todo, len(chunks), model, target_dir, settings, device, folder, shard, tok, layout, done,
+        _compute_chunks(todo, len(chunks), model, target_dir, settings, device, folder, name, tok, layout, done,
                         on_chunk, common, run_stats)
-    return _write_manifest(manifest_path, common, [done[c.index] for c in chunks], rows, sum(lengths))
+    manifest = _write_manifest(folder / manifest_path.name, name, common, [done[c.index] for c in chunks], rows,
+                               sum(lengths))
+    if staging_dir is not None:
+        publish(folder, out)
+    return manifest
 
 
 def _chunk_work(batches: list, tok: Tokenized, chunk_tokens: int) -> list[_ChunkWork]:
@@ -481,31 +522,46 @@ def _content_hash(tok: Tokenized, rows: list[int]) -> str:
     return content.hexdigest()
 
 
-def _check_disk(folder: Path, shard: int, rows: list[int], lengths: list[int], batches: list,
-                chunks: list[_ChunkWork], todo: list[_ChunkWork], n_layers: int, hidden: int, storage: str,
-                want_tt: bool, headroom: float) -> None:
-    """Log the shard's projected size and refuse to start when the bytes still to write do not fit.
+def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: int, chunks: list[_ChunkWork],
+                todo: list[_ChunkWork], dirs: list[list[Path]], storage: str, want_tt: bool,
+                opts: ShardExtractOptions) -> None:
+    """Log the shard's projected size and refuse to start when what **every** shard of the plan still has to
+    write (they run at once), times the headroom, plus the plan's ``reserve_bytes`` does not fit the free disk.
+
+    This shard's bytes still to write are its chunks not done; another shard's are its projection minus its
+    finished chunks on disk (:func:`draftsmith.extract.folders.bytes_left`).
 
     Raises:
-        DiskSpaceError: free disk < remaining projected bytes x ``headroom``.
+        DiskSpaceError: free disk < :func:`draftsmith.disk.needed_bytes` (all shards' bytes still to write,
+            ``disk_headroom``, the plan's reserve); the message names the shards with bytes still to write.
     """
-    total = projected_bytes(sum(lengths), len(rows), n_layers, hidden, storage, want_tt, len(chunks))
-    remaining = projected_bytes(sum(c.num_tokens for c in todo), sum(len(c.rows) for c in todo),
-                                n_layers, hidden, storage, want_tt, len(todo))
+    n_layers, hidden, headroom = len(plan["layer_ids"]), int(plan["hidden_size"]), float(opts.disk_headroom)
+    rows, tokens = sum(len(c.rows) for c in chunks), sum(c.num_tokens for c in chunks)
+    total = projected_bytes(tokens, rows, n_layers, hidden, storage, want_tt, len(chunks))
+    own_left = projected_bytes(sum(c.num_tokens for c in todo), sum(len(c.rows) for c in todo), n_layers, hidden,
+                               storage, want_tt, len(todo))
+    left = bytes_left(plan, shard, own_left, dirs, storage=storage, want_tt=want_tt,
+                      chunk_tokens=int(opts.chunk_tokens))
+    remaining, reserve = sum(left.values()), int(plan.get("reserve_bytes", 0))
     free = free_disk_bytes(folder)
-    log.info("shard %d: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
-             "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write, %.3f GB free",
-             shard, len(rows), sum(lengths), len(batches), len(chunks), len(chunks) - len(todo), total / 1e9,
-             bytes_per_token(n_layers, hidden, storage, want_tt), n_layers, hidden, storage,
-             " + target tokens" if want_tt else "", remaining / 1e9, free / 1e9)
-    if todo and free < remaining * headroom:
+    log.info("%s: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
+             "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write (%.3f GB by all %d shards of the "
+             "plan), reserve %.3f GB, %.3f GB free", name, rows, tokens, num_batches, len(chunks),
+             len(chunks) - len(todo), total / 1e9, bytes_per_token(n_layers, hidden, storage, want_tt), n_layers,
+             hidden, storage, " + target tokens" if want_tt else "", own_left / 1e9, remaining / 1e9,
+             plan["num_shards"], reserve / 1e9, free / 1e9)
+    need = needed_bytes(remaining, headroom, reserve)
+    if todo and free < need:
+        shares = ", ".join(f"shard {j}: {b / 1e9:.3f} GB" for j, b in sorted(left.items()) if b)
         raise DiskSpaceError(
-            f"shard {shard}: {remaining / 1e9:.3f} GB still to write x headroom {headroom} = "
-            f"{remaining * headroom / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free under {folder}")
+            f"{name}: {remaining / 1e9:.3f} GB still to write x headroom {headroom} = "
+            f"{math.ceil(remaining * headroom) / 1e9:.3f} GB by the {len(left)} shards of the plan, which run at "
+            f"once ({shares}), plus a reserve of {reserve / 1e9:.3f} GB for checkpoints and the trained drafter = "
+            f"{need / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free under {folder}")
 
 
 def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | None, target_dir,
-                    settings: ExtractShardSettings, device, folder: Path, shard: int, tok: Tokenized, layout: str,
+                    settings: ExtractShardSettings, device, folder: Path, name: str, tok: Tokenized, layout: str,
                     done: dict, on_chunk, common: dict, run_stats: dict | None) -> None:
     """Load the target (unless given), then compute and write the chunks still to do (:class:`_ShardRunner`);
     ``done`` gains their records."""
@@ -519,7 +575,7 @@ def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | 
         if opts.require_fla:
             raise RuntimeError(msg)
         log.warning("!" * 20 + " " + msg)
-    runner = _ShardRunner(model, folder, shard, common["layer_ids"], tok, common["storage_dtype"],
+    runner = _ShardRunner(model, folder, common["shard"], name, common["layer_ids"], tok, common["storage_dtype"],
                           common["has_target_token"], bool(opts.padding_mask), layout, done, on_chunk, common)
     fuse = fused.resolve_fuse(opts.fuse, next(model.parameters()).device)
     with fused.fused_target(model, enabled=fuse) as fuse_report:
@@ -530,7 +586,7 @@ def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | 
                          host_alloc_s=runner.alloc_seconds, chunks_done=len(todo), fused=fuse_report)
 
 
-def _write_manifest(manifest_path: Path, common: dict, records: list[dict], rows: list[int],
+def _write_manifest(manifest_path: Path, name: str, common: dict, records: list[dict], rows: list[int],
                     shard_tokens: int) -> dict:
     """The shard's manifest (counts checked against the plan), written atomically; returns it.
 
@@ -546,11 +602,11 @@ def _write_manifest(manifest_path: Path, common: dict, records: list[dict], rows
         "stats": _shard_stats(records, common["hidden_size"], len(common["layer_ids"])),
     }
     if manifest["num_samples"] != len(rows) or manifest["num_tokens"] != shard_tokens:
-        raise RuntimeError(f"shard {common['shard']}: manifest counts {manifest['num_samples']} samples / "
+        raise RuntimeError(f"{name}: manifest counts {manifest['num_samples']} samples / "
                            f"{manifest['num_tokens']} tokens != plan {len(rows)} / {shard_tokens}")
     write_json(manifest_path, manifest)
-    log.info("shard %d: manifest %s: %d samples, %d tokens, %.3f GB in %d chunks; per-layer RMS %s",
-             common["shard"], manifest_path, manifest["num_samples"], manifest["num_tokens"],
+    log.info("%s: manifest %s: %d samples, %d tokens, %.3f GB in %d chunks; per-layer RMS %s",
+             name, manifest_path, manifest["num_samples"], manifest["num_tokens"],
              manifest["bytes"] / 1e9, len(records), [round(x, 4) for x in manifest["stats"]["rms"]])
     return manifest
 
@@ -574,10 +630,10 @@ class _ShardRunner:
     on a side CUDA stream into pinned, double-buffered host memory; chunk files serialised, hashed
     and recorded by one writer thread while the next chunk computes."""
 
-    def __init__(self, model, folder: Path, shard: int, layer_ids, tok: Tokenized, storage: str,
+    def __init__(self, model, folder: Path, shard: int, name: str, layer_ids, tok: Tokenized, storage: str,
                  want_tt: bool, padding_mask: bool, layout: str, done: dict[int, dict], on_chunk,
                  common: dict):
-        self.model, self.folder, self.shard, self.tok = model, folder, shard, tok
+        self.model, self.folder, self.shard, self.name, self.tok = model, folder, shard, name, tok
         self.layer_ids, self.n_layers = list(layer_ids), len(layer_ids)
         self.storage, self.want_tt, self.padding_mask = storage, want_tt, padding_mask
         self.layout, self.done, self.on_chunk = layout, done, on_chunk
@@ -622,7 +678,7 @@ class _ShardRunner:
         nonfinite = int((~torch.isfinite(hidden)).sum())
         zero_rows = int((absmax == 0).sum())
         raise FeatureSanityError(
-            f"shard {self.shard} chunk {chunk}: sample id {self.tok.ids[row]!r} (tokenized row {row}) "
+            f"{self.name} chunk {chunk}: sample id {self.tok.ids[row]!r} (tokenized row {row}) "
             f"has bad target features at layer id {self.layer_ids[layer_idx]}, position "
             f"{tok_idx - starts[s]}: "
             f"{'non-finite' if not math.isfinite(float(absmax[tok_idx, layer_idx])) else 'all-zero row'}"
@@ -638,7 +694,7 @@ class _ShardRunner:
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-writer")
         pending: list[tuple[_ChunkWork, concurrent.futures.Future]] = []
         total = sum(c.num_tokens for c in todo)
-        bar = progress(total, f"extract shard {self.shard}", unit="tok", unit_scale=True, logger=log, interval=10)
+        bar = progress(total, f"extract {self.name}", unit="tok", unit_scale=True, logger=log, interval=10)
         t0 = time.perf_counter()
         try:
             with FeatureExtractor(self.model, self.layer_ids, target_tokens=self.want_tt,
@@ -663,8 +719,8 @@ class _ShardRunner:
             pool.shutdown(wait=True)
             bar.close()
         dt = time.perf_counter() - t0
-        log.info("shard %d: %d tokens in %.1f s = %.0f tok/s (%d forwards, compute %.1f s; writer busy "
-                 "%.1f s, compute waited %.1f s on it; pinned host buffers %.1f s)", self.shard, total, dt,
+        log.info("%s: %d tokens in %.1f s = %.0f tok/s (%d forwards, compute %.1f s; writer busy "
+                 "%.1f s, compute waited %.1f s on it; pinned host buffers %.1f s)", self.name, total, dt,
                  total / max(dt, 1e-9), self.extractor.forward_calls, self.compute_seconds,
                  self.write_seconds, self.wait_seconds, self.alloc_seconds)
 
@@ -692,7 +748,7 @@ class _ShardRunner:
             bar.update(t)
         dt = time.perf_counter() - t0
         self.compute_seconds += dt
-        log.info("shard %d: chunk %d computed: %d samples, %d tokens in %.1f s (%.0f tok/s)", self.shard,
+        log.info("%s: chunk %d computed: %d samples, %d tokens in %.1f s (%.0f tok/s)", self.name,
                  chunk.index, len(chunk.rows), pos, dt, pos / max(dt, 1e-9))
         hidden_size = buf.features.shape[1] // self.n_layers
         return {"rms": [math.sqrt(float(x) / (pos * hidden_size)) for x in sumsq],
@@ -724,7 +780,7 @@ class _ShardRunner:
         t0 = time.perf_counter()
         rec = fut.result()
         self.wait_seconds += time.perf_counter() - t0
-        log.info("shard %d: %s written (%d bytes, sha256 %s…)", self.shard, rec["file"], rec["bytes"],
+        log.info("%s: %s written (%d bytes, sha256 %s…)", self.name, rec["file"], rec["bytes"],
                  rec["sha256"][:12])
         if self.on_chunk is not None:
             self.on_chunk(chunk.index, rec)
