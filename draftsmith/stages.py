@@ -20,8 +20,8 @@ Keys whose change alters the DAG itself (``target.model``, ``assets.dir``, ``dat
 
 from __future__ import annotations
 
-from types import MappingProxyType
 import math
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from draftsmith.target_layers import num_tapped_layers

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from draftsmith.batch_plan import StreamPlan, heldout_subset, split_samples
-from draftsmith.disk import DiskSpaceError, bytes_per_token, fits_message, free_disk_bytes, reserve_bytes
+from draftsmith.disk import DiskSpaceError, DrafterSize, bytes_per_token, disk_fit, free_disk_bytes, reserve_bytes
 from draftsmith.features import shard_plan
 from draftsmith.io import write_json
 from draftsmith.settings import SectionSettings, StageSettings
@@ -178,45 +177,49 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
                          f"gives {expected}")
 
     per_token = bytes_per_token(len(layer_ids), hidden, x.storage_dtype, x.store_target_tokens)
+    trust = settings.target.trust_remote_code
+    reserve = reserve_bytes(target_dir, DrafterSize.from_settings(d, num_taps=len(layer_ids)),
+                            keep_checkpoints=t.keep_checkpoints, reserve_gb=s.reserve_gb, trust_remote_code=trust)
+    held_tokens = int(lengths[held].sum()) if held else 0
+    held_bytes = held_tokens * per_token
+    largest = max(int(lengths[list(p.samples)].sum()) for p in plan.phases) * per_token
+    # what a slice's shards must leave free beside their own bytes: the reserve, the kept held-out features and the
+    # other slices on disk at once (each shard's own check counts its slice, draftsmith.extract)
+    slice_reserve = reserve + held_bytes + int((s.slices_on_disk - 1) * largest * x.disk_headroom)
     common = dict(layer_ids=layer_ids, hidden_size=hidden, num_target_layers=num_layers,
                   tokenized_rows=len(rows), tokenized_tokens=int(lengths.sum()))
-    phases, slice_bytes = [], []
+    phases = []
     for phase in plan.phases:
         samples = list(phase.samples)
-        extraction = shard_plan(samples, lengths, x.shards, subset={"phase": phase.index}, **common)
+        extraction = shard_plan(samples, lengths[samples].tolist(), x.shards, subset={"phase": phase.index},
+                                reserve_bytes=slice_reserve, **common)
         tokens = int(lengths[samples].sum())
-        slice_bytes.append(tokens * per_token)
         write_json(out_dir / "plans" / f"phase-{phase.index}.json", extraction)
         phases.append({"phase": phase.index, "pass": phase.pass_index, "slice": phase.slice_index,
                        "first_step": phase.first_step, "end_step": phase.end_step, "samples": len(samples),
                        "tokens": tokens, "bytes": tokens * per_token})
-    held_plan = shard_plan(held, lengths, 1, subset={"heldout": True}, **common)
-    write_json(out_dir / "plans" / "heldout.json", held_plan)
-    held_tokens = int(lengths[held].sum()) if held else 0
+    write_json(out_dir / "plans" / "heldout.json",
+               shard_plan(held, lengths[held].tolist(), 1, subset={"heldout": True}, reserve_bytes=reserve, **common))
 
-    reserve = reserve_bytes(target_dir, d, keep_checkpoints=t.keep_checkpoints, reserve_gb=s.reserve_gb,
-                            num_tapped=len(layer_ids))
     free = free_disk_bytes(out_dir)
-    largest = max(slice_bytes)
-    need = int(s.slices_on_disk * largest * x.disk_headroom) + held_tokens * per_token + reserve
-    disk = {"bytes_per_token": per_token, "largest_slice_bytes": largest, "heldout_bytes": held_tokens * per_token,
+    need = int(s.slices_on_disk * largest * x.disk_headroom) + held_bytes + reserve
+    disk = {"bytes_per_token": per_token, "largest_slice_bytes": largest, "heldout_bytes": held_bytes,
             "reserve_bytes": reserve, "slices_on_disk": s.slices_on_disk, "need_bytes": need, "free_bytes": free}
-    pass_tokens = sum(p["tokens"] for p in phases) / max(1, len(phases) // s.slices)
-    log.info("stream plan: %d phases (%d passes x %d slices, each trained %d time(s)), %d steps; slices of %.3g-%.3g "
-             "GB (%d bytes a token); held-out %d samples (%.3g GB); reserve %.3g GB; need %.3g GB of %.3g GB free",
-             len(phases), len(phases) // s.slices, s.slices, s.reuse, plan.total_steps, min(slice_bytes) / 1e9,
-             largest / 1e9, per_token, len(held), held_tokens * per_token / 1e9, reserve / 1e9, need / 1e9,
-             free / 1e9)
+    log.info("stream plan: %d phases (%d passes x %d slices, each trained %d time(s)), %d steps; slices up to %.3g GB "
+             "(%d bytes a token); held-out %d samples (%.3g GB); reserve %.3g GB; need %.3g GB of %.3g GB free",
+             len(phases), len(phases) // s.slices, s.slices, s.reuse, plan.total_steps, largest / 1e9, per_token,
+             len(held), held_bytes / 1e9, reserve / 1e9, need / 1e9, free / 1e9)
     if need > free:
+        pass_tokens = sum(int(lengths[list(p.samples)].sum()) for p in plan.phases if p.pass_index == 0)
+        fit = disk_fit(num_tokens=pass_tokens, num_samples=len(train_rows), num_layers=len(layer_ids),
+                       hidden_size=hidden, storage_dtype=x.storage_dtype, target_token=x.store_target_tokens,
+                       free_bytes=free, reserve_bytes=reserve, headroom=x.disk_headroom, slices=s.slices,
+                       slices_on_disk=s.slices_on_disk, kept_bytes=held_bytes, where=out_dir)
         raise DiskSpaceError(
-            f"stream.slices = {s.slices}: {s.slices_on_disk} slice(s) of up to {largest / 1e9:.3g} GB (x "
-            f"extract.disk_headroom {x.disk_headroom}) + held-out features {held_tokens * per_token / 1e9:.3g} GB + "
-            f"reserve {reserve / 1e9:.3g} GB = {need / 1e9:.3g} GB, but only {free / 1e9:.3g} GB are free under "
-            f"{out_dir}. " + fits_message(total_bytes=int(pass_tokens * per_token),
-                                          heldout_bytes=held_tokens * per_token, free_bytes=free,
-                                          reserve=reserve, bytes_per_token=per_token, num_tapped=len(layer_ids),
-                                          hidden_size=hidden, store_target_tokens=x.store_target_tokens,
-                                          slices_on_disk=s.slices_on_disk, headroom=x.disk_headroom))
+            f"stream.slices = {s.slices}: {s.slices_on_disk} slice(s) of up to {largest / 1e9:.3f} GB (x "
+            f"extract.disk_headroom {x.disk_headroom}) + the held-out features {held_bytes / 1e9:.3f} GB + a reserve "
+            f"of {reserve / 1e9:.3f} GB = {need / 1e9:.3f} GB, but only {free / 1e9:.3f} GB are free under {out_dir}. "
+            f"For one pass over the data: {fit.message()}")
     doc = {
         "format": STREAM_PLAN_FORMAT, "settings": settings.to_dict(), "world": max(1, t.gpus),
         "lengths_sha256": _lengths_digest(lengths), "tokenized_rows": len(rows),
@@ -367,38 +370,32 @@ def check_disk_before_regeneration(curated_path: str | os.PathLike, target_dir: 
     from draftsmith.target import target_dims
 
     d, x, s = settings.drafter, settings.extract, settings.stream
+    trust = settings.target.trust_remote_code
     table = pq.read_table(curated_path, columns=["messages", "tools"])
     conversations = table.to_pylist()
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=settings.target.trust_remote_code)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust)
     tokens, rows = upper_bound_tokens(conversations, tokenizer, settings)
-    num_layers, hidden, _ = target_dims(target_dir, trust_remote_code=settings.target.trust_remote_code)
+    num_layers, hidden, _ = target_dims(target_dir, trust_remote_code=trust)
     tapped = len(tapped_layer_ids(d.target_layer_ids, d.num_target_features, d.num_layers, num_layers))
-    per_token = bytes_per_token(tapped, hidden, x.storage_dtype, x.store_target_tokens)
-    features = tokens * per_token
-    reserve = reserve_bytes(target_dir, d, keep_checkpoints=settings.train.keep_checkpoints,
-                            reserve_gb=s.reserve_gb, num_tapped=tapped)
+    reserve = reserve_bytes(target_dir, DrafterSize.from_settings(d, num_taps=tapped),
+                            keep_checkpoints=settings.train.keep_checkpoints, reserve_gb=s.reserve_gb,
+                            trust_remote_code=trust)
     report_path = Path(report_path)
-    free = free_disk_bytes(report_path.parent)
-    on_disk = features if s.slices == 1 else math.ceil(features / s.slices) * s.slices_on_disk
-    need = int(on_disk * x.disk_headroom) + reserve
+    fit = disk_fit(num_tokens=tokens, num_samples=rows, num_layers=tapped, hidden_size=hidden,
+                   storage_dtype=x.storage_dtype, target_token=x.store_target_tokens,
+                   free_bytes=free_disk_bytes(report_path.parent), reserve_bytes=reserve, headroom=x.disk_headroom,
+                   slices=s.slices, slices_on_disk=s.slices_on_disk, where=report_path.parent)
     report = {"format": DISK_PLAN_FORMAT, "conversations": len(conversations), "rows_at_most": rows,
-              "tokens_at_most": tokens, "bytes_per_token": per_token, "features_bytes_at_most": features,
-              "slices": s.slices, "on_disk_bytes_at_most": on_disk, "reserve_bytes": reserve, "need_bytes": need,
-              "free_bytes": free}
-    log.info("disk before regeneration: at most %d tokens in %d rows from %d conversations -> features %.3g GB "
-             "(%d bytes a token), %.3g GB on disk at once with stream.slices = %d, reserve %.3g GB; %.3g GB free",
-             tokens, rows, len(conversations), features / 1e9, per_token, on_disk / 1e9, s.slices, reserve / 1e9,
-             free / 1e9)
-    if need > free:
-        mode = "offline (stream.slices = 1)" if s.slices == 1 else f"stream.slices = {s.slices}"
+              "tokens_at_most": tokens, "bytes_per_token": fit.bytes_per_token,
+              "features_bytes_at_most": fit.feature_bytes, "slices": s.slices,
+              "on_disk_bytes_at_most": fit.on_disk_bytes,
+              "reserve_bytes": reserve, "need_bytes": fit.needed_bytes, "free_bytes": fit.free_bytes,
+              "fits": fit.fits, "min_slices": fit.min_slices, "fp8_min_slices": fit.fp8_min_slices}
+    log.info("disk before regeneration: at most %d tokens in %d rows from %d conversations: %s", tokens, rows,
+             len(conversations), fit.message())
+    if not fit.fits:
         raise DiskSpaceError(
-            f"{curated_path}: regenerated and tokenized, these {len(conversations)} conversations make at most "
-            f"{tokens:,} tokens = {features / 1e9:.3g} GB of features; {mode} keeps {on_disk / 1e9:.3g} GB of them "
-            f"on disk at once, plus a reserve of {reserve / 1e9:.3g} GB for checkpoints and outputs, but only "
-            f"{free / 1e9:.3g} GB are free under {report_path.parent}. Refused before regeneration. "
-            + fits_message(total_bytes=features, heldout_bytes=0, free_bytes=free, reserve=reserve,
-                           bytes_per_token=per_token, num_tapped=tapped, hidden_size=hidden,
-                           store_target_tokens=x.store_target_tokens, slices_on_disk=s.slices_on_disk,
-                           headroom=x.disk_headroom))
+            f"{curated_path}: refused before regeneration. Regenerated and tokenized, these {len(conversations)} "
+            f"conversations make at most {tokens:,} tokens: {fit.message()}")
     write_json(report_path, report)
     return report

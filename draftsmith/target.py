@@ -57,6 +57,15 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def target_dims(target_dir: str | os.PathLike, *, trust_remote_code: bool = False) -> tuple[int, int, int]:
+    """``(num_target_layers L, hidden_size H, vocab_size V)`` from the target's config.json only."""
+    from transformers import AutoConfig
+
+    folder = check_model_folder(target_dir)
+    cfg = text_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)
+
+
 def is_hybrid(config) -> bool:
     """True for targets mixing Gated DeltaNet (linear attention) and full-attention layers."""
     cfg = text_config(config)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workflow import copy_workflow, planned_jobs
 
-from test_workflow import build_tiny_target, snakemake, tiny_config, write_tiny_sources  # noqa: I001
+from test_workflow import build_tiny_target, snakemake, tiny_config, write_tiny_sources
+from workflow import copy_workflow, planned_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,8 @@ def test_stream_run_trains_the_offline_weights_with_one_slice_on_disk(runs):
     offline, work, samples = runs
     trained = "results/drafter/trained/model.safetensors"
     assert _sha(work / trained) == _sha(offline / trained)
-    assert _sha(work / "results/drafter/final/model.safetensors") == _sha(offline / "results/drafter/final/model.safetensors")
+    final = "results/drafter/final/model.safetensors"
+    assert _sha(work / final) == _sha(offline / final)
     plan = json.loads((work / "results/stream/plan.json").read_text())
     assert len(plan["phases"]) == SLICES * EPOCHS
     # at most one slice's features on disk at any sampled moment, and none left behind

@@ -45,7 +45,6 @@ from draftsmith.extract.plan import (
     PlanTrainOptions,
     build_plan,
     resolve_layer_ids,
-    target_dims,
 )
 from draftsmith.extract.shard import (
     Batch,
@@ -66,5 +65,5 @@ __all__ = [
     "Batch", "ExtractHeldoutSettings", "ExtractPlanSettings", "ExtractShardSettings", "ExtractSliceSettings",
     "FeatureExtractor", "FeatureSanityError", "PlanDrafterOptions", "PlanExtractOptions", "PlanStreamOptions",
     "PlanTargetOptions", "PlanTrainOptions", "ShardExtractOptions", "ShardTargetOptions", "build_plan", "chunk_name",
-    "extract_shard", "make_batches", "make_chunks", "resolve_layer_ids", "target_dims",
+    "extract_shard", "make_batches", "make_chunks", "resolve_layer_ids",
 ]

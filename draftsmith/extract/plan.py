@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from draftsmith.disk import DrafterSize, bytes_per_token, disk_fit, free_disk_bytes, reserve_bytes
 from draftsmith.features import shard_plan, storage_torch_dtype
 from draftsmith.settings import SectionSettings, StageSettings
-from draftsmith.target import check_model_folder, text_config
+from draftsmith.target import target_dims
 from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids
 from draftsmith.tokenized import read_tokenized
 
@@ -120,15 +120,6 @@ def resolve_layer_ids(drafter: PlanDrafterOptions, num_target_layers: int) -> li
     if given is None:
         log.info("target_layer_ids not configured: official default for L=%d, n=%d -> %s", num_target_layers, n, ids)
     return ids
-
-
-def target_dims(target_dir: str | os.PathLike, *, trust_remote_code: bool = False) -> tuple[int, int, int]:
-    """``(num_target_layers L, hidden_size H, vocab_size V)`` from the target's config.json only."""
-    from transformers import AutoConfig
-
-    folder = check_model_folder(target_dir)
-    cfg = text_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
-    return int(cfg.num_hidden_layers), int(cfg.hidden_size), int(cfg.vocab_size)
 
 
 def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,

@@ -25,7 +25,6 @@ from torch import nn
 from draftsmith import fused
 from draftsmith.disk import DiskSpaceError, bytes_per_token, free_disk_bytes, needed_bytes, projected_bytes
 from draftsmith.extract.folders import bytes_left, open_staging, publish, shard_folders
-from draftsmith.extract.plan import target_dims
 from draftsmith.features import (
     FEATURES_FORMAT,
     LAYER_SEMANTICS,
@@ -46,6 +45,7 @@ from draftsmith.target import (
     is_hybrid,
     load_target,
     resolve_dtype,
+    target_dims,
     text_config,
 )
 from draftsmith.target_layers import validate_layer_ids
