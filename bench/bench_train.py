@@ -520,9 +520,11 @@ def epoch_window(index_path: Path, train: dict, nproc: int, epochs: int) -> tupl
     from draftsmith.train import BatchPlan, split_samples
 
     index = FeatureIndex(index_path)
-    train_ids, _ = split_samples([s.row for s in index.samples], float(train["eval_fraction"]), int(train["seed"]))
-    plan = BatchPlan([s.num_tokens for s in index.samples], train_ids, int(train["tokens_per_batch"]),
-                     seed=int(train["seed"]), world=nproc, grad_accum=int(train["grad_accum"]), epochs=2 * epochs + 1)
+    rows = [s.row for s in index.samples]
+    train_ids, _ = split_samples(rows, float(train["eval_fraction"]), int(train["seed"]))
+    plan = BatchPlan({s.row: s.num_tokens for s in index.samples}, [rows[i] for i in train_ids],
+                     int(train["tokens_per_batch"]), seed=int(train["seed"]), world=nproc,
+                     grad_accum=int(train["grad_accum"]), epochs=2 * epochs + 1)
     warm = sum(plan.steps_per_epoch[:epochs + 1])
     if plan.total_steps - warm > warm:
         raise ValueError(f"epochs of uneven length {plan.steps_per_epoch}: the last window would not be whole epochs")
@@ -544,9 +546,9 @@ def bench_flops_per_token(index_path: Path, tdir: Path, cfg: dict, on_gpu: bool,
     with torch.device("meta"):
         model = DFlashDraftModel(config)
     cap, block = int(train.tokens_per_batch), int(drafter.block_size)
-    lengths = [s.num_tokens for s in index.samples]
+    lengths = {s.row: s.num_tokens for s in index.samples}
     flops, ctx = 0.0, 0
-    for r, row in enumerate(pack_rows(lengths, list(range(len(lengths))), cap)[:rows]):
+    for r, row in enumerate(pack_rows(lengths, [s.row for s in index.samples], cap)[:rows]):
         batch = make_batch(index, row, num_anchors=train.num_anchors, seed=r, feature_dtype=torch.bfloat16,
                            pad_tokens_to=-(-cap // 128) * 128 if on_gpu else 1,
                            pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,

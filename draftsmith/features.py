@@ -550,13 +550,17 @@ class FeatureIndex:
     so only the bytes of the requested samples are touched and nothing is copied into RAM up front. Only the small
     ``offsets`` / ``sample_index`` tensors are read at open time.
 
+    Samples are named by their tokenized train row: :meth:`ref` / :meth:`has_row` (an index may hold any subset of
+    the rows, e.g. one slice of a stream-mode run).
+
     Attributes:
         meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
         layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
 
     Raises:
         FileNotFoundError: the index or a chunk file is missing.
-        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes (file and field named).
+        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes, a tokenized row stored twice
+            (file and field named).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -576,6 +580,7 @@ class FeatureIndex:
         self.files: list[Path] = []
         self.chunks: list[ChunkFile] = []
         self.samples: list[SampleRef] = []
+        self._by_row: dict[int, int] = {}  # tokenized row -> position in samples
         for ci, chunk in enumerate(self.meta["chunks"]):
             file = self.path.parent / chunk["path"]
             if not file.is_file():
@@ -586,9 +591,29 @@ class FeatureIndex:
                 storage_dtype=self.storage_dtype, has_target_token=self.has_target_token, width=self.width,
                 context=f" ({len(self.layer_ids)} layers x {self.hidden_size})")
             for i, row in enumerate(rows):
+                if int(row) in self._by_row:
+                    raise ValueError(f"{self.path}: tokenized row {row} is stored twice (chunk "
+                                     f"{self.samples[self._by_row[int(row)]].chunk} and chunk {ci})")
+                self._by_row[int(row)] = len(self.samples)
                 self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
         if not self.samples:
             raise ValueError(f"{self.path}: the index holds no samples")
+
+    def has_row(self, row: int) -> bool:
+        """Whether the features of tokenized train row ``row`` are in this index."""
+        return row in self._by_row
+
+    def ref(self, row: int) -> SampleRef:
+        """Where the features of tokenized train row ``row`` live.
+
+        Raises:
+            KeyError: the index does not hold that row (the index named).
+        """
+        try:
+            return self.samples[self._by_row[row]]
+        except KeyError:
+            raise KeyError(f"{self.path}: no features of tokenized row {row} (the index holds "
+                           f"{len(self.samples)} samples)") from None
 
     def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None
              ) -> dict[str, torch.Tensor]:

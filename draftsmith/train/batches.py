@@ -26,8 +26,13 @@ def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: 
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
                bucket_anchors: bool = False, max_anchors_per_row: int | None = None,
                pin_memory: bool = False) -> PackedBatch:
-    """Read one row of samples (``(sample, tokens)`` pairs) and pack it with :func:`pack_documents`."""
-    parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
+    """Read one packed row of samples (``(tokenized row, tokens)`` pairs, :meth:`FeatureIndex.ref`) and pack it with
+    :func:`pack_documents`.
+
+    Raises:
+        KeyError: the index does not hold a row's sample.
+    """
+    parts = [index.read(index.ref(s), n, feature_dtype) for s, n in row]
     return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
                           pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
                           max_anchors_per_row=max_anchors_per_row, pin_memory=pin_memory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from draftsmith.batch_plan import BatchPlan, split_samples
@@ -31,13 +32,15 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float =
 class TrainData:
     """What the features give a run: the index, the held-out split and the batch plan.
 
-    ``lengths`` are the samples' token counts (index order), ``train_ids`` / ``heldout_ids`` index positions
-    (:func:`split_samples`), ``truncated`` the training samples longer than a row, ``use_target_tokens`` whether the
-    labels are the target's own next tokens (``train.labels = target`` and the features carry them).
+    Samples are named by their tokenized train row throughout: ``lengths[row]`` is a sample's token count,
+    ``train_ids`` / ``heldout_ids`` are rows (:func:`split_samples`' split, in row order), and the plan's packed
+    rows hold ``(row, tokens)`` pairs that :meth:`FeatureIndex.ref` finds. ``truncated`` counts the training samples
+    longer than a packed row, ``use_target_tokens`` whether the labels are the target's own next tokens
+    (``train.labels = target`` and the features carry them).
     """
 
     index: FeatureIndex
-    lengths: list[int]
+    lengths: Mapping[int, int]
     train_ids: list[int]
     heldout_ids: list[int]
     truncated: int
@@ -56,8 +59,10 @@ def plan_data(index_path: str | os.PathLike, settings: TrainOptions, world: int)
     use_target_tokens = settings.labels == "target" and index.has_target_token
     if settings.labels == "target" and not index.has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
-    train_ids, heldout_ids = split_samples([s.row for s in index.samples], settings.eval_fraction, settings.seed)
-    lengths = [s.num_tokens for s in index.samples]
+    rows = [s.row for s in index.samples]
+    train_ids, heldout_ids = ([rows[i] for i in part]
+                              for part in split_samples(rows, settings.eval_fraction, settings.seed))
+    lengths = {s.row: s.num_tokens for s in index.samples}
     row_tokens = int(settings.tokens_per_batch)
     truncated = sum(1 for i in train_ids if lengths[i] > row_tokens)
     log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
