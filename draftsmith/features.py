@@ -471,24 +471,29 @@ class ChunkFile:
                              f"{len(rows)} samples")
         return offsets, rows
 
-    def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None
-             ) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None, *,
+             dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Tokens ``start:end`` (default all): ``features [T, n*H]`` in ``dtype`` (default float32; float8 decoded
-        with :func:`dequantize_fp8`), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored,
-        ``target_token [T]`` int32."""
+        with :func:`dequantize_fp8`, or with ``dequantize=False`` left float8 as stored, with ``scales [T, n]``
+        float32), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored, ``target_token [T]`` int32."""
         import torch
 
         dtype = dtype or torch.float32
         if end is None:
             end = self._fh.get_slice("hidden_states").get_shape()[0]
         hidden = self._fh.get_slice("hidden_states")[start:end]
+        scales = None
         if hidden.dtype == torch.float8_e4m3fn:
-            hidden = dequantize_fp8(hidden, self._fh.get_slice("scales")[start:end], dtype)
-        out = {"features": hidden.to(dtype),
+            scales = self._fh.get_slice("scales")[start:end]
+            if dequantize:
+                hidden, scales = dequantize_fp8(hidden, scales, dtype), None
+        out = {"features": hidden if scales is not None else hidden.to(dtype),
                "input_ids": self._fh.get_slice("input_ids")[start:end],
                "loss_mask": self._fh.get_slice("loss_mask")[start:end]}
         if "target_token" in self.names:
             out["target_token"] = self._fh.get_slice("target_token")[start:end]
+        if scales is not None:
+            out["scales"] = scales
         return out
 
     def samples(self) -> dict[str, torch.Tensor]:
@@ -615,17 +620,20 @@ class FeatureIndex:
             raise KeyError(f"{self.path}: no features of tokenized row {row} (the index holds "
                            f"{len(self.samples)} samples)") from None
 
-    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None
-             ) -> dict[str, torch.Tensor]:
+    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None, *,
+             dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (default bfloat16;
-        fp8 dequantised as ``fp8 * scale`` per token and layer), ``input_ids`` / ``target_token`` ``[T]`` int64,
+        fp8 dequantised as ``fp8 * scale`` per token and layer, or with ``dequantize=False`` left float8 with
+        ``scales [T, n]`` float32, for decoding on the GPU), ``input_ids`` / ``target_token`` ``[T]`` int64,
         ``loss_mask`` ``[T]`` bool."""
         import torch
 
         end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
-        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16)
+        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16, dequantize=dequantize)
         out = {"features": part["features"], "input_ids": part["input_ids"].long(),
                "loss_mask": part["loss_mask"].bool()}
         if self.has_target_token:
             out["target_token"] = part["target_token"].long()
+        if "scales" in part:
+            out["scales"] = part["scales"]
         return out
