@@ -154,6 +154,17 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_train_phase_settings_hold_exactly_the_stage_keys():
+    """TrainPhaseSettings' fields are rule train_phase's keys in draftsmith.stages (output + runtime)."""
+    from draftsmith.stages import STAGE_KEYS
+
+    want = {section: set(kinds.get("output", ())) | set(kinds.get("runtime", ()))
+            for section, kinds in STAGE_KEYS["train_phase"].items()}
+    assert {section: set(keys) for section, keys in TrainPhaseSettings.keys().items()} == want
+    with pytest.raises(ValueError, match="did you mean 'slices'"):
+        TrainPhaseSettings.from_config(stream={"slice": 2})
+
+
 # ------------------------------------------------------------------------------------------------------------
 # phases = the offline run
 # ------------------------------------------------------------------------------------------------------------
