@@ -9,7 +9,8 @@ and optimizer), :mod:`.checkpoint` (:func:`save_checkpoint`, :func:`load_latest_
 GPU memory), :mod:`.distributed` (torchrun, DDP, compiled layers), :mod:`.trainer`, whose :func:`train` is the
 offline run and :class:`Trainer` the pieces and the loop every run shares, and finally :mod:`.phases`, stream mode
 (``docs/stream.md``): :func:`train_phase` trains one phase of the global plan on one slice's features,
-:func:`train_final` ends the run. ``python -m draftsmith.train`` (:mod:`.__main__`) is one process of any of them.
+:func:`train_final` ends the run. ``python -m draftsmith.train`` (:mod:`.__main__`) is one process of any of them;
+:mod:`.launch` is the rules' side (lease the GPUs, torchrun, the output to the rule's log).
 
 The batch plan is a pure function of (seed, epoch): epoch ``e`` shuffles the training samples (named by their
 tokenized train rows) with seed ``(seed, e)`` and packs them greedily into rows of at most ``tokens_per_batch``
@@ -23,7 +24,9 @@ Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder 
 (AdamW moments and step counts), ``rng.safetensors`` (torch CPU / CUDA generator states), ``state.json`` (step,
 epoch, scheduler, data position, run fingerprint, sha256 of the other files; written last). A folder is
 assembled under a temporary name and renamed into place, then ``latest.json`` is replaced atomically; resume
-verifies the hashes, so a half-written checkpoint is never accepted.
+verifies the hashes, so a half-written checkpoint is never accepted. In stream mode every phase of a run shares the
+folder; a phase's checkpoints also record the phase and the ``state.json`` sha256 of the checkpoint it started from
+(``"phase"``), and its marker ``<out>/phases/phase-{p}.json`` (:data:`PHASE_FORMAT`) names its last checkpoint.
 """
 
 from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, pack_rows, seed_of, split_samples

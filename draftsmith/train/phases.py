@@ -92,9 +92,9 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
 
     # -- data: the global plan from the tokenized rows, this phase's slice of the features, the held-out features
     index = FeatureIndex(index_path)
-    heldout_index = open_heldout(heldout_path, FeatureMeta.of(index))
-    data = plan_stream_data(tokenized_path, cfg, settings.stream, world, features=FeatureMeta.of(index), index=index,
-                            heldout_index=heldout_index)
+    features = FeatureMeta.of(index)
+    data = plan_stream_data(tokenized_path, cfg, settings.stream, world, features=features, index=index,
+                            heldout_index=open_heldout(heldout_path, features))
     current = select_phase(data.plan, phase, expected)
     check_samples(index, current.samples, data.lengths, f"phase {phase}'s slice")
     check_heldout(data, heldout_path)
