@@ -28,6 +28,7 @@ step time / the bf16 peak of an 8192^3 matmul measured in the same run) and peak
     python bench/bench_train.py --ddp 2 --shape qwen3.5-27b --config config/gpu-node.yaml --out $OUT   # 2 x H200
     python bench/bench_train.py --tiny --ddp 2 --out /tmp/ddpbench   # the same on the CPU (gloo), tiny shape
     python bench/bench_train.py --ddp 1 --ddp-overhead --shape qwen3.5-27b --config config/gpu-node.yaml  # 1 GPU
+    python bench/bench_train.py --ddp 1 --storage float8_e4m3fn --shape qwen3.5-27b --config config/gpu-node.yaml
 
 ``--ddp N``: DDP scaling of the real trainer. Writes a target folder (the shape's config.json, e.g. Qwen3.5-27B's
 hybrid one; model.safetensors with only the random bf16 embedding and LM head) and ``--ddp-tokens`` tokens of
@@ -393,7 +394,7 @@ def random_rows(n: int, width: int, device: torch.device, gen: torch.Generator) 
 
 
 def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: list[int], num_tokens: int, seed: int,
-                       device: torch.device) -> tuple[Path, Path, dict]:
+                       device: torch.device, storage: str = "bfloat16") -> tuple[Path, Path, dict]:
     """The trainer's inputs at the real shape: a target folder and features in the format of draftsmith.features.
 
     * ``target/``: ``config.json`` (:func:`target_config`) and ``model.safetensors`` holding only
@@ -401,9 +402,11 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
       tokenizer (the drafter section sets ``mask_token_id``).
     * ``features/``: ``index.json`` (:func:`draftsmith.features.write_index`, as
       :class:`draftsmith.features.FeatureIndex` reads it) and ``shard-0/chunk-XXXXX.safetensors``
-      (:func:`draftsmith.features.write_chunk`) of ~256 MB of features each: features ``[T, n_taps * H]`` bf16
-      random, input ids ``[T]``, loss mask ``[T]`` (the first 30% of each document 0 = prompt, the rest 1 =
-      supervised answer), target tokens ``[T]`` (the input ids shifted by one within the document).
+      (:func:`draftsmith.features.write_chunk`) of ~256 MB of features each: features ``[T, n_taps * H]`` random
+      bf16 values stored as ``storage`` (``float8_e4m3fn``: quantised on ``device`` with one scale per token and
+      tap, :func:`draftsmith.features.quantize_fp8`, ~128 MB per chunk), input ids ``[T]``, loss mask ``[T]``
+      (the first 30% of each document 0 = prompt, the rest 1 = supervised answer), target tokens ``[T]`` (the
+      input ids shifted by one within the document).
 
     Documents take consecutive entries of ``lengths`` from a seeded start (cycled) until ``num_tokens`` tokens
     (the last document may overshoot). Chunks are written by 4 threads while the next ones are drawn.
@@ -415,10 +418,11 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
 
     from safetensors.torch import save_file
 
-    from draftsmith.features import LAYER_SEMANTICS, index_document, write_chunk, write_index
+    from draftsmith.features import LAYER_SEMANTICS, index_document, quantize_fp8, write_chunk, write_index
 
     t0 = time.perf_counter()
     H, V, taps = shape["hidden"], shape["vocab"], shape["layer_ids"]
+    value_bytes = 1 if storage == "float8_e4m3fn" else 2  # (float8 adds a float32 scale per token and tap)
     width = len(taps) * H
     gen = torch.Generator(device=device).manual_seed(seed)
     tdir, fdir = workdir / "target", workdir / "features"
@@ -464,9 +468,13 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
                 target[o:o + n] = torch.roll(ids[o:o + n], -1)
                 offsets.append(o + n)
             name = f"shard-0/chunk-{c:05d}.safetensors"
-            pending.append((c, pool.submit(write_chunk, fdir / name, features=random_rows(T, width, device, gen),
+            feats, scales = random_rows(T, width, device, gen), None
+            if storage == "float8_e4m3fn":  # encoded where the values were drawn (on a GPU: fast)
+                q, scales = quantize_fp8(feats.to(device), len(taps))
+                feats, scales = q.cpu(), scales.cpu()
+            pending.append((c, pool.submit(write_chunk, fdir / name, features=feats, scales=scales,
                                            lengths=lens, sample_index=range(row, row + len(lens)), input_ids=ids,
-                                           loss_mask=mask, target_token=target, storage_dtype="bfloat16")))
+                                           loss_mask=mask, target_token=target, storage_dtype=storage)))
             chunks.append({"path": name, "shard": 0, "num_samples": len(lens), "num_tokens": T,
                            "rows": list(range(row, row + len(lens)))})
             row += len(lens)
@@ -477,12 +485,14 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
     write_index(fdir / "index.json", index_document({
         "num_shards": 1, "num_samples": row, "num_tokens": sum(docs),
         "bytes": sum(c["bytes"] for c in chunks), "layer_ids": taps, "layer_semantics": LAYER_SEMANTICS,
-        "hidden_size": H, "num_target_layers": shape["target_layers"], "storage_dtype": "bfloat16",
+        "hidden_size": H, "num_target_layers": shape["target_layers"], "storage_dtype": storage,
         "has_target_token": True, "target_fingerprint": f"bench-random-{shape_name}",
         "tokenizer_fingerprint": "bench-random", "chunks": chunks}))
+    per_token = value_bytes * width + (4 * len(taps) if storage == "float8_e4m3fn" else 0)
     summary = {"documents": row, "tokens": sum(docs), "mean_document_tokens": sum(docs) / row,
-               "max_document_tokens": max(docs), "chunks": len(chunks), "feature_bytes": 2 * width * sum(docs),
-               "bytes_per_token": 2 * width, "target_s": t_target, "total_s": time.perf_counter() - t0}
+               "max_document_tokens": max(docs), "chunks": len(chunks), "storage_dtype": storage,
+               "feature_bytes": per_token * sum(docs), "bytes_per_token": per_token, "target_s": t_target,
+               "total_s": time.perf_counter() - t0}
     return fdir / "index.json", tdir, summary
 
 
@@ -520,9 +530,11 @@ def epoch_window(index_path: Path, train: dict, nproc: int, epochs: int) -> tupl
     from draftsmith.train import BatchPlan, split_samples
 
     index = FeatureIndex(index_path)
-    train_ids, _ = split_samples([s.row for s in index.samples], float(train["eval_fraction"]), int(train["seed"]))
-    plan = BatchPlan([s.num_tokens for s in index.samples], train_ids, int(train["tokens_per_batch"]),
-                     seed=int(train["seed"]), world=nproc, grad_accum=int(train["grad_accum"]), epochs=2 * epochs + 1)
+    rows = [s.row for s in index.samples]
+    train_ids, _ = split_samples(rows, float(train["eval_fraction"]), int(train["seed"]))
+    plan = BatchPlan({s.row: s.num_tokens for s in index.samples}, [rows[i] for i in train_ids],
+                     int(train["tokens_per_batch"]), seed=int(train["seed"]), world=nproc,
+                     grad_accum=int(train["grad_accum"]), epochs=2 * epochs + 1)
     warm = sum(plan.steps_per_epoch[:epochs + 1])
     if plan.total_steps - warm > warm:
         raise ValueError(f"epochs of uneven length {plan.steps_per_epoch}: the last window would not be whole epochs")
@@ -544,9 +556,9 @@ def bench_flops_per_token(index_path: Path, tdir: Path, cfg: dict, on_gpu: bool,
     with torch.device("meta"):
         model = DFlashDraftModel(config)
     cap, block = int(train.tokens_per_batch), int(drafter.block_size)
-    lengths = [s.num_tokens for s in index.samples]
+    lengths = {s.row: s.num_tokens for s in index.samples}
     flops, ctx = 0.0, 0
-    for r, row in enumerate(pack_rows(lengths, list(range(len(lengths))), cap)[:rows]):
+    for r, row in enumerate(pack_rows(lengths, [s.row for s in index.samples], cap)[:rows]):
         batch = make_batch(index, row, num_anchors=train.num_anchors, seed=r, feature_dtype=torch.bfloat16,
                            pad_tokens_to=-(-cap // 128) * 128 if on_gpu else 1,
                            pad_anchors_to=max(1, 128 // block) if on_gpu else 1, bucket_anchors=on_gpu,
@@ -754,7 +766,8 @@ def run_ddp(args, say) -> int:
     res: dict = {"info": {"device": f"{gpus} x {torch.cuda.get_device_name()}" if on_gpu else "cpu",
                           "torch": torch.__version__, "transformers": transformers.__version__, "shape": shape_name,
                           "config": args.config, "sizes": sizes, "nproc": args.ddp, "steps": steps,
-                          "log_every": args.ddp_log_every, "threads": threads}, "runs": {}}
+                          "log_every": args.ddp_log_every, "threads": threads, "storage": args.storage},
+           "runs": {}}
 
     def save() -> None:
         (out / "ddp.json").write_text(json.dumps(res, indent=1, default=str))
@@ -781,8 +794,9 @@ def run_ddp(args, say) -> int:
     try:
         lengths = ddp_document_lengths(sizes, max_length, args.tiny)
         say(f"writing the target folder and ~{tokens:,} tokens of features at the {shape_name} shape "
-            f"({len(shape['layer_ids'])} x {shape['hidden']} bf16 per token) to {workdir}")
-        index, tdir, feats = write_ddp_features(workdir, shape_name, shape, lengths, tokens, args.seed, device)
+            f"({len(shape['layer_ids'])} x {shape['hidden']} {args.storage} per token) to {workdir}")
+        index, tdir, feats = write_ddp_features(workdir, shape_name, shape, lengths, tokens, args.seed, device,
+                                                storage=args.storage)
         res["features"] = dict(feats, max_length=max_length, workdir=str(workdir))
         if on_gpu:
             torch.cuda.empty_cache()
@@ -933,6 +947,9 @@ def main() -> int:
                     help="--ddp: folder for the trainer outputs (deleted after each run); auto = /dev/shm when it "
                          "has room, else the workdir")
     ap.add_argument("--seed", type=int, default=0, help="--ddp: seed of the documents and feature values")
+    ap.add_argument("--storage", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
+                    help="--ddp: the features' storage dtype (float8_e4m3fn: the trainer copies fp8 values and "
+                         "scales to the GPU and decodes them there)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.json and progress.log")
     args = ap.parse_args()
     t_start = time.perf_counter()

@@ -579,24 +579,29 @@ class ChunkFile:
                              f"{len(rows)} samples")
         return offsets, rows
 
-    def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None
-             ) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None, *,
+             dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Tokens ``start:end`` (default all): ``features [T, n*H]`` in ``dtype`` (default float32; float8 decoded
-        with :func:`dequantize_fp8`), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored,
-        ``target_token [T]`` int32."""
+        with :func:`dequantize_fp8`, or with ``dequantize=False`` left float8 as stored, with ``scales [T, n]``
+        float32), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored, ``target_token [T]`` int32."""
         import torch
 
         dtype = dtype or torch.float32
         if end is None:
             end = self._fh.get_slice("hidden_states").get_shape()[0]
         hidden = self._fh.get_slice("hidden_states")[start:end]
+        scales = None
         if hidden.dtype == torch.float8_e4m3fn:
-            hidden = dequantize_fp8(hidden, self._fh.get_slice("scales")[start:end], dtype)
-        out = {"features": hidden.to(dtype),
+            scales = self._fh.get_slice("scales")[start:end]
+            if dequantize:
+                hidden, scales = dequantize_fp8(hidden, scales, dtype), None
+        out = {"features": hidden if scales is not None else hidden.to(dtype),
                "input_ids": self._fh.get_slice("input_ids")[start:end],
                "loss_mask": self._fh.get_slice("loss_mask")[start:end]}
         if "target_token" in self.names:
             out["target_token"] = self._fh.get_slice("target_token")[start:end]
+        if scales is not None:
+            out["scales"] = scales
         return out
 
     def samples(self) -> dict[str, torch.Tensor]:
@@ -658,13 +663,17 @@ class FeatureIndex:
     so only the bytes of the requested samples are touched and nothing is copied into RAM up front. Only the small
     ``offsets`` / ``sample_index`` tensors are read at open time.
 
+    Samples are named by their tokenized train row: :meth:`ref` / :meth:`has_row` (an index may hold any subset of
+    the rows, e.g. one slice of a stream-mode run).
+
     Attributes:
         meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
         layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
 
     Raises:
         FileNotFoundError: the index or a chunk file is missing.
-        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes (file and field named).
+        ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes, a tokenized row stored twice
+            (file and field named).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -684,6 +693,7 @@ class FeatureIndex:
         self.files: list[Path] = []
         self.chunks: list[ChunkFile] = []
         self.samples: list[SampleRef] = []
+        self._by_row: dict[int, int] = {}  # tokenized row -> position in samples
         for ci, chunk in enumerate(self.meta["chunks"]):
             file = self.path.parent / chunk["path"]
             if not file.is_file():
@@ -694,21 +704,44 @@ class FeatureIndex:
                 storage_dtype=self.storage_dtype, has_target_token=self.has_target_token, width=self.width,
                 context=f" ({len(self.layer_ids)} layers x {self.hidden_size})")
             for i, row in enumerate(rows):
+                if int(row) in self._by_row:
+                    raise ValueError(f"{self.path}: tokenized row {row} is stored twice (chunk "
+                                     f"{self.samples[self._by_row[int(row)]].chunk} and chunk {ci})")
+                self._by_row[int(row)] = len(self.samples)
                 self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
         if not self.samples:
             raise ValueError(f"{self.path}: the index holds no samples")
 
-    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None
-             ) -> dict[str, torch.Tensor]:
+    def has_row(self, row: int) -> bool:
+        """Whether the features of tokenized train row ``row`` are in this index."""
+        return row in self._by_row
+
+    def ref(self, row: int) -> SampleRef:
+        """Where the features of tokenized train row ``row`` live.
+
+        Raises:
+            KeyError: the index does not hold that row (the index named).
+        """
+        try:
+            return self.samples[self._by_row[row]]
+        except KeyError:
+            raise KeyError(f"{self.path}: no features of tokenized row {row} (the index holds "
+                           f"{len(self.samples)} samples)") from None
+
+    def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None, *,
+             dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (default bfloat16;
-        fp8 dequantised as ``fp8 * scale`` per token and layer), ``input_ids`` / ``target_token`` ``[T]`` int64,
+        fp8 dequantised as ``fp8 * scale`` per token and layer, or with ``dequantize=False`` left float8 with
+        ``scales [T, n]`` float32, for decoding on the GPU), ``input_ids`` / ``target_token`` ``[T]`` int64,
         ``loss_mask`` ``[T]`` bool."""
         import torch
 
         end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
-        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16)
+        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16, dequantize=dequantize)
         out = {"features": part["features"], "input_ids": part["input_ids"].long(),
                "loss_mask": part["loss_mask"].bool()}
         if self.has_target_token:
             out["target_token"] = part["target_token"].long()
+        if "scales" in part:
+            out["scales"] = part["scales"]
         return out

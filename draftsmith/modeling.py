@@ -382,6 +382,9 @@ class PackedBatch:
         anchors: ``[R, A]`` int64 row index of each block's anchor (sorted; padding blocks: 0).
         anchor_valid: ``[R, A]`` bool, False for padding blocks.
         target_token: ``[R, S]`` int64 target's greedy prediction of the *next* token at each position, or None.
+        feature_scales: ``[R, S, n]`` float32 per token and tapped layer when ``features`` are still float8_e4m3fn
+            as stored (:func:`draftsmith.features.quantize_fp8`; padding 0), else None. :meth:`dequantize` decodes
+            them; the drafter's forward takes decoded features only.
     """
 
     features: torch.Tensor
@@ -392,11 +395,31 @@ class PackedBatch:
     anchors: torch.Tensor
     anchor_valid: torch.Tensor
     target_token: torch.Tensor | None = None
+    feature_scales: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
         """Move every tensor to ``device``."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return PackedBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
+    def dequantize(self, dtype: torch.dtype) -> "PackedBatch":
+        """The batch with float8 ``features`` decoded to ``dtype`` where they are (on the GPU after the copy: half
+        the bytes of bf16 cross the bus), one tapped layer at a time (a float32 temporary of ``1 / n`` of the
+        features); itself when they are decoded already. The same function as the loader's decoding
+        (:func:`draftsmith.features.dequantize_fp8`), so both give the same values bit for bit."""
+        if self.feature_scales is None:
+            return self
+        from draftsmith.features import dequantize_fp8
+
+        R, S, width = self.features.shape
+        n = self.feature_scales.shape[-1]
+        q = self.features.reshape(R * S, n, width // n)
+        scales = self.feature_scales.reshape(R * S, n)
+        out = torch.empty(R * S, n, width // n, dtype=dtype, device=self.features.device)
+        for j in range(n):
+            out[:, j] = dequantize_fp8(q[:, j], scales[:, j:j + 1], dtype)
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return PackedBatch(**dict(fields, features=out.view(R, S, width), feature_scales=None))
 
     def pin_memory(self) -> "PackedBatch":
         """Page-locked copies (for asynchronous host-to-GPU copies); tensors already page-locked are kept."""
@@ -730,7 +753,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
         Returns:
             :class:`DFlashTrainOutput`; ``loss`` is differentiable w.r.t. the drafter's parameters.
+
+        Raises:
+            ValueError: the batch's features are still float8 (:meth:`PackedBatch.dequantize` first).
         """
+        if batch.feature_scales is not None:
+            raise ValueError("training_forward: the batch's features are float8 with scales; call "
+                             "PackedBatch.dequantize(dtype) first")
         hidden = self.block_hidden(batch, embed_weight, masks, backend)[:, :, 1:]  # [R, A, B-1, H]
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
         w_slot = slot_weights(self.block_size, gamma, hidden.device)

@@ -6,33 +6,41 @@ Reading order, nanoGPT style: :mod:`.settings` (:class:`TrainSettings`, the ``tr
 :class:`Prefetcher`, a background reader that overlaps reading with compute), :mod:`.model` (the drafter's config
 and optimizer), :mod:`.checkpoint` (:func:`save_checkpoint`, :func:`load_latest_checkpoint`, the run fingerprint),
 :mod:`.metrics` (:func:`evaluate`: held-out loss, per-position accuracy, expected acceptance length; throughput,
-GPU memory), :mod:`.distributed` (torchrun, DDP, compiled layers) and finally :mod:`.trainer`, whose
-:func:`train` is the run and the loop. ``python -m draftsmith.train`` (:mod:`.__main__`) is one process of it.
+GPU memory), :mod:`.distributed` (torchrun, DDP, compiled layers), :mod:`.trainer`, whose :func:`train` is the
+offline run and :class:`Trainer` the pieces and the loop every run shares, and finally :mod:`.phases`, stream mode
+(``docs/stream.md``): :func:`train_phase` trains one phase of the global plan on one slice's features,
+:func:`train_final` ends the run. ``python -m draftsmith.train`` (:mod:`.__main__`) is one process of any of them;
+:mod:`.launch` is the rules' side (lease the GPUs, torchrun, the output to the rule's log).
 
-The batch plan is a pure function of (seed, epoch): epoch ``e`` shuffles the training samples with seed
-``(seed, e)`` and packs them greedily into rows of at most ``tokens_per_batch`` tokens; optimizer step ``s`` of
-rank ``r`` takes row ``(s_e * accum + m) * world + r`` for micro-batch ``m`` (``s_e`` = step within the
-epoch, :class:`BatchPlan`); the anchors of a row are drawn from a generator seeded by (seed, epoch, row). So a
-resumed run replays exactly the batches an uninterrupted one would see, and "data position" is the step counter.
+The batch plan is a pure function of (seed, epoch): epoch ``e`` shuffles the training samples (named by their
+tokenized train rows) with seed ``(seed, e)`` and packs them greedily into rows of at most ``tokens_per_batch``
+tokens; optimizer step ``s`` of rank ``r`` takes row ``(s_e * accum + m) * world + r`` for micro-batch ``m``
+(``s_e`` = step within the epoch, :class:`BatchPlan`); the anchors of a row are drawn from a generator seeded by
+(seed, epoch, row). So a resumed run replays exactly the batches an uninterrupted one would see, and "data
+position" is the step counter. Stream mode cuts the same plan into phases (:class:`StreamPlan`).
 
 Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder per configuration):
 ``model.safetensors`` (drafter weights), ``optimizer.safetensors``
 (AdamW moments and step counts), ``rng.safetensors`` (torch CPU / CUDA generator states), ``state.json`` (step,
 epoch, scheduler, data position, run fingerprint, sha256 of the other files; written last). A folder is
 assembled under a temporary name and renamed into place, then ``latest.json`` is replaced atomically; resume
-verifies the hashes, so a half-written checkpoint is never accepted.
+verifies the hashes, so a half-written checkpoint is never accepted. In stream mode every phase of a run shares the
+folder; a phase's checkpoints also record the phase and the ``state.json`` sha256 of the checkpoint it started from
+(``"phase"``), and its marker ``<out>/phases/phase-{p}.json`` (:data:`PHASE_FORMAT`) names its last checkpoint.
 """
 
-from draftsmith.batch_plan import BatchPlan, pack_rows, seed_of, split_samples
+from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, pack_rows, seed_of, split_samples
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, cap_anchors, make_batch, pack_documents
 from draftsmith.train.checkpoint import (
     CHECKPOINT_FORMAT,
     load_latest_checkpoint,
     load_optimizer_tensors,
     optimizer_tensors,
+    restore,
     resume,
     run_fingerprint,
     save_checkpoint,
+    state_sha256,
     verify_checkpoint,
 )
 from draftsmith.train.distributed import (
@@ -53,16 +61,26 @@ from draftsmith.train.metrics import (
     peak_memory_gib,
 )
 from draftsmith.train.model import build_model_config, make_optimizer
-from draftsmith.train.plan import TrainData, lr_factor, plan_data
-from draftsmith.train.settings import CADENCE_KEYS, DrafterOptions, TrainOptions, TrainSettings
-from draftsmith.train.trainer import train
+from draftsmith.train.phases import PHASE_FORMAT, phase_record, read_marker, train_final, train_phase
+from draftsmith.train.plan import FeatureMeta, TrainData, lr_factor, plan_data, plan_stream_data
+from draftsmith.train.settings import (
+    CADENCE_KEYS,
+    DrafterOptions,
+    StreamOptions,
+    TrainOptions,
+    TrainPhaseSettings,
+    TrainSettings,
+)
+from draftsmith.train.trainer import Trainer, train
 
 __all__ = [
-    "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "Metrics",
-    "Prefetcher", "StepMemory", "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainSettings", "barrier",
-    "batch_maker", "build_model_config", "cap_anchors", "evaluate", "expected_acceptance_length",
+    "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "FeatureMeta",
+    "Metrics", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan", "Throughput", "TrainData",
+    "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings", "Trainer", "barrier", "batch_maker",
+    "build_model_config", "cap_anchors", "evaluate", "expected_acceptance_length", "heldout_subset",
     "load_latest_checkpoint", "load_optimizer_tensors", "lr_factor", "make_batch", "make_optimizer",
-    "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib", "plan_data", "prepare_step", "resume",
-    "run_fingerprint", "save_checkpoint", "seed_of", "setup_device", "setup_distributed", "split_samples", "train",
-    "verify_checkpoint", "whole_layer_graphs_under_ddp",
+    "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib", "phase_record", "plan_data",
+    "plan_stream_data", "prepare_step", "read_marker", "restore", "resume", "run_fingerprint", "save_checkpoint",
+    "seed_of", "setup_device", "setup_distributed", "split_samples", "state_sha256", "train", "train_final",
+    "train_phase", "verify_checkpoint", "whole_layer_graphs_under_ddp",
 ]

@@ -25,9 +25,15 @@ from draftsmith.train.settings import TrainOptions
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
                bucket_anchors: bool = False, max_anchors_per_row: int | None = None,
-               pin_memory: bool = False) -> PackedBatch:
-    """Read one row of samples (``(sample, tokens)`` pairs) and pack it with :func:`pack_documents`."""
-    parts = [index.read(index.samples[s], n, feature_dtype) for s, n in row]
+               pin_memory: bool = False, keep_fp8: bool = False) -> PackedBatch:
+    """Read one packed row of samples (``(tokenized row, tokens)`` pairs, :meth:`FeatureIndex.ref`) and pack it with
+    :func:`pack_documents`. With ``keep_fp8`` float8 features stay float8 with their scales (decoded later by
+    :meth:`PackedBatch.dequantize`, on the GPU); else they are decoded to ``feature_dtype`` here.
+
+    Raises:
+        KeyError: the index does not hold a row's sample.
+    """
+    parts = [index.read(index.ref(s), n, feature_dtype, dequantize=not keep_fp8) for s, n in row]
     return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
                           pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
                           max_anchors_per_row=max_anchors_per_row, pin_memory=pin_memory)
@@ -40,7 +46,9 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
 
     Args:
         parts: per document ``{"features": [n, width], "input_ids": [n], "loss_mask": [n], "target_token": [n]
-            or absent}``.
+            or absent, "scales": [n, layers] or absent}``. With ``scales`` (every part) the features are
+            float8_e4m3fn as stored and the batch carries them with ``feature_scales`` (padding 0); without, they
+            are packed as ``feature_dtype``.
 
     Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
     to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
@@ -55,8 +63,10 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     """
     total = sum(p["input_ids"].numel() for p in parts)
     S = max(pad_tokens_to, -(-total // pad_tokens_to) * pad_tokens_to)
-    feats = torch.empty(S, width, dtype=feature_dtype, pin_memory=pin_memory)
+    fp8 = bool(parts) and "scales" in parts[0]
+    feats = torch.empty(S, width, dtype=torch.float8_e4m3fn if fp8 else feature_dtype, pin_memory=pin_memory)
     feats[total:].zero_()
+    scales = torch.zeros(S, parts[0]["scales"].shape[1], dtype=torch.float32) if fp8 else None
     ids = torch.zeros(S, dtype=torch.long)
     mask = torch.zeros(S, dtype=torch.bool)
     docs = torch.full((S,), -1, dtype=torch.long)
@@ -67,6 +77,8 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     for d, p in enumerate(parts):
         n = p["input_ids"].numel()
         feats[o:o + n] = p["features"]
+        if scales is not None:
+            scales[o:o + n] = p["scales"]
         ids[o:o + n] = p["input_ids"]
         mask[o:o + n] = p["loss_mask"]
         docs[o:o + n] = d
@@ -84,7 +96,8 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     anchor_valid[:anchors.numel()] = True
     anchors = torch.cat([anchors, torch.zeros(A - anchors.numel(), dtype=torch.long)])
     return PackedBatch(feats[None], ids[None], mask[None], docs[None], pos[None], anchors[None],
-                       anchor_valid[None], None if tgt is None else tgt[None])
+                       anchor_valid[None], None if tgt is None else tgt[None],
+                       None if scales is None else scales[None])
 
 
 def cap_anchors(anchors: torch.Tensor, limit: int | None, generator: torch.Generator) -> torch.Tensor:
@@ -105,13 +118,15 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
                 on_gpu: bool) -> Callable[..., PackedBatch]:
     """``make(row, seed=...)``: :func:`make_batch` with the run's anchors and shapes. On a GPU rows are padded to a
     multiple of 128 tokens past ``train.tokens_per_batch``, anchors to power-of-two buckets of at least
-    ``128 // block_size``, and features pinned: compiled flex_attention sees few shapes."""
+    ``128 // block_size``, and features pinned: compiled flex_attention sees few shapes; float8 features stay
+    float8 (half the bytes of bf16 to copy, decoded on the GPU by :meth:`PackedBatch.dequantize`). On the CPU the
+    loader decodes them."""
     row_tokens = int(settings.tokens_per_batch)
     return functools.partial(make_batch, index, num_anchors=settings.num_anchors, feature_dtype=feature_dtype,
                              pad_tokens_to=-(-row_tokens // 128) * 128 if on_gpu else 1,
                              pad_anchors_to=max(1, 128 // block_size) if on_gpu else 1,
                              bucket_anchors=on_gpu, max_anchors_per_row=settings.max_anchors_per_row,
-                             pin_memory=on_gpu)
+                             pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn")
 
 
 @dataclass

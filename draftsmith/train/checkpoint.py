@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -27,18 +28,29 @@ log = logging.getLogger("draftsmith.train")
 CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
 
 
-def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: dict, world: int) -> str:
+#: The index metadata every slice of a stream-mode run shares (a slice's sample and token counts are its own).
+SHARED_FEATURE_KEYS = ("layer_ids", "target_fingerprint", "tokenizer_fingerprint", "storage_dtype")
+
+
+def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: dict, world: int,
+                    plan_identity: dict | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
-    ``world``), the features' identity (sample and token counts, layer ids, target and tokenizer fingerprints,
-    storage dtype) and the world size."""
+    ``world``), the features' identity and the world size.
+
+    Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
+    target and tokenizer fingerprints and storage dtype. In stream mode it is :data:`SHARED_FEATURE_KEYS` only, and
+    ``plan_identity`` (the ``stream`` keys and a hash of the tokenized rows' lengths: what decides the global plan)
+    joins the payload, so every phase of a run has the same fingerprint, whatever its slice holds."""
+    keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
     payload = {
         "drafter": drafter_config,
         "train": {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS},
-        "features": {k: index_meta.get(k) for k in ("num_samples", "num_tokens", "layer_ids", "target_fingerprint",
-                                                     "tokenizer_fingerprint", "storage_dtype")},
+        "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }
+    if plan_identity is not None:
+        payload["plan"] = plan_identity
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -75,11 +87,12 @@ def fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: torch.optim.Optimizer,
-                    state: dict, keep: int = 2) -> Path:
+                    state: dict, keep: int = 2, protect: Collection[int] = ()) -> Path:
     """Write ``ckpt_dir/step-XXXXXXXX/`` atomically, point ``latest.json`` at it, keep the newest ``keep``.
 
     ``state`` (JSON) gets the sha256 of every tensor file; ``state.json`` is written last inside the
-    temporary folder, which is then renamed into place.
+    temporary folder, which is then renamed into place. Pruning never removes the checkpoint just written nor those
+    at the steps in ``protect`` (stream mode's phase boundaries, which a rerun of a phase starts from).
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}"
@@ -108,8 +121,10 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
     fsync_dir(ckpt_dir)
     write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
     done = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
+    kept = {final.name} | {f"step-{s:08d}" for s in protect}
     for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in kept:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -148,6 +163,44 @@ def load_latest_checkpoint(ckpt_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
+def checkpoint_steps(ckpt_dir: Path) -> dict[int, Path]:
+    """``{step: folder}`` of the ``step-*`` folders in ``ckpt_dir`` (not verified; ``{}`` when there is none)."""
+    if not ckpt_dir.is_dir():
+        return {}
+    out = {}
+    for path in ckpt_dir.glob("step-*"):
+        if path.is_dir() and path.name[5:].isdigit():
+            out[int(path.name[5:])] = path
+    return dict(sorted(out.items()))
+
+
+def state_sha256(path: Path) -> str:
+    """sha256 of a checkpoint's ``state.json``: it names the checkpoint (the tensor files' hashes are inside)."""
+    return sha256_file(path / "state.json")
+
+
+def restore(path: Path, state: dict, fingerprint: str, model: DFlashDraftModel,
+            optimizer: torch.optim.Optimizer | None, device: torch.device) -> tuple[int, list]:
+    """Load a verified checkpoint (:func:`verify_checkpoint`'s ``state``) into a run: weights, optimizer state
+    (unless ``optimizer`` is None) and RNG states; returns ``(its step, its eval history)``.
+
+    Raises:
+        ValueError: the checkpoint's fingerprint is not ``fingerprint`` (its folder was edited by hand).
+    """
+    if state.get("fingerprint") != fingerprint:
+        raise ValueError(f"{path}: its run fingerprint {state.get('fingerprint', '?')[:12]} does not match "
+                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
+    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
+    if optimizer is not None:
+        load_optimizer_tensors(optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)),
+                               state["optimizer"])
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["torch_cpu"])
+    if device.type == "cuda" and f"torch_cuda_{device.index or 0}" in rng:
+        torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
+    return int(state["step"]), list(state.get("history", []))
+
+
 def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer: torch.optim.Optimizer,
            device: torch.device, total_steps: int) -> tuple[int, list]:
     """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history)``,
@@ -160,15 +213,6 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
     if found is None:
         return 0, []
     path, state = found
-    if state.get("fingerprint") != fingerprint:
-        raise ValueError(f"{path}: its run fingerprint {state.get('fingerprint', '?')[:12]} does not match "
-                         f"the folder's {fingerprint[:12]}; the checkpoint folder was edited by hand")
-    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)))
-    load_optimizer_tensors(optimizer, load_file(str(path / "optimizer.safetensors"), device=str(device)),
-                           state["optimizer"])
-    rng = load_file(str(path / "rng.safetensors"))
-    torch.set_rng_state(rng["torch_cpu"])
-    if device.type == "cuda" and f"torch_cuda_{device.index or 0}" in rng:
-        torch.cuda.set_rng_state(rng[f"torch_cuda_{device.index or 0}"], device)
-    log.info("resumed from %s (step %d of %d)", path, int(state["step"]), total_steps)
-    return int(state["step"]), list(state.get("history", []))
+    step, history = restore(path, state, fingerprint, model, optimizer, device)
+    log.info("resumed from %s (step %d of %d)", path, step, total_steps)
+    return step, history

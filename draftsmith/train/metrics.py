@@ -74,16 +74,18 @@ class Metrics:
 
 
 def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use_target_tokens: bool,
-             device: torch.device, autocast, logits_chunk_bytes: int = 1 << 30) -> dict[str, Any]:
+             device: torch.device, autocast, logits_chunk_bytes: int = 1 << 30,
+             feature_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Held-out metrics over ``batches`` (this rank's share; summed over ranks): loss, CE and accuracy per
     position, ``tau_expected`` (from per-position accuracies) and ``tau_blocks`` (mean accepted prefix + 1 over
-    fully supervised blocks)."""
+    fully supervised blocks). Batches of float8 features are decoded on ``device`` to ``feature_dtype`` (default
+    the embedding's dtype)."""
     was_training = model.training
     model.eval()
     metrics = Metrics(model.block_size - 1, device)
     with torch.no_grad():
         for batch in batches:
-            batch = batch.to(device, non_blocking=True)
+            batch = batch.to(device, non_blocking=True).dequantize(feature_dtype or embed.dtype)
             with autocast():
                 out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
                                              logits_chunk_bytes=logits_chunk_bytes)

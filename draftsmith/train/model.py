@@ -13,13 +13,16 @@ from draftsmith.drafter_config import build_drafter_config, resolve_mask_token_i
 from draftsmith.features import FeatureIndex
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target_layers import default_target_layer_ids, num_tapped_layers
+from draftsmith.train.plan import FeatureMeta
 from draftsmith.train.settings import DrafterOptions, TrainOptions
 
 log = logging.getLogger("draftsmith.train")
 
 
-def build_model_config(index: FeatureIndex, target_dir: Path, drafter: DrafterOptions, vocab_size: int):
-    """The drafter's ``Qwen3Config`` from the target config, the drafter settings and the features' layer ids.
+def build_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, drafter: DrafterOptions,
+                       vocab_size: int):
+    """The drafter's ``Qwen3Config`` from the target config, the drafter settings and the features' layer ids
+    (``index``: the features' index, or their :class:`~draftsmith.train.plan.FeatureMeta`).
 
     The mask token is ``drafter.mask_token_id``, else one the target's tokenizer offers
     (:func:`draftsmith.drafter_config.resolve_mask_token_id`); ``vocab_size`` is the rows of the target's

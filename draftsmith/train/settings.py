@@ -1,9 +1,10 @@
-"""The train stage's settings: the ``train`` and ``drafter`` config keys it reads, frozen.
+"""The train stage's settings: the ``train``, ``drafter`` (and in stream mode ``stream``) config keys it reads, frozen.
 
-Fields are exactly the keys :data:`draftsmith.stages.STAGE_KEYS` lists for rule ``train`` (output keys first, then
-runtime keys); defaults come from the schema (:mod:`draftsmith.settings`). ``scripts/train.py`` builds them with
-:meth:`TrainSettings.from_rule` and hands ``to_dict()`` to ``python -m draftsmith.train --args``, which rebuilds them
-with :meth:`TrainSettings.from_config`.
+Fields are exactly the keys :data:`draftsmith.stages.STAGE_KEYS` lists for rule ``train`` (:class:`TrainSettings`)
+and rule ``train_phase`` (:class:`TrainPhaseSettings`), output keys first, then runtime keys; defaults come from the
+schema (:mod:`draftsmith.settings`). ``scripts/train.py`` / ``scripts/train_phase.py`` build them with
+``from_rule`` and hand ``to_dict()`` to ``python -m draftsmith.train --args``, which rebuilds them with
+``from_config``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ class TrainSettings(StageSettings):
     STAGE: ClassVar[str] = "train"
     train: TrainOptions
     drafter: DrafterOptions
+
+
+@dataclass(frozen=True)
+class StreamOptions(SectionSettings):
+    """The ``stream`` keys a phase reads: the slicing of the global plan and the held-out samples kept."""
+
+    SECTION: ClassVar[str] = "stream"
+    slices: int
+    reuse: int
+    heldout_samples: int
+
+
+@dataclass(frozen=True)
+class TrainPhaseSettings(StageSettings):
+    """Everything one phase of a stream-mode run reads (rule ``train_phase``): the ``train`` and ``drafter`` keys of
+    rule ``train`` plus ``settings.stream``."""
+
+    STAGE: ClassVar[str] = "train_phase"
+    train: TrainOptions
+    drafter: DrafterOptions
+    stream: StreamOptions
 
 
 #: The ``train`` keys that leave the training trajectory alone (save / eval / log cadence, loader, memory-saving

@@ -1,0 +1,37 @@
+"""The rules' side of training: lease the GPUs, start ``python -m draftsmith.train`` under torchrun (one process per
+leased GPU; one on the CPU when the rule asks for none) and copy its output to the console and the rule's log.
+
+``scripts/train.py`` (rule train) and ``scripts/train_phase.py`` (rule train_phase) call :func:`run_trainer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+from draftsmith.gpu import LEASE_LOG, lease_gpus
+
+
+def run_trainer(args: list[str], *, gpus: int, threads: int, log: logging.Logger, job: str) -> None:
+    """Lease ``gpus`` GPUs (exports CUDA_VISIBLE_DEVICES; held while training runs), then run ``python -m
+    torch.distributed.run --standalone --nproc-per-node max(1, gpus) -m draftsmith.train <args> --threads
+    <threads>``; its lines go to stderr and, through the log file's own handler, to the rule's log (one file
+    position for both: a second handle on the file would overwrite one with the other).
+
+    Raises:
+        SystemExit: the training processes failed (their exit status; the log says so).
+    """
+    lease_gpus(gpus, logger=log, job=job, record=LEASE_LOG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(max(1, gpus)),
+           "-m", "draftsmith.train", *args, "--threads", str(threads)]
+    log.info("torchrun: %d process(es)", max(1, gpus))
+    log_file = next(h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:  # progress (rate, ETA) on the console and in the log
+            sys.stderr.write(line)
+            log_file.stream.write(line)
+            log_file.flush()
+    if proc.returncode:
+        log.error("training failed (exit status %d); its output is above", proc.returncode)
+        raise SystemExit(proc.returncode)
