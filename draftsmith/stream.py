@@ -144,8 +144,8 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
     into ``extract.shards`` shards.
 
     Returns:
-        The plan (``draftsmith.stream-plan/1``): ``phases`` (phase, pass, slice, first_step, end_step, samples,
-        tokens, bytes), ``total_steps``, ``heldout`` (samples, tokens, bytes), ``disk`` (bytes per token, the
+        The plan (``draftsmith.stream-plan/1``): ``phases`` (phase, pass, slice, first_step, end_step,
+        num_samples, tokens, bytes; the slice's rows are in its extraction plan), ``total_steps``, ``heldout`` (samples, tokens, bytes), ``disk`` (bytes per token, the
         largest slice, reserve, free, need), the settings it was made with and a digest of the row lengths.
 
     Raises:
@@ -196,7 +196,7 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
         tokens = int(lengths[samples].sum())
         write_json(out_dir / "plans" / f"phase-{phase.index}.json", extraction)
         phases.append({"phase": phase.index, "pass": phase.pass_index, "slice": phase.slice_index,
-                       "first_step": phase.first_step, "end_step": phase.end_step, "samples": len(samples),
+                       "first_step": phase.first_step, "end_step": phase.end_step, "num_samples": len(samples),
                        "tokens": tokens, "bytes": tokens * per_token})
     write_json(out_dir / "plans" / "heldout.json",
                shard_plan(held, lengths[held].tolist(), 1, subset={"heldout": True}, reserve_bytes=reserve, **common))

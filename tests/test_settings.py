@@ -23,16 +23,17 @@ from draftsmith.merge import MergeSettings, MergeSliceSettings
 from draftsmith.regenerate.settings import RegenerateSettings, RegenerateShardSettings
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import STAGE_KEYS, rule_params
+from draftsmith.stream import DiskPlanSettings, StreamPlanSettings
 from draftsmith.tokenize import TokenizeOptions, TokenizeSettings
-from draftsmith.train.settings import TrainSettings
+from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: every StageSettings class declared beside the code that reads it
-DECLARED = [FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings, CurateSettings,
+DECLARED = [FetchDatasetSettings, FetchTargetSettings, MaterializeTargetSettings, CurateSettings, DiskPlanSettings,
             RegenerateShardSettings, RegenerateSettings, TokenizeSettings, ExtractPlanSettings, ExtractShardSettings,
-            MergeSettings, ExtractSliceSettings, ExtractHeldoutSettings, MergeSliceSettings, TrainSettings,
-            ExportSettings, EvaluateSettings]
+            MergeSettings, TrainSettings, StreamPlanSettings, ExtractHeldoutSettings, ExtractSliceSettings,
+            MergeSliceSettings, TrainPhaseSettings, ExportSettings, EvaluateSettings]
 
 
 def test_every_rule_has_one_settings_class():

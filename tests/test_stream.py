@@ -55,7 +55,7 @@ def test_the_plan_writes_each_slice_s_extraction_plan(tmp_path, target):
         extraction = read_json(tmp_path / "stream" / "plans" / f"phase-{phase['phase']}.json")
         assert extraction["subset"] == {"phase": phase["phase"]} and extraction["num_shards"] == 2
         rows = sorted(r for s in extraction["shards"] for r in s["rows"])
-        assert rows == list(want.samples) and phase["samples"] == len(rows)
+        assert rows == list(want.samples) and phase["num_samples"] == len(rows)
         assert phase["tokens"] == sum(LENGTHS[r] for r in rows)
         assert extraction["layer_ids"] == [1, 3]
     heldout = read_json(tmp_path / "stream" / "plans" / "heldout.json")

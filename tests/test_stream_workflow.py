@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from test_workflow import build_tiny_target, snakemake, tiny_config, write_tiny_sources
-from workflow import copy_workflow, planned_jobs
+from workflow import build_tiny_target, copy_workflow, planned_jobs, snakemake, tiny_config, write_tiny_sources
 
 pytestmark = pytest.mark.slow
 
