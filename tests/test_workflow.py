@@ -39,6 +39,7 @@ import pytest
 import yaml
 
 from workflow import (
+    SHARDS,
     build_tiny_target,
     copy_workflow,
     planned_jobs,
