@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_workflow import build_tiny_target, snakemake, tiny_config, write_tiny_sources
 from workflow import build_tiny_target, copy_workflow, planned_jobs, snakemake, tiny_config, write_tiny_sources
 
 pytestmark = pytest.mark.slow
