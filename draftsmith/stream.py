@@ -145,8 +145,9 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
 
     Returns:
         The plan (``draftsmith.stream-plan/1``): ``phases`` (phase, pass, slice, first_step, end_step,
-        num_samples, tokens, bytes; the slice's rows are in its extraction plan), ``total_steps``, ``heldout`` (samples, tokens, bytes), ``disk`` (bytes per token, the
-        largest slice, reserve, free, need), the settings it was made with and a digest of the row lengths.
+        num_samples, tokens, bytes; the slice's rows are in its extraction plan), ``total_steps``, ``heldout``
+        (samples, tokens), ``disk`` (bytes per token, the largest slice, the held-out features, reserve, free,
+        need), the settings it was made with and a digest of the row lengths.
 
     Raises:
         DiskSpaceError: ``stream.slices_on_disk`` slices (x ``extract.disk_headroom``) + the held-out features + the
