@@ -22,9 +22,10 @@ phase = int(snakemake.wildcards.phase)
 marker = Path(snakemake.output.marker)
 args = ["--phase", str(phase), "--index", snakemake.input.index, "--tokenized", snakemake.input.train,
         "--plan", snakemake.input.plan, "--marker", str(marker)]
-for name in ("heldout", "previous"):
-    if getattr(snakemake.input, name, None):
-        args += [f"--{name}", getattr(snakemake.input, name)]
+for name in ("heldout", "previous"):  # previous: a list from an input function, empty for phase 0
+    value = getattr(snakemake.input, name, None)
+    if value:
+        args += [f"--{name}", str(value if isinstance(value, str) else value[0])]
 run_trainer([*args, "--target", snakemake.input.target, "--out", str(marker.parent.parent), "--args",
              json.dumps(settings.to_dict())], gpus=int(snakemake.resources.gpu), threads=snakemake.threads, log=log,
             job=f"train_phase {phase}")

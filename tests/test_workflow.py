@@ -274,7 +274,7 @@ def test_the_same_config_with_its_keys_in_another_order_reruns_nothing(finished_
 
 
 # keys whose change reshapes the DAG (paths, inputs) rather than a stage's params: checked by other tests
-STRUCTURAL_KEYS = {("target", "model"), ("data", "sources")}
+STRUCTURAL_KEYS = {("target", "model"), ("data", "sources"), ("stream", "slices")}  # stream.slices > 1: the stream DAG
 
 
 def _changed_value(section: str, key: str, value, node: dict, config: dict):

@@ -84,6 +84,12 @@ def publish(staging: Path, out: Path) -> None:
     os.replace(staging, out)
     _fsync_dir(out.parent)
     log.info("renamed the finished shard %s -> %s", staging, out)
+    for parent in (staging.parent, staging.parent.parent):  # the phase's staging folder, then .staging, once empty
+        if parent.name.startswith(".staging") or parent.parent.name.startswith(".staging"):
+            try:
+                parent.rmdir()
+            except OSError:  # another shard's folder is still there
+                break
 
 
 # --------------------------------------------------------------------------------------------------
