@@ -176,3 +176,18 @@ def test_a_200_slice_dag_plans_in_under_a_minute(inputs):
     assert time.time() - t0 < 60
     jobs = planned_jobs(proc.stdout + proc.stderr)
     assert jobs["train_phase"] == 200 and jobs["extract_slice"] == 200 * SHARDS
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_regeneration(inputs):
+    """regenerate on, a reserve larger than the disk: disk_plan stops the run before any regenerate job starts."""
+    root, config = inputs
+    cfg = json.loads(json.dumps(config))
+    cfg["regenerate"] = {"enabled": True, "max_new_tokens": 8}
+    cfg["stream"] = {"reserve_gb": 1e9}
+    work = copy_workflow(root / "refused")
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    proc = snakemake(work, "--resources", "gpu=2")
+    assert proc.returncode != 0
+    log = (work / "logs/disk_plan/disk_plan.log").read_text()
+    assert "refused before regeneration" in log and "reserve" in log
+    assert not (work / "logs/regenerate_shard").exists() and not (work / "results/regenerated").exists()
