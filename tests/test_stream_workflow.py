@@ -67,9 +67,12 @@ def runs(inputs):
 
     def sample():
         while not stop.is_set():
-            slices = sorted((work / "results" / "stream").glob("phase-*")) if (work / "results" / "stream").exists() \
-                else []
-            samples.append({p.name: _bytes_under(p) for p in slices})
+            stream = work / "results" / "stream"  # a slice's shards: staged while extracted, then in place
+            slices = sorted(stream.glob("phase-*")) + sorted(stream.glob(".staging/phase-*"))
+            by_phase: dict[str, int] = {}
+            for folder in slices:
+                by_phase[folder.name] = by_phase.get(folder.name, 0) + _bytes_under(folder)
+            samples.append(by_phase)
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -93,7 +96,9 @@ def test_stream_run_trains_the_offline_weights_with_one_slice_on_disk(runs):
     assert len(plan["phases"]) == SLICES * EPOCHS
     # at most one slice's features on disk at any sampled moment, and none left behind
     assert samples and max(sum(1 for b in s.values() if b) for s in samples) <= 1
-    assert max(sum(s.values()) for s in samples) <= max(p["bytes"] for p in plan["phases"])
+    # a slice's bytes: tokens x bytes a token, plus offsets and headers (extract.disk_headroom, 1.05, allows them)
+    assert max(sum(s.values()) for s in samples) <= 1.05 * max(p["bytes"] for p in plan["phases"])
+    assert max(sum(s.values()) for s in samples) >= 0.9 * min(p["bytes"] for p in plan["phases"])  # sampled a slice
     assert not list((work / "results" / "stream").glob("phase-*/shard-*"))
     assert (work / "results/stream/heldout/index.json").exists()  # the held-out features are kept
     assert [json.loads((work / f"results/drafter/phases/phase-{p}.json").read_text())["phase"]
