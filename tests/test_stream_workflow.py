@@ -114,6 +114,12 @@ def test_nothing_to_do_then_forcerun_of_the_last_phase_reruns_it_and_what_follow
     jobs = planned_jobs(proc.stdout + proc.stderr)
     assert jobs == {"extract_slice": SHARDS, "merge_slice": 1, "train_phase": 1, "train": 1, "export": 1,
                     "evaluate": 1, "all": 1}, jobs
+    # a phase in the middle: it, the later phases and their slices (one consumer per slice: nothing before it)
+    proc = snakemake(work, "-n", "--resources", "gpu=2", "--forcerun", "results/drafter/phases/phase-2.json")
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    later = SLICES * EPOCHS - 2
+    assert jobs == {"extract_slice": later * SHARDS, "merge_slice": later, "train_phase": later, "train": 1,
+                    "export": 1, "evaluate": 1, "all": 1}, jobs
     # and it runs: the phase resumes from the checkpoint at its first step
     before = _sha(work / "results/drafter/trained/model.safetensors")
     proc = snakemake(work, "--resources", "gpu=2", "--forcerun", f"results/drafter/phases/phase-{last}.json")
