@@ -32,6 +32,7 @@ PROFILE = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text
 # Outputs of each rule of the embedded default, created by the fake sbatch ({shard}: the job's wildcard).
 OUTPUTS = {
     "curate": ["results/curated/train.parquet", "results/curated/eval.parquet", "results/curated/report.json"],
+    "disk_plan": ["results/stream/disk-plan.json"],
     "regenerate_shard": ["results/regenerated/shard-{shard}.parquet"],
     "regenerate": ["results/regenerated/train.parquet"],
     "tokenize": ["results/tokenized/train.parquet", "results/tokenized/eval.parquet",
@@ -128,7 +129,7 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
         args = json.loads(line)
         rule = _flag(args, "--comment").removeprefix("rule_")
         jobs[rule] = args
-    assert sorted(jobs) == sorted(["curate", "regenerate_shard_wildcards_0", "regenerate", "tokenize", "extract_plan",
+    assert sorted(jobs) == sorted(["curate", "disk_plan", "regenerate_shard_wildcards_0", "regenerate", "tokenize", "extract_plan",
                                    "extract_shard_wildcards_0", "extract_shard_wildcards_1", "merge", "train",
                                    "export", "evaluate"])
     for name, args in jobs.items():
