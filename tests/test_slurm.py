@@ -129,9 +129,9 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
         args = json.loads(line)
         rule = _flag(args, "--comment").removeprefix("rule_")
         jobs[rule] = args
-    assert sorted(jobs) == sorted(["curate", "disk_plan", "regenerate_shard_wildcards_0", "regenerate", "tokenize", "extract_plan",
-                                   "extract_shard_wildcards_0", "extract_shard_wildcards_1", "merge", "train",
-                                   "export", "evaluate"])
+    assert sorted(jobs) == sorted(["curate", "disk_plan", "regenerate_shard_wildcards_0", "regenerate", "tokenize",
+                                   "extract_plan", "extract_shard_wildcards_0", "extract_shard_wildcards_1", "merge",
+                                   "train", "export", "evaluate"])
     for name, args in jobs.items():
         rule = name.split("_wildcards_")[0]
         wrap = _flag(args, "--wrap")
