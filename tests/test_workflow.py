@@ -350,8 +350,8 @@ def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path)
             if (section, key) == ("assets", "dir"):  # every asset moves to a fresh folder
                 readers = in_dag & {"fetch_dataset", "fetch_target", "materialize_target"}
             elif (section, key) == ("regenerate", "enabled"):  # adds (or removes) the regenerate jobs
-                regenerate = {"regenerate_shard", "regenerate"}
-                readers = {"regenerate_shard" if new else "tokenize"}
+                regenerate = {"disk_plan", "regenerate_shard", "regenerate"}  # the disk check comes with it
+                readers = {"disk_plan", "regenerate_shard"} if new else {"tokenize"}
                 dag = in_dag | regenerate if new else in_dag - regenerate
             else:
                 readers = {stage for stage in STAGE_KEYS if stage in in_dag
