@@ -757,3 +757,23 @@ def test_a_nan_in_the_features_stops_training_naming_the_step_and_rows(qwen3_set
     for name, tensor in load_file(str(ckpts / "step-00000004" / "model.safetensors")).items():
         assert torch.isfinite(tensor).all(), name
     assert not (out / "trained").exists()
+
+
+def test_a_non_finite_gradient_norm_alone_stops_the_step_naming_all_its_rows(tmp_path):
+    """Every micro-batch's loss finite but the gradient norm not (an overflow in the backward): the error names the
+    step and every micro-batch's rows (any of them may be the cause) and says that no checkpoint exists yet; finite
+    values pass."""
+    from types import SimpleNamespace
+
+    from draftsmith.train import Dist, NonFiniteError, Trainer
+
+    run = SimpleNamespace(ranks=Dist(), device=torch.device("cpu"), ckpt_dir=tmp_path / "run-x", total_steps=9,
+                          describe_rows=lambda step, rank, micro: f"rows of step {step} micro {micro}")
+    losses = [torch.tensor(1.5), torch.tensor(0.25)]
+    assert Trainer.check_finite(run, 2, losses, torch.tensor(3.0)) is None
+    with pytest.raises(NonFiniteError) as err:
+        Trainer.check_finite(run, 2, losses, torch.tensor(float("inf")))
+    msg = str(err.value)
+    assert msg.startswith("step 3 of 9: the gradient norm is inf (every micro-batch's loss is finite")
+    assert "micro-batch 0 of rank 0: rows of step 2 micro 0; micro-batch 1 of rank 0: rows of step 2 micro 1" in msg
+    assert f"no checkpoint of this run in {tmp_path / 'run-x'} yet" in msg
