@@ -23,7 +23,8 @@ anchors ``a`` sampled per document where ``loss_mask[a]`` and ``loss_mask[a + 1]
 in full-attention layers and causally in sliding ones, and never another block. One mask function
 (:func:`dflash_mask_mod`) is used both as a ``flex_attention`` ``BlockMask`` (CUDA) and as a dense SDPA boolean
 mask (CPU). Loss: cross entropy x ``exp(-(k - 1) / gamma)`` on slots ``k >= 1`` normalised by the weight sum
-(SpecForge's DFlash recipe, gamma = 7 for B = 16).
+(SpecForge's DFlash recipe, gamma = 7 for B = 16); the trainer normalises the weighted sum by the weight of the
+whole optimizer step instead (``weighted_ce``, :mod:`draftsmith.train.trainer`).
 """
 
 from __future__ import annotations
@@ -433,6 +434,8 @@ class DFlashTrainOutput:
 
     Attributes:
         loss: scalar float32, ``sum(CE * w) / sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)``.
+        weighted_ce: scalar float32, ``sum(CE * w)`` (differentiable): the trainer divides it by the loss weight of
+            the whole optimizer step, so the gradient does not depend on how the step's rows are split.
         weight_sum: scalar float32, ``sum(w)`` (0 when the batch has no valid slot; the loss is then 0).
         ce_sum: ``[B - 1]`` float32 unweighted CE summed per slot k = 1..B-1 over valid slots.
         correct: ``[B - 1]`` int64 argmax == label counts per slot.
@@ -442,6 +445,7 @@ class DFlashTrainOutput:
     """
 
     loss: torch.Tensor
+    weighted_ce: torch.Tensor
     weight_sum: torch.Tensor
     ce_sum: torch.Tensor
     correct: torch.Tensor
@@ -773,7 +777,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
         w = w_slot[slot]
         weight_sum = w.sum()
-        loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
+        weighted_ce = (ce * w).sum()
+        loss = weighted_ce / weight_sum.clamp_min(1e-12)
         with torch.no_grad():
             hit = pred == tgt
             nslot = self.block_size - 1
@@ -787,7 +792,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             prefix = hit_grid.long().cumprod(-1).sum(-1)  # accepted draft tokens
             accept_sum = prefix[full].sum()
             full_blocks = full.sum()
-        return DFlashTrainOutput(loss, weight_sum, ce_sum, correct, count, accept_sum, full_blocks)
+        return DFlashTrainOutput(loss, weighted_ce, weight_sum, ce_sum, correct, count, accept_sum, full_blocks)
 
     # -- checkpoint I/O -------------------------------------------------------------------------------------
 

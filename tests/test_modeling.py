@@ -35,6 +35,7 @@ from draftsmith.modeling import (
 )
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.target_layers import default_target_layer_ids
+from draftsmith.train import loss_weight
 from tiny import tiny_target
 
 MASK = 3
@@ -346,6 +347,10 @@ def test_labels_validity_and_weighted_loss(target):
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[0].reshape(-1), reduction="none").view(3, 3)
         w = valid[0].float() * torch.exp(-torch.arange(3.0) / 2.0)
         assert out.loss.item() == pytest.approx(((ce * w).sum() / w.sum()).item(), rel=1e-5)
+        # what the trainer normalises by the whole optimizer step: sum(CE * w), and sum(w) known before the forward
+        assert out.weighted_ce.item() == pytest.approx((ce * w).sum().item(), rel=1e-5)
+        assert out.weight_sum.item() == pytest.approx(w.sum().item(), rel=1e-6)
+        assert loss_weight(batch, 4, 2.0) == pytest.approx(w.sum().item(), rel=1e-6)
     assert out.count.tolist() == [3, 1, 0] and out.full_blocks.item() == 0
 
 

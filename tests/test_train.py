@@ -613,3 +613,167 @@ def test_collectives_outwait_a_checkpoint_on_a_slow_file_system(monkeypatch):
     train_mod.setup_distributed("cpu")
     assert calls == [("gloo", {"timeout": __import__("datetime").timedelta(hours=1)})]
     assert train_mod.COLLECTIVE_TIMEOUT_S >= 21.4e9 / 36e6  # a 21.4 GB checkpoint at 36 MB/s
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the loss of an optimizer step: one normalisation over all its micro-batches and ranks; non-finite steps stop
+# ------------------------------------------------------------------------------------------------------------
+
+SPLIT_DOC_TOKENS = 32  # every document: two fill a 64-token row exactly, four a 128-token row
+
+
+def _capture_step_gradient(path: Path):
+    """Patch ``clip_grad_norm_`` (the trainer calls it right after the step's backward passes and, under DDP, the
+    gradient all-reduce) to save the gradients it sees to ``path``."""
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def capture(params, *args, **kwargs):
+        params = list(params)
+        if not path.exists():
+            torch.save([p.grad.detach().clone() for p in params], path)
+        return clip(params, *args, **kwargs)
+
+    return capture
+
+
+def _split_worker(rank: int, world: int, index: str, target_dir: str, out: str, cfg: dict, grads: str):
+    """One gloo rank of :func:`test_step_gradient_does_not_depend_on_the_split` (torch.multiprocessing.spawn)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.nn.utils.clip_grad_norm_ = _capture_step_gradient(Path(grads) if rank == 0 else Path(out) / "grads.pt")
+    dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
+    try:
+        train(index, target_dir, Path(out) / "run", settings(cfg), threads=1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_step_gradient_does_not_depend_on_the_split(tmp_path, monkeypatch):
+    """Four documents with 2, 3, 27 and 28 supervised tokens, the two short ones packed into one row, the two long
+    ones into another: the gradient of the optimizer step is the same (relative norm difference < 1e-5) whether the
+    step is one micro-batch of all four, ``grad_accum: 2`` micro-batches or 2 gloo ranks. Averaging each
+    micro-batch's own mean weighted the few slots of the short row like the many of the long one (issue 33.1).
+    Every eligible anchor is taken (num_anchors > document length), so each packing trains the same blocks."""
+    import torch.multiprocessing as mp
+
+    from draftsmith.features import FeatureIndex
+    from draftsmith.train import loss_weight, plan_data
+
+    target = tiny_target("qwen3", initializer_range=0.1)
+    base = dict(TINY_TRAIN, max_steps=1, epochs=1, num_anchors=64, eval_fraction=0.0)
+    one = dict(base, tokens_per_batch=4 * SPLIT_DOC_TOKENS, grad_accum=1)
+    accum = dict(base, tokens_per_batch=2 * SPLIT_DOC_TOKENS, grad_accum=2)
+    ranks = dict(base, tokens_per_batch=2 * SPLIT_DOC_TOKENS, grad_accum=1)
+
+    # which documents the plan packs together (it depends on the lengths and the seed only): the first row gets
+    # the short answers, the second the long ones
+    placeholder = [{"input_ids": torch.full((SPLIT_DOC_TOKENS,), 7), "prompt_len": 1,
+                    "loss_mask": torch.ones(SPLIT_DOC_TOKENS, dtype=torch.int8)} for _ in range(4)]
+    probe = write_features(tmp_path / "probe", target, [1, 2], placeholder, per_chunk=4)
+    rows = plan_data(probe, settings(accum).train, 1).plan.rows(0)
+    assert [len(r) for r in rows] == [2, 2]
+    supervised = dict(zip([s for row in rows for s, _ in row], [2, 3, 27, 28]))
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for doc in range(4):
+        ids = torch.randint(5, 500, (SPLIT_DOC_TOKENS,), generator=g)
+        mask = torch.zeros(SPLIT_DOC_TOKENS, dtype=torch.int8)
+        mask[SPLIT_DOC_TOKENS - supervised[doc]:] = 1
+        samples.append({"input_ids": ids, "loss_mask": mask, "prompt_len": SPLIT_DOC_TOKENS - supervised[doc]})
+    index_path = write_features(tmp_path / "features", target, [1, 2], samples, per_chunk=4)
+    target_dir = save_target(target, tmp_path / "target")
+    index = FeatureIndex(index_path)
+    weights = [loss_weight(make_batch(index, row, num_anchors=64, seed=0, feature_dtype=torch.float32), 4, 7.0)
+               for row in rows]
+    assert weights[1] > 10 * weights[0] > 0  # the rows' loss weights are far apart: the split matters
+
+    def run_one_process(name: str, cfg: dict) -> list[torch.Tensor]:
+        grads = tmp_path / f"{name}.pt"
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", _capture_step_gradient(grads))
+        train(index_path, target_dir, tmp_path / name, settings(cfg), threads=1)
+        return torch.load(grads)
+
+    reference = run_one_process("one", one)
+    got = {"grad_accum 2": run_one_process("accum", accum)}
+    (tmp_path / "ranks").mkdir()
+    mp.spawn(_split_worker, args=(2, str(index_path), str(target_dir), str(tmp_path / "ranks"), ranks,
+                                  str(tmp_path / "ranks.pt")), nprocs=2, join=True)
+    got["2 gloo ranks"] = torch.load(tmp_path / "ranks.pt")
+    ref_norm = torch.cat([g.flatten() for g in reference]).norm()
+    assert ref_norm > 0
+    for name, grads in got.items():
+        assert len(grads) == len(reference)
+        diff = torch.cat([(a - b).flatten() for a, b in zip(grads, reference)]).norm()
+        assert diff / ref_norm < 1e-5, (name, float(diff / ref_norm))
+
+
+def test_a_nan_in_the_features_stops_training_naming_the_step_and_rows(qwen3_setup, tmp_path):
+    """A NaN written into one merged chunk after merge (extraction and merge refuse them; the chunk checksum check
+    is off by default): ``python -m draftsmith.train`` stops at the step that reads it, names the step, the
+    tokenized row and its chunk, exits 1, and leaves the checkpoints of the steps before it as they were (no
+    checkpoint of the NaN step, no ``trained/``)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from draftsmith.train import plan_data, verify_checkpoint
+
+    features = tmp_path / "features"
+    shutil.copytree(qwen3_setup["index"].parent, features)
+    index_path = features / "index.json"
+    cfg = dict(TINY_TRAIN, max_steps=8, epochs=1, tokens_per_batch=64, save_every=2, keep_checkpoints=4)
+    plan = plan_data(index_path, settings(cfg).train, 1).plan
+    (_, key, r), = plan.items(5, 6, 0)  # the sixth step: after the checkpoints at steps 2 and 4
+    ((sample, tokens),) = plan.rows(key)[r]  # 48-token samples, one per 64-token row
+    index = FeatureIndex(index_path)
+    ref = index.ref(sample)
+    chunk = index.files[ref.chunk]
+    with safe_open(str(chunk), "pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(chunk))
+    tensors["hidden_states"][ref.start, 0] = float("nan")  # the sample's first token: every block of it attends to it
+    save_file(tensors, str(chunk), metadata=metadata)
+
+    out = tmp_path / "out"
+    args = {"train": cfg, "drafter": TINY_DRAFTER, "target": {}}
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train", "--index", str(index_path), "--target",
+                           str(qwen3_setup["target_dir"]), "--out", str(out), "--threads", "1", "--args",
+                           json.dumps(args)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "step 6 of 8: the loss is not finite" in err, err[-3000:]
+    assert f"tokenized rows {sample} ({tokens} tokens) in {chunk}" in err, err[-3000:]
+    assert "Traceback" not in err
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    assert f"the newest checkpoint, {ckpts / 'step-00000004'} (step 4), is kept" in err, err[-3000:]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert json.loads((ckpts / "latest.json").read_text())["step"] == 4
+    state = verify_checkpoint(ckpts / "step-00000004")
+    assert state is not None and state["step"] == 4
+    for name, tensor in load_file(str(ckpts / "step-00000004" / "model.safetensors")).items():
+        assert torch.isfinite(tensor).all(), name
+    assert not (out / "trained").exists()
+
+
+def test_a_non_finite_gradient_norm_alone_stops_the_step_naming_all_its_rows(tmp_path):
+    """Every micro-batch's loss finite but the gradient norm not (an overflow in the backward): the error names the
+    step and every micro-batch's rows (any of them may be the cause) and says that no checkpoint exists yet; finite
+    values pass."""
+    from types import SimpleNamespace
+
+    from draftsmith.train import Dist, NonFiniteError, Trainer
+
+    run = SimpleNamespace(ranks=Dist(), device=torch.device("cpu"), ckpt_dir=tmp_path / "run-x", total_steps=9,
+                          describe_rows=lambda step, rank, micro: f"rows of step {step} micro {micro}")
+    losses = [torch.tensor(1.5), torch.tensor(0.25)]
+    assert Trainer.check_finite(run, 2, losses, torch.tensor(3.0)) is None
+    with pytest.raises(NonFiniteError) as err:
+        Trainer.check_finite(run, 2, losses, torch.tensor(float("inf")))
+    msg = str(err.value)
+    assert msg.startswith("step 3 of 9: the gradient norm is inf (every micro-batch's loss is finite")
+    assert "micro-batch 0 of rank 0: rows of step 2 micro 0; micro-batch 1 of rank 0: rows of step 2 micro 1" in msg
+    assert f"no checkpoint of this run in {tmp_path / 'run-x'} yet" in msg

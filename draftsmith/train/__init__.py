@@ -30,7 +30,15 @@ folder; a phase's checkpoints also record the phase and the ``state.json`` sha25
 """
 
 from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, pack_rows, seed_of, split_samples
-from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, cap_anchors, make_batch, pack_documents
+from draftsmith.train.batches import (
+    Prefetcher,
+    TrainItem,
+    batch_maker,
+    cap_anchors,
+    loss_weight,
+    make_batch,
+    pack_documents,
+)
 from draftsmith.train.checkpoint import (
     CHECKPOINT_FORMAT,
     load_latest_checkpoint,
@@ -46,6 +54,7 @@ from draftsmith.train.checkpoint import (
 from draftsmith.train.distributed import (
     COLLECTIVE_TIMEOUT_S,
     Dist,
+    all_reduce_sum,
     barrier,
     prepare_step,
     setup_device,
@@ -71,16 +80,16 @@ from draftsmith.train.settings import (
     TrainPhaseSettings,
     TrainSettings,
 )
-from draftsmith.train.trainer import Trainer, train
+from draftsmith.train.trainer import NonFiniteError, Trainer, train
 
 __all__ = [
     "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "FeatureMeta",
-    "Metrics", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan", "Throughput", "TrainData",
-    "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings", "Trainer", "barrier", "batch_maker",
-    "build_model_config", "cap_anchors", "evaluate", "expected_acceptance_length", "heldout_subset",
-    "load_latest_checkpoint", "load_optimizer_tensors", "lr_factor", "make_batch", "make_optimizer",
-    "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib", "phase_record", "plan_data",
-    "plan_stream_data", "prepare_step", "read_marker", "restore", "resume", "run_fingerprint", "save_checkpoint",
-    "seed_of", "setup_device", "setup_distributed", "split_samples", "state_sha256", "train", "train_final",
-    "train_phase", "verify_checkpoint", "whole_layer_graphs_under_ddp",
+    "Metrics", "NonFiniteError", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan",
+    "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings", "Trainer",
+    "all_reduce_sum", "barrier", "batch_maker", "build_model_config", "cap_anchors", "evaluate",
+    "expected_acceptance_length", "heldout_subset", "load_latest_checkpoint", "load_optimizer_tensors", "loss_weight",
+    "lr_factor", "make_batch", "make_optimizer", "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib",
+    "phase_record", "plan_data", "plan_stream_data", "prepare_step", "read_marker", "restore", "resume",
+    "run_fingerprint", "save_checkpoint", "seed_of", "setup_device", "setup_distributed", "split_samples",
+    "state_sha256", "train", "train_final", "train_phase", "verify_checkpoint", "whole_layer_graphs_under_ddp",
 ]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from draftsmith.train.phases import phase_record, train_final, train_phase
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
-from draftsmith.train.trainer import train
+from draftsmith.train.trainer import NonFiniteError, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ``--args`` is JSON ``{"train": {...}, "drafter": {...}}`` (phase: also ``"stream"``; missing keys take the
     defaults).
+
+    Exits 1 when a step's loss or gradient norm is not finite (the error names the step and its rows; the newest
+    checkpoint is kept: :meth:`~draftsmith.train.trainer.Trainer.check_finite`).
     """
     import argparse
 
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         TrainSettings.from_config(sections), threads=args.threads)
         else:
             train(args.index, args.target, args.out, TrainSettings.from_config(sections), threads=args.threads)
+    except NonFiniteError as exc:  # the step, its rows and the checkpoint kept: the message says it all
+        logging.getLogger("draftsmith.train").error("%s", exc)
+        return 1
     finally:
         if dist.is_initialized():  # NCCL warns (and may leak) without an explicit teardown
             dist.destroy_process_group()

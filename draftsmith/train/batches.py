@@ -3,7 +3,8 @@
 :func:`make_batch` reads one planned row (:mod:`draftsmith.train.plan`) from the features and packs it with
 :func:`pack_documents`; :func:`cap_anchors` bounds a row's anchors; :func:`batch_maker` fixes the shapes the run
 uses (on a GPU a fixed row length and power-of-two anchor buckets); :class:`Prefetcher` overlaps reading with the
-training step; :class:`TrainItem` is a training batch with its model FLOPs.
+training step; :class:`TrainItem` is a training batch with its model FLOPs and its loss weight
+(:func:`loss_weight`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from draftsmith.features import FeatureIndex
-from draftsmith.modeling import PackedBatch, sample_anchors
+from draftsmith.modeling import PackedBatch, block_targets, sample_anchors, slot_weights
 from draftsmith.train.settings import TrainOptions
 
 
@@ -129,16 +130,27 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
                              pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn")
 
 
+def loss_weight(batch: PackedBatch, block_size: int, gamma: float) -> float:
+    """The loss weight of a batch, ``sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)`` over its blocks' slots
+    k = 1..B-1 (:func:`~draftsmith.modeling.block_targets`, :func:`~draftsmith.modeling.slot_weights`): what
+    :meth:`~draftsmith.modeling.DFlashDraftModel.training_forward` returns as ``weight_sum``, computed without the
+    model (float64, from the token ids, loss mask, documents and anchors only), so the trainer knows an optimizer
+    step's total weight before its first backward."""
+    valid = block_targets(batch, block_size, use_target_tokens=False)[1]  # [R, A, B-1]
+    return float((valid.double() * slot_weights(block_size, gamma).double()).sum())
+
+
 @dataclass
 class TrainItem:
-    """A packed training batch and its model FLOPs (:func:`draftsmith.flops.step_flops`, counted on the host by
-    the prefetch workers)."""
+    """A packed training batch, its model FLOPs (:func:`draftsmith.flops.step_flops`) and its loss weight
+    (:func:`loss_weight`), both counted on the host by the prefetch workers."""
 
     batch: PackedBatch
     flops: float
+    weight: float
 
     def pin_memory(self) -> "TrainItem":
-        return TrainItem(self.batch.pin_memory(), self.flops)
+        return TrainItem(self.batch.pin_memory(), self.flops, self.weight)
 
 
 class Prefetcher:

@@ -2,9 +2,9 @@
 compiled layers).
 
 :func:`setup_device` picks ``cuda:LOCAL_RANK`` (or the CPU), sets the CPU threads and starts the process group
-(:func:`setup_distributed`, :class:`Dist`); :func:`barrier` waits for every rank; :func:`prepare_step` wraps the
-drafter for the training step: DDP whenever a process group exists, activation checkpointing, and on a GPU
-compiled layers (:func:`whole_layer_graphs_under_ddp` under DDP).
+(:func:`setup_distributed`, :class:`Dist`); :func:`barrier` waits for every rank and :func:`all_reduce_sum` sums
+over them; :func:`prepare_step` wraps the drafter for the training step: DDP whenever a process group exists,
+activation checkpointing, and on a GPU compiled layers (:func:`whole_layer_graphs_under_ddp` under DDP).
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Sum ``tensor`` over every rank, in place (nothing without a process group)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
 def setup_device(threads: int | None) -> tuple[torch.device, Dist]:

@@ -45,7 +45,7 @@ class Metrics:
                   "blocks": torch.zeros((), dtype=torch.float64, device=device)}
 
     def add(self, out) -> None:
-        self.t["loss_w"] += out.loss.detach().double() * out.weight_sum.double()
+        self.t["loss_w"] += out.weighted_ce.detach().double()
         self.t["weight"] += out.weight_sum.detach().double()
         self.t["ce"] += out.ce_sum.double()
         self.t["correct"] += out.correct.double()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -26,9 +27,9 @@ from draftsmith.flops import step_flops
 from draftsmith.io import progress, write_json
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target import load_target_embeddings_and_head
-from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker
-from draftsmith.train.checkpoint import resume, run_fingerprint, save_checkpoint
-from draftsmith.train.distributed import Dist, barrier, prepare_step, setup_device
+from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_weight
+from draftsmith.train.checkpoint import checkpoint_steps, resume, run_fingerprint, save_checkpoint
+from draftsmith.train.distributed import Dist, all_reduce_sum, barrier, prepare_step, setup_device
 from draftsmith.train.metrics import (
     Metrics,
     StepMemory,
@@ -43,6 +44,11 @@ from draftsmith.train.plan import TrainData, lr_factor, plan_data, plan_summary
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
 
 log = logging.getLogger("draftsmith.train")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step's loss or gradient norm is not finite (:meth:`Trainer.check_finite`): the message names the
+    step, the rows and the checkpoint kept. ``python -m draftsmith.train`` exits 1 with it."""
 
 
 def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -72,6 +78,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     Raises:
         ValueError: inconsistent features / config (named), too few samples for one optimizer step, or a
             checkpoint from a different configuration in ``checkpoints/``.
+        NonFiniteError: a step's loss or gradient norm is not finite (:meth:`Trainer.check_finite`: the step and
+            its rows named; the newest checkpoint is the last good state).
     """
     t_start = time.time()
     device, ranks = setup_device(threads)
@@ -194,10 +202,78 @@ class Trainer:
         return Prefetcher(items, make, depth=self.cfg.prefetch, pin=self.on_gpu, workers=self.cfg.loader_workers)
 
     def train_item(self, work: tuple[list[tuple[int, int]], int]) -> TrainItem:
-        """The batch of a planned row ``(samples, anchor seed)`` and its model FLOPs (runs on a prefetch worker)."""
+        """The batch of a planned row ``(samples, anchor seed)``, its model FLOPs and its loss weight (runs on a
+        prefetch worker)."""
         row, seed = work
         batch = self.make_batch(row, seed=seed)
-        return TrainItem(batch, step_flops(self.model, batch, self.data.use_target_tokens))
+        return TrainItem(batch, step_flops(self.model, batch, self.data.use_target_tokens),
+                         loss_weight(batch, self.block, self.gamma))
+
+    def loss_scale(self, items: list[TrainItem]) -> torch.Tensor:
+        """``world / W_step`` (0-dim float32 on the device): what each micro-batch's ``weighted_ce`` (``sum(CE * w)``)
+        is multiplied by before its backward.
+
+        ``W_step`` is the loss weight (:func:`~draftsmith.train.batches.loss_weight`) of the whole optimizer step:
+        ``items``, this rank's micro-batches, summed over every rank (float64, one all-reduce of a scalar). DDP
+        averages the ranks' gradients, hence the factor ``world``. So the step's gradient is that of
+        ``sum(CE * w) / sum(w)`` over all its rows, whatever their split into micro-batches (``train.grad_accum``)
+        and ranks: averaging each micro-batch's own mean instead over-weights the slots of rows with few supervised
+        tokens (SpecForge made the same change, sgl-project/SpecForge#731: the DFlash loss normalised globally
+        across ranks and accumulation steps). A step without any supervised slot has gradient 0.
+        """
+        weight = torch.tensor([sum(item.weight for item in items)], dtype=torch.float64)
+        if self.on_gpu:  # page-locked: the copy does not wait for the GPU
+            weight = weight.pin_memory().to(self.device, non_blocking=True)
+        all_reduce_sum(weight)
+        return (self.ranks.world / weight.clamp_min(1e-12)).float().reshape(())
+
+    def check_finite(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
+        """Stop the run (:class:`NonFiniteError`) when a micro-batch's loss of step ``step`` (0-based), on any rank,
+        or the step's gradient norm is not finite.
+
+        Called before the optimizer step, so neither the weights nor a checkpoint ever hold the non-finite update;
+        the newest checkpoint stays the run's last good state. Every rank raises (the values are all-reduced).
+        Costs one all-reduce of ``world x grad_accum`` floats and one host sync per step.
+
+        Stopping, not skipping: SpecForge skips and counts non-finite steps, but a non-finite value in the features
+        comes back every epoch, and a diverging run rarely recovers by itself; a skipped step would also make the run
+        differ from its plan (resume and stream phases replay the plan step by step). The error names the step and
+        the tokenized rows (and their feature chunks) of the micro-batches whose loss is not finite, or of the whole
+        step when only the gradient norm is.
+        """
+        world, accum = self.ranks.world, len(losses)
+        sums = torch.zeros(world, accum, dtype=torch.float32, device=self.device)
+        sums[self.ranks.rank] = torch.stack(losses).float()
+        all_reduce_sum(sums)  # each slot holds one rank's value: a NaN or inf stays in its own slot
+        values = torch.cat([sums.flatten(), grad_norm.detach().float().reshape(1)]).tolist()
+        if all(math.isfinite(v) for v in values):
+            return
+        *loss_values, norm = values
+        bad = [(i // accum, i % accum, v) for i, v in enumerate(loss_values) if not math.isfinite(v)]
+        if bad:
+            what = "; ".join(f"micro-batch {m} of rank {r}: weighted loss {v}, {self.describe_rows(step, r, m)}"
+                             for r, m, v in bad)
+            what = f"the loss is not finite ({what}); gradient norm {norm}"
+        else:
+            rows = "; ".join(f"micro-batch {m} of rank {r}: {self.describe_rows(step, r, m)}"
+                             for r in range(world) for m in range(accum))
+            what = f"the gradient norm is {norm} (every micro-batch's loss is finite; the step's rows: {rows})"
+        done = [s for s in checkpoint_steps(self.ckpt_dir) if s <= step]
+        kept = (f"the newest checkpoint, {self.ckpt_dir / f'step-{done[-1]:08d}'} (step {done[-1]}), is kept"
+                if done else f"no checkpoint of this run in {self.ckpt_dir} yet")
+        raise NonFiniteError(f"step {step + 1} of {self.total_steps}: {what}. Training stopped before the optimizer "
+                             f"step; {kept}. Look for NaN / inf in those rows' features, or for a divergence "
+                             "(learning rate, gradient clipping)")
+
+    def describe_rows(self, step: int, rank: int, micro: int) -> str:
+        """``"tokenized rows 3 (48 tokens), 5 (12 tokens) in <chunk files>"``: micro-batch ``micro`` of ``rank`` at
+        step ``step`` (the plan's row; the chunks of the features this run reads)."""
+        _, key, r = list(self.plan.items(step, step + 1, rank))[micro]
+        row = self.plan.rows(key)[r]
+        index = self.data.index
+        files = sorted({str(index.files[index.ref(s).chunk]) for s, _ in row if index.has_row(s)})
+        return (f"tokenized rows {', '.join(f'{s} ({n} tokens)' for s, n in row)} in "
+                f"{', '.join(files) or 'no chunk of ' + str(index.path)}")
 
     def heldout_metrics(self, step: int) -> dict | None:
         """Held-out loss, accuracies and τ (:func:`evaluate`) over every rank's share of the held-out rows."""
@@ -263,8 +339,11 @@ class Trainer:
                 mark = phases.mark if phases is not None else lambda phase: None
                 if phases is not None:
                     phases.start()
-                for micro in range(accum):  # DDP all-reduces the gradients on the last micro-batch
-                    item = next(batches)
+                # the step's micro-batches (read ahead by the prefetcher) and its loss weight over all ranks
+                step_items = [next(batches) for _ in range(accum)]
+                scale = self.loss_scale(step_items)
+                losses = []
+                for micro, item in enumerate(step_items):  # DDP all-reduces the gradients on the last micro-batch
                     throughput.add(int((item.batch.doc_ids >= 0).sum()), item.flops)  # on the host: no GPU wait
                     # fp8 features travel as fp8 with their scales and are dequantised here, on the device
                     batch = item.batch.to(device, non_blocking=True).dequantize(self.feature_dtype)
@@ -273,12 +352,14 @@ class Trainer:
                         out = self.step_model(batch, self.embed, self.head, self.gamma, self.data.use_target_tokens,
                                               cfg.attention, self.chunk_bytes)
                         mark("forward")
-                        (out.loss / accum).backward()
+                        (out.weighted_ce * scale).backward()
                         mark("backward")
                     metrics.add(out)
-                # the norm before clipping stays a device tensor (reading it would wait for the GPU every step)
+                    losses.append(out.weighted_ce.detach())
+                del step_items
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 mark("clip")
+                self.check_finite(step, losses, grad_norm)  # before the optimizer step: the weights stay good
                 self.optimizer.step()
                 mark("optimizer")
                 # under DDP the gradients are views into its buckets: zeroed in place, they stay views (set to None,
