@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from draftsmith.io import json_list
+from draftsmith.regenerated import GENERATED_IDS
 
 log = logging.getLogger("draftsmith.chat")
 
@@ -29,6 +30,7 @@ RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "add_generation
 DROP_INVALID_MESSAGES = "invalid_messages"
 DROP_INVALID_TOOLS = "invalid_tools"
 DROP_INVALID_TOOL_ARGUMENTS = "invalid_tool_call_arguments"
+DROP_INVALID_GENERATED_IDS = "invalid_generated_ids"
 
 
 class TemplateError(ValueError):
@@ -139,7 +141,7 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def render_prompt(tokenizer, messages: Sequence[dict], tools: Any = None,
-                  chat_template_kwargs: dict | None = None) -> list[int]:
+                  chat_template_kwargs: dict | None = None, *, stop_ids: Sequence[int] | None = None) -> list[int]:
     """Serving render of a conversation's prompt: its messages plus the template's generation prompt.
 
     This is exactly what the target is given at serving time (what vLLM / ``generate`` see after
@@ -153,6 +155,8 @@ def render_prompt(tokenizer, messages: Sequence[dict], tools: Any = None,
         tools: JSON string or list of OpenAI-style function schemas, or ``None``.
         chat_template_kwargs: e.g. ``{"enable_thinking": False}``; use the values recorded in the tokenized
             parquet metadata (:func:`read_tokenized_metadata`) so serving matches training.
+        stop_ids: the stop policy, needed when messages carry the target's generated ids (regenerate's later
+            turns): then the prompt is :func:`render_ids`, the earlier answers as the ids the target generated.
 
     Returns:
         list[int]: token ids (no BOS/EOS added beyond what the template writes).
@@ -160,12 +164,127 @@ def render_prompt(tokenizer, messages: Sequence[dict], tools: Any = None,
     Raises:
         InvalidConversation: bad messages / tools (see :func:`template_messages`, :func:`parse_tools`).
         TemplateError: the tokenizer has no chat template.
+        ValueError: messages with generated ids and no ``stop_ids``.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
+    if any(isinstance(m, dict) and m.get(GENERATED_IDS) is not None for m in messages):
+        if stop_ids is None:
+            raise ValueError(f"messages carry {GENERATED_IDS}: render_prompt needs the stop_ids they were generated "
+                             "with")
+        return render_ids(tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt=True,
+                          stop_ids=stop_ids)
     text = render_text(tokenizer, template_messages(messages), parse_tools(tools),
                        check_template_kwargs(chat_template_kwargs), add_generation_prompt=True)
     return encode(tokenizer, [text])[0]
+
+
+# The content a generated answer's ids stand in for while the template renders the messages around it.
+_GENERATED_PLACEHOLDER = "\x00draftsmith generated answer\x00"
+
+
+def generated_turns(messages: Sequence[dict], stop_ids: Sequence[int]) -> list[int]:
+    """Indices of the messages that carry the target's generated ids (:data:`draftsmith.regenerated.GENERATED_IDS`),
+    checked against the regenerated format.
+
+    Raises:
+        InvalidConversation: reason ``invalid_generated_ids``, naming the message: ids on a message that is not an
+            assistant text turn (a role other than assistant, or tool calls), an empty list, a negative id, or an
+            answer without a stop token (cut at ``regenerate.max_new_tokens``) that is not the conversation's last
+            message. Ids past the tokenizer's last are valid: a target's vocabulary can be larger (padded
+            embeddings), and what it generated is what it is trained on.
+    """
+    stops = set(stop_ids)
+    found = []
+    for i, m in enumerate(messages):
+        ids = m.get(GENERATED_IDS) if isinstance(m, dict) else None
+        if ids is None:
+            continue
+        where = f"messages[{i}].{GENERATED_IDS}"
+        if m.get("role") != "assistant" or m.get("tool_calls"):
+            raise InvalidConversation(DROP_INVALID_GENERATED_IDS,
+                                      f"{where}: on a {m.get('role')!r} message; only assistant text turns are "
+                                      "generated")
+        if len(ids) == 0:
+            raise InvalidConversation(DROP_INVALID_GENERATED_IDS, f"{where}: empty")
+        bad = next((t for t in ids if int(t) < 0), None)
+        if bad is not None:
+            raise InvalidConversation(DROP_INVALID_GENERATED_IDS, f"{where}: negative id {bad}")
+        if int(ids[-1]) not in stops and i != len(messages) - 1:
+            raise InvalidConversation(DROP_INVALID_GENERATED_IDS,
+                                      f"{where}: ends without a stop token (cut at the token budget) but "
+                                      f"{len(messages) - 1 - i} message(s) follow it")
+        found.append(i)
+    return found
+
+
+def render_ids(tokenizer, messages: Sequence[dict], tools: Any, chat_template_kwargs: dict | None, *,
+               add_generation_prompt: bool, stop_ids: Sequence[int], memo: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered as the target's own session: assistant turns that carry the ids the
+    target generated (:data:`draftsmith.regenerated.GENERATED_IDS`) keep exactly those ids.
+
+    Without generated ids this is the template's render, encoded (:func:`render_prompt` with
+    ``add_generation_prompt=True``). With them, let ``k`` be the last message carrying ids ``g`` (its stop token
+    last, or none when the answer reached the token budget):
+
+        ids(m, gen) = ids(m[:k], True) + g + after_k
+
+    ``ids(m[:k], True)`` is the serving prompt ``g`` was generated from (recursively, the earlier generated
+    answers keep their ids too), and ``after_k`` what the template writes after message ``k`` (the render of
+    ``m`` with a placeholder for message ``k``'s content, encoded from the placeholder on) less its tokens
+    through its first stop token: the template's end-of-turn, for which the target's own stop token, the last
+    of ``g``, stands (ChatML: ``"<|im_end|>\\n"`` leaves ``"\\n"``). An answer cut at the budget has no
+    end-of-turn and nothing after it: the render ends with ``g``. What the template would write *before* or
+    *instead of* an earlier generated answer (its assistant header again, reasoning it drops from history) is
+    not used: the context is what the target saw and produced. So ``ids(m[:j + 1], False)`` starts with
+    ``ids(m[:j], True)`` followed by turn ``j``'s generated ids, by construction.
+
+    Args:
+        messages: curated messages (dicts), those with generated ids as :func:`generated_turns` checks them.
+        tools: JSON string or list of OpenAI function schemas, or ``None``.
+        stop_ids: the stop policy (:func:`stop_token_ids`) the ids were generated with.
+        memo: a dict shared by the calls on prefixes of one conversation (reuses the renders of its prompts).
+
+    Returns:
+        list[int]: token ids.
+
+    Raises:
+        InvalidConversation: bad messages / tools; a generated answer without a stop token that is not last.
+        ValueError: the template does not render the placeholder content once.
+    """
+    key = (len(messages), add_generation_prompt)
+    if memo is not None and key in memo:
+        return list(memo[key])
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    rendered = template_messages(messages)
+    k = max((i for i, m in enumerate(messages) if m.get(GENERATED_IDS) is not None), default=None)
+    if k is None:
+        ids = encode(tokenizer, [render_text(tokenizer, rendered, parse_tools(tools), kwargs,
+                                             add_generation_prompt)])[0]
+    else:
+        generated = [int(t) for t in messages[k][GENERATED_IDS]]
+        stops = set(int(t) for t in stop_ids)
+        ids = render_ids(tokenizer, messages[:k], tools, kwargs, add_generation_prompt=True, stop_ids=stop_ids,
+                         memo=memo) + generated
+        if generated[-1] not in stops:
+            if k != len(messages) - 1 or add_generation_prompt:
+                raise InvalidConversation(DROP_INVALID_GENERATED_IDS,
+                                          f"messages[{k}].{GENERATED_IDS}: ends without a stop token (cut at the "
+                                          "token budget) but the render goes on after it")
+        else:
+            probe = {name: v for name, v in rendered[k].items() if name != "reasoning_content"}
+            rendered[k] = {**probe, "content": _GENERATED_PLACEHOLDER}
+            text = render_text(tokenizer, rendered, parse_tools(tools), kwargs, add_generation_prompt)
+            at = text.find(_GENERATED_PLACEHOLDER)
+            if at < 0 or text.find(_GENERATED_PLACEHOLDER, at + 1) >= 0:
+                raise ValueError(f"the chat template does not render messages[{k}].content once as given: the "
+                                 "generated ids cannot be placed")
+            after = encode(tokenizer, [text[at + len(_GENERATED_PLACEHOLDER):]])[0]
+            end = next((i + 1 for i, t in enumerate(after) if int(t) in stops), 0)
+            ids += [int(t) for t in after[end:]]
+    if memo is not None:
+        memo[key] = list(ids)
+    return ids
 
 
 def check_generation_prompt(tokenizer, chat_template_kwargs: dict | None = None) -> str:

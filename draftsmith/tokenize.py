@@ -31,6 +31,18 @@ conversation falls back to **one row per assistant turn** (``id`` = ``<conv id>#
 assistant message in ``messages``) whose tokens are ``tokens(p_j) + tokens(a_j)``, so in both modes the
 training render of turn ``j`` is the serving render of its prompt followed by the reference answer tokens.
 
+**Regenerated input** (:mod:`draftsmith.regenerated`): an assistant turn that carries the ids the target
+generated is trained on as those ids, not as its text re-encoded (decode + encode need not give them back). Its
+prompt is the serving prompt it was generated from, earlier generated answers as their ids
+(:func:`draftsmith.chat.render_ids`, the render regenerate gave the target); after the ids, whose last is the stop
+token the target emitted, comes what the template writes after its end-of-turn token (ChatML's ``"\\n"``), never a
+second end-of-turn. The loss mask is 1 exactly on the generated ids. An answer cut at ``regenerate.max_new_tokens``
+has no stop token: its ids are supervised and the row ends with them (as a row truncated at ``max_length`` ends;
+no end-of-turn the target never produced). The report's ``generated`` section counts those turns, the cut ones and
+their ids, which reconcile with regenerate's report; a conversation without generated ids (curated input,
+``regenerate.enabled: false``, or conversations regenerate kept as they were) is tokenized as described above,
+unchanged.
+
 Rows over ``max_length`` are truncated (the first ``max_length`` tokens are kept: the target's hidden states
 of a prefix do not depend on what follows) or dropped; rows without two consecutive supervised tokens are
 dropped (a DFlash anchor ``a`` needs ``loss_mask[a]`` and ``loss_mask[a + 1]``, arXiv 2602.06036 / SpecForge);
@@ -67,8 +79,10 @@ from draftsmith.chat import (
     encode,
     end_of_turn_probe,
     end_of_turn_token_ids,
+    generated_turns,
     load_tokenizer,
     parse_tools,
+    render_ids,
     render_text,
     special_token_ids,
     stop_token_ids,
@@ -76,6 +90,7 @@ from draftsmith.chat import (
     tokenizer_fingerprint,
 )
 from draftsmith.io import atomic_path, write_json
+from draftsmith.regenerated import GENERATED_IDS
 from draftsmith.settings import SectionSettings, StageSettings, thaw
 from draftsmith.tokenized import (
     TOKENIZED_SCHEMA,
@@ -189,6 +204,9 @@ class ConversationResult:
     empty_answers: int = 0
     empty_tool_call_answers: int = 0
     unsupervised_leading_assistant: int = 0
+    generated_turns: int = 0   # assistant turns carrying the target's generated ids (regenerated input)
+    generated_cut: int = 0     # of those, answers without a stop token (cut at regenerate.max_new_tokens)
+    generated_ids: int = 0     # ids of those answers, stop tokens included
 
     @property
     def candidates(self) -> int:
@@ -274,6 +292,10 @@ class ConversationTokenizer:
         except InvalidConversation as exc:
             res.drop, res.detail = exc.reason, str(exc)
             return plan
+        raw = record["messages"]
+        if any(isinstance(m, dict) and m.get(GENERATED_IDS) is not None for m in raw):
+            self._plan_generated(res, raw, messages, tools)
+            return plan
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if assistant and assistant[0] == 0:  # no prompt before it: context only, never supervised
             res.unsupervised_leading_assistant = 1
@@ -295,6 +317,85 @@ class ConversationTokenizer:
         if all(t.answer is not None and full.startswith(t.turn) for t in plan.turns):
             plan.full = full
         return plan
+
+    def _plan_generated(self, res: ConversationResult, raw: list[dict], messages: list[dict],
+                        tools: list | None) -> None:
+        """Rows of a conversation whose assistant turns carry the ids the target generated (regenerated input,
+        :mod:`draftsmith.regenerated`), built here (``res.mode`` set, or ``res.drop``).
+
+        Turn ``j``'s row is its serving prompt ``P_j`` (:func:`render_ids`: earlier generated answers as their ids)
+        followed by its answer. A generated answer is exactly its ids, then what the template writes after its
+        end-of-turn (the target's stop token stands in for the template's); the loss mask is 1 on the ids (the
+        stop token included) and 0 after. An answer cut at ``max_new_tokens`` (no stop token) ends the row: its ids
+        are supervised and nothing follows, as a row truncated at ``max_length`` ends. A turn without ids (a kept
+        tool-call turn) is the template's text answer, masked by :meth:`answer_mask`. One row when every turn's
+        ``P_j`` + answer is a prefix of the last one's (always, between generated turns of a prefix-stable
+        template), else one row per turn.
+        """
+        try:
+            generated = set(generated_turns(raw, self.stop_ids.tolist()))
+        except InvalidConversation as exc:
+            res.drop, res.detail = exc.reason, str(exc)
+            return
+        stops = set(self.stop_ids.tolist())
+        for i in generated:
+            ids = raw[i][GENERATED_IDS]
+            res.generated_turns += 1
+            res.generated_ids += len(ids)
+            res.generated_cut += int(int(ids[-1]) not in stops)
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if assistant and assistant[0] == 0:  # no prompt before it: context only, never supervised
+            res.unsupervised_leading_assistant = 1
+            assistant = assistant[1:]
+        if not assistant:
+            res.drop, res.detail = DROP_NO_ASSISTANT, "no assistant message after a prompt"
+            return
+        memo: dict = {}
+        turns = []  # (j, prompt ids, answer ids or None, answer mask)
+        try:
+            for j in assistant:
+                prompt = render_ids(self.tokenizer, raw[:j], tools, self.kwargs, add_generation_prompt=True,
+                                    stop_ids=sorted(stops), memo=memo)
+                if j in generated:
+                    answer = render_ids(self.tokenizer, raw[:j + 1], tools, self.kwargs,
+                                        add_generation_prompt=False, stop_ids=sorted(stops), memo=memo)[len(prompt):]
+                    mask = np.zeros(len(answer), dtype=np.int8)
+                    mask[:len(raw[j][GENERATED_IDS])] = 1
+                    turns.append((j, prompt, answer, mask))
+                    continue
+                p = render_text(self.tokenizer, messages[:j], tools, self.kwargs, add_generation_prompt=True)
+                t = render_text(self.tokenizer, messages[:j + 1], tools, self.kwargs, add_generation_prompt=False)
+                if not t.startswith(p):
+                    turns.append((j, prompt, None, None))
+                    continue
+                answer = encode(self.tokenizer, [t[len(p):]])[0]
+                mask, found = self.answer_mask(answer)
+                self._count_answer(res, bool(messages[j].get("tool_calls")), mask, found)
+                turns.append((j, prompt, answer, mask))
+        except InvalidConversation as exc:
+            res.drop, res.detail = exc.reason, str(exc)
+            return
+        except Exception as exc:  # jinja raise_exception(), undefined fields ...: the template refuses it
+            res.drop, res.detail = DROP_TEMPLATE_ERROR, f"chat template failed: {type(exc).__name__}: {exc}"
+            return
+        _, p_last, a_last, _ = turns[-1]
+        full = p_last + a_last if a_last is not None else None
+        if full is not None and all(a is not None and full[:len(p) + len(a)] == p + a for _, p, a, _ in turns):
+            res.mode = "single"
+            mask = np.zeros(len(full), dtype=np.int8)
+            for _, p, a, m in turns:
+                mask[len(p):len(p) + len(a)] = m
+            empty = all(int(m.sum()) <= 1 for _, _, _, m in turns)
+            self._add_row(res, res.id, np.asarray(full, dtype=np.int32), mask, empty)
+            return
+        res.mode = "per_turn"
+        for j, p, a, m in turns:
+            if a is None:
+                res.row_drops.append((DROP_NOT_AFTER_PROMPT, 0))
+                continue
+            row_ids = np.asarray(p + a, dtype=np.int32)
+            self._add_row(res, f"{res.id}#{j}", row_ids, np.concatenate([np.zeros(len(p), dtype=np.int8), m]),
+                          int(m.sum()) <= 1)
 
     def _encode_turns(self, turns: list[_Turn]) -> None:
         texts = [x for t in turns for x in (t.prompt, t.answer)]
@@ -360,19 +461,19 @@ class ConversationTokenizer:
             mask[start:end] = answer_mask
         res.mode = "single"
         for t, answer_mask, found in masks:
-            self._count_answer(res, t, answer_mask, found)
+            self._count_answer(res, t.tool_calls, answer_mask, found)
         empty = bool(masks) and all(int(m.sum()) <= 1 for _, m, _ in masks)
         self._add_row(res, res.id, full_ids, mask, empty)
         return True
 
-    def _count_answer(self, res: ConversationResult, turn: _Turn, answer_mask: np.ndarray, found: bool) -> None:
+    def _count_answer(self, res: ConversationResult, tool_calls: bool, answer_mask: np.ndarray, found: bool) -> None:
         res.answers_without_end_of_turn += int(not found)
         masked = len(answer_mask) - int(answer_mask.sum())
         if found and self.template_tail is not None and masked > self.template_tail:
             res.answers_with_stop_in_text += 1  # supervised through its text's first stop token only
         if int(answer_mask.sum()) <= 1:  # the end-of-turn token alone
             res.empty_answers += 1
-            res.empty_tool_call_answers += int(turn.tool_calls)
+            res.empty_tool_call_answers += int(tool_calls)
 
     def _build_per_turn(self, plan: _Plan) -> None:
         res = plan.res
@@ -382,7 +483,7 @@ class ConversationTokenizer:
                 res.row_drops.append((DROP_NOT_AFTER_PROMPT, 0))
                 continue
             answer_mask, found = self.answer_mask(t.answer_ids)
-            self._count_answer(res, t, answer_mask, found)
+            self._count_answer(res, t.tool_calls, answer_mask, found)
             row_ids = np.asarray(list(t.prompt_ids) + list(t.answer_ids), dtype=np.int32)
             mask = np.concatenate([np.zeros(len(t.prompt_ids), dtype=np.int8), answer_mask])
             self._add_row(res, f"{res.id}#{t.index}", row_ids, mask, int(answer_mask.sum()) <= 1)
@@ -444,6 +545,7 @@ class SplitStats:
         self.empty_answers = 0
         self.empty_tool_call_answers = 0
         self.unsupervised_leading_assistant = 0
+        self.generated: collections.Counter = collections.Counter()
         self.lengths: list[int] = []
         self.per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -451,6 +553,8 @@ class SplitStats:
         self.conversations_in += 1
         src = self.per_source[res.source]
         src["conversations_in"] += 1
+        self.generated.update(turns=res.generated_turns, cut_at_max_new_tokens=res.generated_cut,
+                              ids=res.generated_ids)
         if res.drop:
             self.conv_drops[res.drop] += 1
             src["conversations_dropped"] += 1
@@ -539,6 +643,10 @@ class SplitStats:
                 "max_row": max(self.lengths, default=0),
                 "mean_row": (self.tokens / self.rows_kept) if self.rows_kept else 0.0,
             },
+            # the target's generated answers read (regenerated input, also of dropped conversations): turns =
+            # regenerate's turns_regenerated, cut_at_max_new_tokens = its cut.hit_max_new_tokens, ids = its
+            # tokens_generated + one stop token per answer that was not cut; they are trained on as generated
+            "generated": {k: self.generated[k] for k in ("turns", "cut_at_max_new_tokens", "ids")},
             "length_histogram": [{"min": int(lo), "max": int(hi) - 1, "rows": int(n)}
                                  for lo, hi, n in zip(edges[:-1], edges[1:], hist)],
             "per_source": {k: dict(sorted(v.items())) for k, v in sorted(self.per_source.items())},

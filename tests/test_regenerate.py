@@ -24,7 +24,7 @@ from draftsmith.regenerate.static import (
     static_engine_supported,
 )
 from draftsmith.regenerate.turns import Regenerator, _split_stop
-from tiny import CURATED, tiny_target, tiny_tokenizer
+from tiny import CURATED, REGENERATED, tiny_target, tiny_tokenizer
 
 
 def shard_settings(tokenize=None, **regenerate) -> RegenerateShardSettings:
@@ -87,15 +87,20 @@ def stop(model, tok):
     return [2, seq[3]]
 
 
-def reference(model, tok, messages, tools, max_new_tokens, stop):
-    """Unbatched, unpadded greedy HF generate of the serving prompt, cut at the first stop token."""
-    prompt = render_prompt(tok, messages, tools)
+def reference(model, tok, messages, tools, max_new_tokens, stop, *, with_ids=False):
+    """Unbatched, unpadded greedy HF generate of the serving prompt (earlier answers as their generated ids), cut
+    after the first stop token: ``(text before the stop token, stopped)``, and with ``with_ids`` the generated ids
+    through the stop token."""
+    prompt = render_prompt(tok, messages, tools, stop_ids=stop)
     with torch.no_grad():
         seq = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=stop, pad_token_id=0)[0, len(prompt):].tolist()
     cut = next((i for i, t in enumerate(seq) if t in stop), None)
-    return tok.decode(seq[:cut] if cut is not None else seq, skip_special_tokens=False,
-                      clean_up_tokenization_spaces=False), cut is not None
+    text = tok.decode(seq[:cut] if cut is not None else seq, skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False)
+    if with_ids:
+        return text, cut is not None, seq[:cut + 1] if cut is not None else seq
+    return text, cut is not None
 
 
 @pytest.mark.parametrize("engine", ["generate", "continuous", "static"])
@@ -117,8 +122,9 @@ def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine)
             if m["role"] != "assistant" or m["tool_calls"]:
                 continue
             # the prompt of turn j holds the target's own earlier answers (turn by turn)
-            text, stopped = reference(model, tok, msgs[:j], rec["tools"], 12, stop)
+            text, stopped, ids = reference(model, tok, msgs[:j], rec["tools"], 12, stop, with_ids=True)
             assert m["content"] == text and m["reasoning_content"] is None
+            assert m["generated_ids"] == ids  # the ids as generated, the stop token last when one ended them
             assert not m["content"].startswith("original")
             stopped_any |= stopped
             hit_max_any |= not stopped
@@ -135,6 +141,63 @@ def test_regenerated_text_equals_generate_turn_by_turn(model, tok, stop, engine)
     # a conversation cut after a turn that hit max_new_tokens ends with that turn
     for rec in out:
         assert rec["messages"][-1]["role"] == "assistant"
+
+
+def test_tokenize_trains_on_exactly_the_generated_ids(tmp_path, model, tok, stop):
+    """regenerate -> tokenize on a tokenizer where the random target's answers do not survive decode + encode: every
+    generated answer sits in its tokenized row right after the prompt the target was given (earlier answers as
+    their ids: the second turn of conversation a too), as the very ids it generated, and the loss mask covers
+    exactly them (the stop token included, the template's newline after it not); an answer cut at the token
+    budget ends its row; the two stages' reports reconcile."""
+    from draftsmith import tokenize as tk
+
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=12, batch_size=3), stop)
+    given = []  # the prompts the engine ran
+    engine_generate = regen.engine.generate
+    regen.engine.generate = lambda prompts, on_done=None: (given.extend(map(list, prompts)),
+                                                           engine_generate(prompts, on_done))[1]
+    src = _write(tmp_path / "curated.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    report = regenerate_file(src, tmp_path / "regenerated.parquet", regen, target_key="tiny", chunk_size=8)
+    records = pq.read_table(tmp_path / "regenerated.parquet").to_pylist()
+    turns = [(r, j, m["generated_ids"]) for r in records for j, m in enumerate(r["messages"])
+             if m["generated_ids"] is not None]
+    assert len(turns) == report["counts"]["turns_regenerated"] == 4
+    # the premise: the text does not give the ids back (the issue's 0 of 12 on this tokenizer)
+    answers = [ids[:-1] if ids[-1] in stop else ids for _, _, ids in turns]
+    assert sum(tok(tok.decode(a), add_special_tokens=False)["input_ids"] == a for a in answers) < len(turns)
+
+    worker = tk.ConversationTokenizer(tok, tk.TokenizeOptions.from_mapping(max_length=512), stop_ids=stop)
+    tok_report = tk.tokenize_file(tmp_path / "regenerated.parquet", tmp_path / "tokenized.parquet", worker,
+                                  fingerprint="tiny")
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "tokenized.parquet").to_pylist()}
+    assert set(rows) == {"a", "b", "c"}  # one row per conversation (ChatML is prefix-stable)
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    supervised = {k: [] for k in rows}
+    stopped = cut = 0
+    for rec, j, ids in turns:
+        prompt = render_prompt(tok, rec["messages"][:j], rec["tools"], stop_ids=stop)
+        assert prompt in given  # what the target was given for this turn
+        row = rows[rec["id"]]
+        end = len(prompt) + len(ids)
+        assert row["input_ids"][:end] == prompt + ids
+        assert row["loss_mask"][len(prompt) - 1:end] == [0] + [1] * len(ids)
+        supervised[rec["id"]] += list(range(len(prompt), end))
+        if ids[-1] in stop:  # then the template's newline after the end-of-turn, not supervised
+            stopped += 1
+            assert row["input_ids"][end:end + 1] == newline and row["loss_mask"][end] == 0
+        else:  # cut at max_new_tokens: no end-of-turn the target never produced, the row ends with its ids
+            cut += 1
+            assert len(row["input_ids"]) == end and j == len(rec["messages"]) - 1
+    assert stopped and cut
+    # nothing else supervised but c's kept tool-call turn, rendered by this template as its end-of-turn alone
+    tool_turn = render_prompt(tok, records[2]["messages"][:1])
+    supervised["c"].append(len(tool_turn))
+    for k, row in rows.items():
+        assert [i for i, v in enumerate(row["loss_mask"]) if v] == sorted(supervised[k]), k
+    counts = report["counts"]
+    assert tok_report["generated"] == {
+        "turns": counts["turns_regenerated"], "cut_at_max_new_tokens": counts["cut.hit_max_new_tokens"],
+        "ids": counts["tokens_generated"] + counts["turns_regenerated"] - counts["cut.hit_max_new_tokens"]}
 
 
 def test_cuts_and_drops_are_counted(model, tok, stop):
@@ -173,7 +236,7 @@ def test_stage_output_schema_metadata_and_resume(tmp_path, target_dir, monkeypat
     report = run(conversations=src, target_dir=target_dir, output=tmp_path / "full.parquet", settings=settings,
                  device="cpu")
     full = pq.read_table(tmp_path / "full.parquet")
-    assert full.schema.remove_metadata().equals(CURATED)
+    assert full.schema.remove_metadata().equals(REGENERATED)
     assert read_report(tmp_path / "full.parquet") == report
     assert report["counts"]["conversations_in"] == 3 and report["stop_token_ids"] == [2]
     assert not (tmp_path / "full.parquet.parts").exists()
@@ -284,7 +347,7 @@ def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, sto
     src = _write_groups(tmp_path / "train.parquet", _conversations(7))
     runs = {n: _sharded(src, tmp_path / f"shards-{n}", regen, n) for n in (1, 3, 5)}
     one, one_report, (one_shard,) = runs[1]
-    assert one.schema.remove_metadata().equals(CURATED)
+    assert one.schema.remove_metadata().equals(REGENERATED)
     assert one.replace_schema_metadata(None).equals(
         pq.read_table(tmp_path / "shards-1" / "shard-0.parquet").replace_schema_metadata(None))
     assert one_report["counts"] == one_shard["counts"] and one_report["counts"]["records_in"] == 7
@@ -305,9 +368,9 @@ def test_sharded_runs_assemble_to_the_one_shard_output(tmp_path, model, tok, sto
         assert report["new_tokens_per_s"] == pytest.approx(sum(rates), abs=0.1)
         assert report["num_parts"] == 4 and report["input_rows"] == 7 and "shard" not in report
         assert not list((tmp_path / f"shards-{n}").glob("*.parts"))
-    # more shards than parts: shard 0 of 5 holds nothing, in the curated schema, its counts zero
+    # more shards than parts: shard 0 of 5 holds nothing, in the regenerated schema, its counts zero
     empty = pq.read_table(tmp_path / "shards-5" / "shard-0.parquet")
-    assert empty.num_rows == 0 and empty.schema.remove_metadata().equals(CURATED)
+    assert empty.num_rows == 0 and empty.schema.remove_metadata().equals(REGENERATED)
     assert runs[5][2][0]["counts"] == {"conversations_in": 0, "records_in": 0, "turns_in": 0}
     assert runs[5][2][0]["new_tokens_per_s"] is None
     if sampled:

@@ -510,3 +510,94 @@ def test_template_messages_converts_tool_arguments_and_drops_nulls():
     with pytest.raises(tk.InvalidConversation, match=r"messages\[0\].tool_calls\[0\].function.arguments"):
         tk.template_messages([{"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "f", "arguments": "{"}}]}])
+
+
+# --------------------------------------------------------------------------------------------------
+# regenerated input: the target's generated ids, not their text
+
+
+def gen(content, ids):
+    """An assistant message the target generated: ``content`` for people, ``ids`` what it generated."""
+    return msg("assistant", content, generated_ids=ids)
+
+
+def test_generated_ids_are_trained_on_as_generated_when_the_text_does_not_give_them_back(tmp_path):
+    """A regenerated parquet (written in the format's schema) whose answers are ids the text does not give back:
+    single characters where the tokenizer merges them. The tokenized row holds each prompt as the template renders
+    it, then exactly the generated ids, the stop token the target emitted standing for the template's end-of-turn
+    (never both), the template's newline after it; the second turn's prompt holds the first answer as its ids;
+    the loss mask is 1 exactly on the generated ids; an answer cut at the token budget ends the row."""
+    from draftsmith.regenerated import regenerated_schema
+
+    tok = tiny_tokenizer()
+    chars = [tok.convert_tokens_to_ids(c) for c in "The answer"[:3]]  # "T", "h", "e": text "The" is one token
+    assert enc(tok, tok.decode(chars)) != chars and len(enc(tok, "The")) == 1
+    first = chars + enc(tok, " answer is 42.") + [2]  # stopped: its <|im_end|> (2) last
+    second = enc(tok, "Hello") + chars  # cut at the budget: no stop token
+    messages = [msg("user", "Hello!"), gen(tok.decode(first[:-1]), first), msg("user", "fine"),
+                gen(tok.decode(second), second)]
+    path = tmp_path / "regenerated.parquet"
+    pq.write_table(pa.Table.from_pylist([conv("r", messages)], schema=regenerated_schema(CURATED)), path)
+    worker = tk.ConversationTokenizer(tok, options(max_length=512))
+    report = tk.tokenize_file(path, tmp_path / "out.parquet", worker, fingerprint="tiny")
+    (row,) = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    p1 = render_prompt(tok, messages[:1])
+    p2 = render_prompt(tok, messages[:3], stop_ids=[2])
+    newline = enc(tok, "\n")
+    assert p2 == p1 + first + newline + enc(tok, "<|im_start|>user\nfine<|im_end|>\n<|im_start|>assistant\n")
+    assert row["input_ids"] == p2 + second
+    assert row["loss_mask"] == [0] * len(p1) + [1] * len(first) + [0] * (len(p2) - len(p1) - len(first)) + [
+        1] * len(second)
+    assert report["generated"] == {"turns": 2, "cut_at_max_new_tokens": 1, "ids": len(first) + len(second)}
+    assert report["conversations"]["single_row"] == 1 and report["rows"]["kept"] == 1
+    # the text render would have re-encoded "The" as one token: the stored ids, not the text, are trained on
+    text_row = one(worker, conv("t", [msg(m["role"], m["content"]) for m in messages])).rows[0]
+    assert text_row.input_ids.tolist() != row["input_ids"]
+
+
+def test_the_target_stop_token_stands_for_the_template_end_of_turn():
+    """Llama 3: turns end with <|eot_id|> (4) but the eos <|end_of_text|> (1) stops too. An answer the target
+    ended with its eos keeps that token and gets no <|eot_id|> after it; one ended with <|eot_id|> has exactly one.
+    The mask covers the generated ids, the stop token included, and the next turn's header is context."""
+    from tiny import tiny_llama3_tokenizer
+
+    tok = tiny_llama3_tokenizer()
+    stops = tk.stop_token_ids(tok)
+    assert stops == [1, 4]
+    worker = tk.ConversationTokenizer(tok, options(max_length=512), stop_ids=stops)
+    body = enc(tok, "The answer is 42.")
+    for stop in (1, 4):
+        messages = [msg("user", "Hello!"), gen("The answer is 42.", body + [stop]), msg("user", "fine"),
+                    gen("Hello", enc(tok, "Hello") + [4])]
+        res = one(worker, conv("l", messages))
+        (row,) = res.rows
+        p1 = render_prompt(tok, messages[:1])
+        ids = row.input_ids.tolist()
+        user = enc(tok, "<|start_header_id|>user<|end_header_id|>\n\nfine<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert ids == p1 + body + [stop] + user + enc(tok, "Hello") + [4]  # no <|eot_id|> after the target's stop
+        assert row.loss_mask[len(p1):len(p1) + len(body) + 1].all() and row.loss_mask[:len(p1)].sum() == 0
+        assert int(row.loss_mask.sum()) == len(body) + 1 + len(enc(tok, "Hello")) + 1
+
+
+def test_invalid_generated_ids_are_a_counted_drop_and_curated_input_is_unchanged(stage_dirs):
+    """Generated ids on a user message, or an answer cut at the budget that more messages follow, drop the
+    conversation as invalid_generated_ids (counted, logged with the row); the curated rows written in the
+    regenerated schema, every generated_ids null, tokenize to the very same table as the curated file."""
+    from draftsmith.regenerated import regenerated_schema
+
+    _run(stage_dirs)
+    curated_out = pq.read_table(stage_dirs / "out" / "train.parquet")
+    rows = _all_reasons_rows()
+    pq.write_table(pa.Table.from_pylist(rows, schema=regenerated_schema(CURATED)), stage_dirs / "train.parquet")
+    _run(stage_dirs)
+    assert pq.read_table(stage_dirs / "out" / "train.parquet").equals(curated_out)
+
+    bad = [conv("user", [msg("user", "hi", generated_ids=[5, 2]), gen("yo", [7, 2])]),
+           conv("cut", [msg("user", "hi"), gen("yo", [7, 8]), msg("user", "more"), gen("ok", [9, 2])])]
+    pq.write_table(pa.Table.from_pylist(rows[:1] + bad, schema=regenerated_schema(CURATED)),
+                   stage_dirs / "train.parquet")
+    report = _run(stage_dirs)["splits"]["train"]
+    assert report["conversations"]["dropped_by_reason"] == {"invalid_generated_ids": 2}
+    assert report["conversations"]["in"] == 3 and report["rows"]["kept"] == 1
+    assert report["generated"] == {"turns": 0, "cut_at_max_new_tokens": 0, "ids": 0}

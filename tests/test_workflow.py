@@ -409,3 +409,9 @@ def test_regenerate_shards_run_under_snakemake_and_assemble_as_one_job(workflow,
         assert all(f"regenerate shard {i}" in leases for i in range(shards))
     assert tables[2] == tables[1] and len(tables[1]) > 0
     assert reports[2]["counts"] == reports[1]["counts"]
+    # every regenerated turn keeps the ids the target generated, counted as the report counts its tokens
+    generated = [m["generated_ids"] for r in tables[1] for m in r["messages"] if m["generated_ids"] is not None]
+    counts = reports[1]["counts"]
+    assert len(generated) == counts["turns_regenerated"] > 0
+    assert sum(map(len, generated)) == (counts["tokens_generated"] + counts["turns_regenerated"]
+                                        - counts.get("cut.hit_max_new_tokens", 0))

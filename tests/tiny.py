@@ -131,3 +131,8 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasonin
                      ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
 CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
                      ("tools", pa.string())])
+# The regenerated-parquet contract (draftsmith.regenerated), written out the same way: the curated columns, each
+# message with the ids the target generated for it (null on the messages it did not generate).
+REGENERATED = pa.schema([("id", pa.string()), ("source", pa.string()),
+                         ("messages", pa.list_(pa.struct(list(MESSAGE) + [("generated_ids", pa.list_(pa.int32()))]))),
+                         ("tools", pa.string())])

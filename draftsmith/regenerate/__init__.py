@@ -2,14 +2,14 @@
 target's own distribution. A standard step for drafters (EAGLE-3 / SpecForge / DFlash recipes train on
 target-regenerated responses; ~800K regenerated samples in the published DFlash recipe).
 
-Input and output are curated parquet files (``results/curated/train.parquet`` ->
-``results/regenerated/train.parquet``, the same Arrow schema and the same ``id`` / ``source`` per row, so
-rows stay traceable to their source record).
+Input is a curated parquet file (``results/curated/train.parquet``), output the regenerated one
+(``results/regenerated/train.parquet``, :mod:`draftsmith.regenerated`: the curated schema with the generated ids of
+each regenerated turn, the same ``id`` / ``source`` per row, so rows stay traceable to their source record).
 
 Choices (documented, tested):
 
 * **Turn by turn.** Assistant turns are regenerated in order; the prompt of turn j is the conversation
-  *with the target's own earlier answers* (``render_prompt`` of the tokenize stage, the serving render, with
+  *with the target's own earlier answers* (``render_prompt``, the serving render, with
   the configured ``chat_template_kwargs``), so every supervised token of a later turn is conditioned on what
   the target itself said. ``max_turns`` (config) stops after that many regenerated turns (1 = first turn only;
   the rest of the conversation is cut, since later user turns answer the original reply).
@@ -18,10 +18,12 @@ Choices (documented, tested):
   the tool results are regenerated.
 * **Stops.** Generation is greedy (``do_sample=False``) and stops at the first stop token of the one stop
   policy tokenize and evaluate share (:func:`draftsmith.chat.stop_token_ids`: eos ids plus the chat
-  template's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, whose eos is ``<|end_of_text|>``); the
-  answer is the generated tokens before the stop token, decoded without skipping special tokens, stored as
-  ``content`` (``reasoning_content`` null: a thinking target's ``<think>...</think>`` stays inline in
-  ``content``, which its template re-renders as generated).
+  template's end-of-turn token, e.g. Llama 3's ``<|eot_id|>``, whose eos is ``<|end_of_text|>``). The
+  answer's ids are stored as generated, the stop token that ended it last (``generated_ids``: what tokenize
+  trains on), and the ids before the stop token, decoded without skipping special tokens, as ``content`` for
+  people (``reasoning_content`` null: a thinking target's ``<think>...</think>`` stays inline in ``content``).
+  Decoding and encoding again need not give the ids back, so a later turn's prompt holds the earlier answers as
+  their ids too (:func:`draftsmith.chat.render_ids`): the context the target continues is its own tokens.
 * **Cuts, all counted.** An answer that hits ``max_new_tokens`` is kept truncated and the conversation ends
   after it; an empty answer, a prompt of ``max_prompt_tokens`` tokens or more (the training rows would
   hold no answer token) or a turn the template cannot render ends the conversation before that turn. A

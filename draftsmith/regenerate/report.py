@@ -5,7 +5,10 @@ Every regenerated parquet (a shard's, :func:`draftsmith.regenerate.shards.regene
 :data:`META_KEY` (:func:`read_report`); :func:`summary` is its log line. The counts (``counts`` of the report)
 reconcile (:func:`check_counts`): conversations in = regenerated + kept original + dropped (``dropped.<reason>``);
 assistant turns in = regenerated + kept (``turns_kept_tool_call``, ``turns_kept_without_prompt``) + removed by cuts
-(``turns_removed_by_cut``; ``cut.<reason>`` per conversation).
+(``turns_removed_by_cut``; ``cut.<reason>`` per conversation). tokenize's report of the regenerated file counts the
+same answers in its ``generated`` section: ``turns`` = ``turns_regenerated``, ``cut_at_max_new_tokens`` =
+``cut.hit_max_new_tokens``, ``ids`` = ``tokens_generated`` + one stop token per answer that was not cut (the ids are
+stored and trained on as generated, so no share of them "re-tokenizes" differently).
 """
 
 from __future__ import annotations
@@ -67,7 +70,6 @@ def summary(report: dict) -> str:
              else f"shard {report['shard']} of {report['num_shards']}: " if report.get("num_shards", 1) > 1 else "")
     dropped = {k: v for k, v in c.items() if k.startswith("dropped.")}
     cuts = {k: v for k, v in c.items() if k.startswith("cut.")}
-    exact = 100 * c.get("turns_retokenize_exact", 0) / max(c.get("turns_regenerated", 0), 1)
     phases = report.get("static_engine") or {}
     engine = (f"; static engine: prefill {phases['prefill_tokens_per_s']:,.0f} tok/s ({phases['prefill_s']:.1f} s), "
               f"decode {phases['decode_ms_per_step']:.1f} ms a step at {phases['mean_rows']} rows on average "
@@ -75,6 +77,6 @@ def summary(report: dict) -> str:
               if phases.get("decode_steps") and phases.get("prefill_s") else "")
     return (f"{where}{report['new_tokens_per_s']} new tokens/s; {c.get('conversations_in', 0)} conversations in -> "
             f"{c.get('regenerated', 0)} regenerated, {c.get('kept_original', 0)} kept original, dropped {dropped}; "
-            f"{c.get('turns_regenerated', 0)} turns regenerated ({c.get('tokens_generated', 0)} tokens, {exact:.1f}% "
-            f"re-tokenize exactly), {c.get('turns_kept_tool_call', 0)} tool-call turns kept, cuts {cuts}; "
+            f"{c.get('turns_regenerated', 0)} turns regenerated ({c.get('tokens_generated', 0)} tokens), "
+            f"{c.get('turns_kept_tool_call', 0)} tool-call turns kept, cuts {cuts}; "
             f"{report['seconds']:.1f} s{engine}")

@@ -29,13 +29,14 @@ import torch
 from draftsmith.chat import tokenizer_fingerprint
 from draftsmith.io import atomic_path, progress, sha256_file
 from draftsmith.regenerate.report import BASE_COUNTS, META_KEY, check_counts, read_report
+from draftsmith.regenerated import regenerated_schema
 
 if TYPE_CHECKING:
     from draftsmith.regenerate.turns import Regenerator
 
 log = logging.getLogger("draftsmith.regenerate")
 
-FORMAT = "draftsmith.regenerate/1"
+FORMAT = "draftsmith.regenerate/2"  # 2: assistant turns keep the generated ids (draftsmith.regenerated)
 PART_KEY = b"draftsmith.regenerate.part"
 
 
@@ -95,14 +96,15 @@ def _iter_parts(pf: pq.ParquetFile, chunk_size: int, first: int, last: int):
 def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLike, regenerator: Regenerator, *,
                     target_key: str, chunk_size: int, shard: int = 0, shards: int = 1,
                     progress_interval: float = 30.0) -> dict:
-    """Regenerate (a shard of) a curated parquet into ``output_path`` (same schema), resumable by parts; returns
+    """Regenerate (a shard of) a curated parquet into ``output_path`` (the input's schema with the generated ids of
+    :func:`draftsmith.regenerated.regenerated_schema`), resumable by parts; returns
     the report, also stored in the output's metadata (:func:`read_report`).
 
     The input's rows are cut into ``P = ceil(rows / chunk_size)`` global parts of ``chunk_size`` rows; shard ``shard``
     of ``shards`` regenerates the contiguous parts :func:`shard_parts` gives it, each part ``k`` exactly as an
     unsharded run does (the same rows, a sampling seed of ``seed`` and ``k``), so the shards' outputs in shard order
     (:func:`assemble_shards`) equal a one-shard run's row for row. A shard with no part (more shards than parts)
-    writes an empty parquet of the input's schema, its counts zero. Finished parts are kept in
+    writes an empty parquet of that schema, its counts zero. Finished parts are kept in
     ``<output>.parts/part-<k>.parquet`` (``k`` global) with a key of everything that determines them (a part does not
     depend on the shard that made it); a rerun reuses those, and those another shard layout left in the ``*.parts``
     folders beside the output (moved into this shard's folder: a killed run resumes with another
@@ -142,7 +144,7 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     }, sort_keys=True).encode()).hexdigest()
     parts_dir = output_path.with_name(output_path.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
-    clean_schema = schema.remove_metadata()
+    clean_schema = regenerated_schema(schema.remove_metadata())
     total: collections.Counter = collections.Counter({k: 0 for k in BASE_COUNTS})
     part_paths = []
     shard_rows = min(last * chunk_size, n_rows) - min(first * chunk_size, n_rows)

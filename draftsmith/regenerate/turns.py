@@ -28,6 +28,7 @@ from draftsmith.regenerate.report import (
 )
 from draftsmith.regenerate.settings import RegenerateShardSettings
 from draftsmith.regenerate.static import StaticBatchEngine, resolve_engine
+from draftsmith.regenerated import GENERATED_IDS
 
 log = logging.getLogger("draftsmith.regenerate")
 
@@ -116,12 +117,12 @@ class Regenerator:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], int | None]]:
         """Continuation of each prompt (token ids) by the engine.
 
         Returns:
-            Per prompt ``(answer_ids, stopped)``: the generated ids before the first stop token, and
-            whether a stop token ended it (False: ``max_new_tokens`` was reached).
+            Per prompt ``(answer_ids, stop_id)``: the generated ids before the first stop token, and the stop
+            token that ended them (``None``: ``max_new_tokens`` was reached).
         """
         stops = set(self.stop_ids)
         done = [0]
@@ -136,7 +137,11 @@ class Regenerator:
                     self._last_line = time.monotonic()
 
         out = self.engine.generate(prompts, on_done)
-        return [_split_stop(ids[:self.settings.regenerate.max_new_tokens], stops) for ids in out]
+        results = []
+        for ids in out:
+            answer, stopped = _split_stop(ids[:self.settings.regenerate.max_new_tokens], stops)
+            results.append((answer, int(ids[len(answer)]) if stopped else None))
+        return results
 
     def decode(self, ids: list[int]) -> str:
         """Answer text of generated ids (special tokens kept, no clean-up: re-rendering gives them back)."""
@@ -160,7 +165,8 @@ class Regenerator:
                 conv.cut = CUT_MAX_TURNS
                 return
             try:
-                prompt = render_prompt(self.tokenizer, conv.out, conv.record.get("tools"), self.kwargs)
+                prompt = render_prompt(self.tokenizer, conv.out, conv.record.get("tools"), self.kwargs,
+                                       stop_ids=self.stop_ids)
             except Exception as exc:  # bad messages / tools, or the template refuses the conversation
                 conv.cut = CUT_TEMPLATE_ERROR
                 if stats[f"cut.{CUT_TEMPLATE_ERROR}"] < 5:
@@ -198,21 +204,21 @@ class Regenerator:
             if not pending:
                 break
             results = self.generate([c.prompt for c in pending])
-            for c, (answer, stopped) in zip(pending, results):
+            for c, (answer, stop) in zip(pending, results):
                 c.prompt = None
                 if not answer:
                     c.cut = CUT_EMPTY
                     continue
                 original = c.messages[c.pos]
+                # the ids are what tokenize trains on (decoding and encoding again need not give them back);
+                # the text is for people
                 c.out.append({**original, "content": self.decode(answer), "reasoning_content": None,
-                              "tool_calls": None})
+                              "tool_calls": None, GENERATED_IDS: answer + ([stop] if stop is not None else [])})
                 c.pos += 1
                 c.regenerated += 1
                 stats["turns_regenerated"] += 1
                 stats["tokens_generated"] += len(answer)
-                canonical = self.tokenizer(self.decode(answer), add_special_tokens=False)["input_ids"] == answer
-                stats["turns_retokenize_exact"] += int(canonical)
-                if not stopped:
+                if stop is None:
                     c.cut = CUT_MAX_NEW_TOKENS
                     continue
                 self._advance(c, stats)
