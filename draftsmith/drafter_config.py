@@ -56,8 +56,7 @@ def target_rope_parameters(target_config: Any) -> tuple[dict[str, Any], str]:
         if not isinstance(rope.get(FULL), dict):
             raise ValueError(f"target config rope_parameters is nested per layer type ({sorted(rope)}) but "
                              f"rope_parameters.{FULL} is {rope.get(FULL)!r}: the drafter takes the target's "
-                             "full-attention RoPE; set drafter.rope_theta and give the target a full_attention "
-                             "entry")
+                             "full-attention RoPE and cannot represent a target without one")
         params, key = dict(rope[FULL]), f"rope_parameters.{FULL}"
     elif isinstance(rope, dict) and rope:
         params, key = dict(rope), "rope_parameters"
