@@ -294,6 +294,26 @@ def resolve_target(model: str, assets_dir: str | os.PathLike = "resources", *, m
     return check_model_folder(Path(model).expanduser())
 
 
+# The files of a target folder that the tokenizer, its chat template and the stop policy (draftsmith.chat) are read
+# from: what regenerate, tokenize and evaluate depend on besides the folder.
+TOKENIZER_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt")
+
+
+def tokenizer_files(folder: str | os.PathLike) -> list[str]:
+    """The tokenizer, chat template and stop-policy files present in a local target folder, sorted.
+
+    :data:`TOKENIZER_FILES` plus ``additional_chat_templates/*.jinja`` (transformers 5's named templates). Rules
+    list them as inputs beside the folder: an in-place edit of a template changes the file's mtime but not the
+    folder's, so only the files themselves make Snakemake rerun what rendered with them.
+    """
+    folder = Path(folder)
+    found = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    found += sorted((folder / "additional_chat_templates").glob("*.jinja"))
+    return sorted(str(p) for p in found)
+
+
 def resolve_data_path(path: str, assets_dir: str | os.PathLike = "resources", *, source: str | None = None) -> Path:
     """The local path of a ``data.sources[].path`` config value.
 

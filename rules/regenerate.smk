@@ -14,6 +14,7 @@ rule regenerate_shard:
         disk=ancient("results/stream/disk-plan.json"),
         conversations="results/curated/train.parquet",
         target=target_dir(),
+        tokenizer=target_tokenizer_files(),
     output:
         "results/regenerated/shard-{shard}.parquet",
     log:

@@ -6,6 +6,7 @@ rule tokenize:
         train=tokenize_train_input,
         eval="results/curated/eval.parquet",
         target=target_dir(),
+        tokenizer=target_tokenizer_files(),
     output:
         train="results/tokenized/train.parquet",
         eval="results/tokenized/eval.parquet",

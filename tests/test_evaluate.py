@@ -42,7 +42,7 @@ from draftsmith.evaluate import (
 from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target import capture_layers, fla_available
-from tiny import CURATED, VOCAB, tiny_target, tiny_tokenizer
+from tiny import CURATED, TINY_CHATML_TEMPLATE, VOCAB, tiny_target, tiny_tokenizer
 
 BLOCK = 8
 MASK = VOCAB - 1
@@ -905,6 +905,43 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([], schema=schema.with_metadata(meta)), bad["tokenized_eval"])
     with pytest.raises(ValueError, match="another tokenizer"):
         run_evaluate(**bad)
+
+
+# Mistral / Llama 2 style: the template raises on a system message and on more than two messages (so MT-Bench's
+# second turn, asked after the target's answer, fails when decoding, and the system-prompt row when the set is read)
+RAISING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' or messages | length > 2 %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    + TINY_CHATML_TEMPLATE)
+
+
+@pytest.mark.slow
+def test_a_template_that_raises_on_a_prompt_skips_it_counted_and_listed(stage_inputs, tmp_path):
+    import shutil
+
+    from draftsmith.tokenize import tokenized_metadata, tokenizer_fingerprint
+
+    target = tmp_path / "target"
+    shutil.copytree(stage_inputs["target"], target)
+    tok = tiny_tokenizer(chat_template=RAISING_TEMPLATE)
+    tok.save_pretrained(target)
+    tokenized = tmp_path / "tok_eval.parquet"
+    schema = pq.read_schema(stage_inputs["tokenized"])
+    pq.write_table(pa.Table.from_pylist([], schema=schema.with_metadata(
+        tokenized_metadata({}, tokenizer_fingerprint(tok), 512))), tokenized)
+    kwargs = _stage_kwargs(stage_inputs, tmp_path / "out")
+    report = run_evaluate(**dict(kwargs, target_dir=str(target), tokenized_eval=str(tokenized)))
+    held, mt = report["sets"]["heldout"], report["sets"]["mtbench"]
+    # c2 (system prompt) is refused by the template when the set is read, c3 is too long: c1 is evaluated
+    assert held["rows_read"] == 3 and held["conversations"] == 1 and held["prompts"] == 1
+    assert held["skipped_rows"] == {"template_error": 1, "prompt_too_long": 1}
+    assert held["skipped_row_ids"] == {"template_error": ["c2"], "prompt_too_long": ["c3"]}
+    # MT-Bench: turn 1 is evaluated, turn 2 (after the target's answer) is refused when decoding
+    assert mt["prompts_planned"] == 2 and mt["prompts"] == 1 and mt["skipped_prompts"] == {"template_error": 1}
+    for s in (held, mt):
+        assert s["lossless"]["dflash"]["lossless"] and s["dflash"]["tokens"] == s["target_only"]["tokens"] > 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "template_error × 1" in md and "template_error rows: c2" in md
 
 
 def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from draftsmith.drafter_config import build_drafter_config
 from draftsmith.export import ExportError, ExportSettings, export_drafter
@@ -62,6 +63,24 @@ def test_export_writes_the_zlab_format_and_the_official_package_loads_it(officia
         b = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx)
     assert torch.allclose(a, b, atol=1e-6)
     assert ref.target_layer_ids == [0, 3] and ref.mask_token_id == MASK and ref.block_size == 8
+
+
+def test_export_keeps_the_target_yarn_rope_in_both_config_forms(official, tmp_path):
+    yarn = {"rope_type": "yarn", "rope_theta": 5e6, "factor": 8.0, "original_max_position_embeddings": 4096}
+    target = tiny_target("qwen3", max_position_embeddings=32768, rope_parameters=yarn)
+    target.save_pretrained(tmp_path / "target")
+    expected = Qwen3RotaryEmbedding(target.config)
+    cfg = build_drafter_config(target.config, num_layers=2, block_size=8, target_layer_ids=[0, 3], mask_token_id=MASK)
+    DFlashDraftModel(cfg).save_pretrained(tmp_path / "trained")
+    summary = export_drafter(tmp_path / "trained", tmp_path / "target", tmp_path / "final", DEFAULTS)
+    assert summary["rope_parameters"] == yarn
+    written = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert written["rope_parameters"] == yarn and written["rope_theta"] == 5e6  # transformers 5 and older readers
+    assert written["rope_scaling"] == {k: v for k, v in yarn.items() if k != "rope_theta"}
+    for model in (DFlashDraftModel.from_pretrained(tmp_path / "final"),
+                  official.DFlashDraftModel.from_pretrained(str(tmp_path / "final"))):
+        assert torch.equal(model.rotary_emb.inv_freq, expected.inv_freq)
+        assert model.rotary_emb.attention_scaling == expected.attention_scaling != 1.0
 
 
 @pytest.mark.parametrize("field", ["target_layer_ids", "mask_token_id"])

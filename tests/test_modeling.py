@@ -16,6 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from transformers import Gemma3TextConfig, LlamaConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
 from draftsmith.drafter_config import (
     build_drafter_config,
@@ -36,7 +41,7 @@ from draftsmith.modeling import (
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.train import loss_weight
-from tiny import tiny_target
+from tiny import tiny_config, tiny_target
 
 MASK = 3
 
@@ -80,6 +85,83 @@ VARIANTS = {
 # ------------------------------------------------------------------------------------------------------------
 # configuration helpers
 # ------------------------------------------------------------------------------------------------------------
+
+YARN = {"rope_type": "yarn", "rope_theta": 5e6, "factor": 8.0, "original_max_position_embeddings": 4096}
+ROPE_TARGETS = {
+    # Gemma 3 style: RoPE nested per layer type (transformers 5), full attention YaRN, sliding attention plain 1e4
+    "gemma3-nested-yarn": lambda: Gemma3TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32768,
+        rope_parameters={"full_attention": dict(YARN), "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}}),
+    "qwen3-yarn": lambda: tiny_config("qwen3", max_position_embeddings=32768, rope_parameters=dict(YARN)),
+    # legacy top-level rope_theta + rope_scaling with the old "type" spelling (Llama 3.1)
+    "llama-legacy-llama3": lambda: tiny_config("llama", max_position_embeddings=131072, rope_theta=5e5, rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}),
+}
+
+
+def target_full_attention_rope(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling of the target's full-attention layers, by transformers' classes."""
+    if isinstance(config, Gemma3TextConfig):
+        rotary = Gemma3RotaryEmbedding(config)
+        return rotary.full_attention_inv_freq, rotary.full_attention_attention_scaling
+    rotary = (LlamaRotaryEmbedding if isinstance(config, LlamaConfig) else Qwen3RotaryEmbedding)(config)
+    return rotary.inv_freq, rotary.attention_scaling
+
+
+@pytest.mark.parametrize("kind", list(ROPE_TARGETS))
+def test_drafter_takes_the_target_full_attention_rope_through_export(official, kind, tmp_path):
+    target_config = ROPE_TARGETS[kind]()
+    inv_freq, scaling = target_full_attention_rope(target_config)
+    assert scaling != 1.0 or kind.startswith("llama")  # YaRN scales attention; llama3 only the frequencies
+    cfg = build_drafter_config(target_config, num_layers=2, block_size=4, target_layer_ids=[1, 3], mask_token_id=MASK)
+    drafter = DFlashDraftModel(cfg)
+    assert torch.equal(drafter.rotary_emb.inv_freq, inv_freq) and drafter.rotary_emb.attention_scaling == scaling
+    drafter.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    theta = 5e5 if kind.startswith("llama") else 5e6
+    assert written["rope_theta"] == theta and written["rope_parameters"]["rope_theta"] == theta
+    assert written["rope_scaling"]["rope_type"] == written["rope_parameters"]["rope_type"] != "default"
+    assert written["rope_scaling"]["factor"] == 8.0
+    # our loader, the official dflash package, and an older reader's view (legacy keys only) all compute it again
+    loaded = [DFlashDraftModel.from_pretrained(tmp_path), official.DFlashDraftModel.from_pretrained(str(tmp_path))]
+    legacy = {k: v for k, v in written.items() if k != "rope_parameters"}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    loaded.append(DFlashDraftModel.from_pretrained(tmp_path))
+    for model in loaded:
+        assert torch.equal(model.rotary_emb.inv_freq, inv_freq) and model.rotary_emb.attention_scaling == scaling
+    pos = torch.tensor([[0, 4095, 20000]])
+    x = torch.zeros(1, 3, 16)
+    assert all(torch.equal(m.rotary_emb(x, pos)[0], drafter.rotary_emb(x, pos)[0]) for m in loaded)
+
+
+def test_partially_rotary_target_keeps_theta_and_its_frequencies(caplog):
+    target_config = tiny_config("qwen3_5", rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                           "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    inv_freq = Qwen3_5TextRotaryEmbedding(target_config).inv_freq  # 2 frequencies over the 4 rotary dims
+    with caplog.at_level("WARNING", logger="draftsmith.drafter_config"):
+        cfg = build_drafter_config(target_config, num_layers=1, block_size=4, target_layer_ids=[3],
+                                   mask_token_id=MASK)
+    assert "rope_parameters.partial_rotary_factor = 0.25" in caplog.text
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 1e7}
+    drafter_freq = DFlashDraftModel(cfg).rotary_emb.inv_freq  # the whole head of 16: 8 frequencies
+    assert drafter_freq.shape == (8,) and torch.allclose(drafter_freq[::4], inv_freq, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rope, key", [
+    ({"full_attention": None, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_parameters.full_attention"),
+    ({"rope_type": "proportional", "rope_theta": 1e4}, "rope_parameters.rope_type"),
+    ({"rope_type": "default", "rope_theta": 1e4, "rope_fancy": 2.0}, "rope_parameters.rope_fancy"),
+])
+def test_a_rope_the_drafter_cannot_represent_is_refused_naming_the_key(rope, key):
+    target_config = tiny_config("qwen3")
+    target_config.layer_types = ["sliding_attention", "full_attention"] * 2
+    target_config.rope_parameters = rope
+    with pytest.raises(ValueError, match=key):
+        build_drafter_config(target_config, num_layers=1, block_size=4, target_layer_ids=[3], mask_token_id=MASK)
 
 def test_default_target_layer_ids_official_formula(official):
     # the published 27B-class drafter: 64 target layers, 5 taps

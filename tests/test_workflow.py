@@ -249,6 +249,38 @@ def test_changing_a_training_parameter_reruns_only_train_export_evaluate(finishe
     assert planned_jobs(proc.stdout + proc.stderr) == expect
 
 
+def test_editing_the_targets_chat_template_in_place_replans_tokenize_and_what_follows(finished_run):
+    """An in-place edit of the target's chat template (the folder's mtime unchanged) replans tokenize and every
+    rule after it, the same jobs as ``--forcerun tokenize``; putting the file back as it was plans nothing."""
+    import os
+
+    work, last, _ = finished_run
+    target = "all" if last == STAGES[-1][0] else dict(STAGES)[last]
+    folder = Path(yaml.safe_load((work / "config.yaml").read_text())["target"]["model"])
+    template = folder / "chat_template.jinja"
+    if not template.exists():  # transformers 5 writes it; older ones keep it in tokenizer_config.json
+        template = folder / "tokenizer_config.json"
+    forced = snakemake(work, "-n", "--forcerun", "tokenize", target)
+    assert forced.returncode == 0, forced.stderr[-4000:]
+    expect = planned_jobs(forced.stdout + forced.stderr)
+    assert expect.get("tokenize") == 1 and "curate" not in expect
+
+    original, stat, folder_stat = template.read_bytes(), template.stat(), folder.stat()
+    template.write_bytes(original.replace(b"<|im_start|>", b"<|im_start|> ", 1))
+    assert template.read_bytes() != original
+    try:
+        os.utime(folder, ns=(folder_stat.st_atime_ns, folder_stat.st_mtime_ns))
+        assert folder.stat().st_mtime_ns == folder_stat.st_mtime_ns  # only the file says it changed
+        proc = snakemake(work, "-n", target)
+    finally:
+        template.write_bytes(original)
+        os.utime(template, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the finished run stays finished
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert planned_jobs(proc.stdout + proc.stderr) == expect
+    again = snakemake(work, "-n", target)
+    assert again.returncode == 0 and planned_jobs(again.stdout + again.stderr) == {}
+
+
 def test_the_same_config_with_its_keys_in_another_order_reruns_nothing(finished_run):
     """Every mapping of config.yaml written with its keys reversed (a data source as {split, adapter, path, name}),
     the evaluation sets kept in their order (the report lists them so): the same configuration, nothing to do."""

@@ -30,7 +30,14 @@ from draftsmith.evaluate.decode import (
     target_generate,
 )
 from draftsmith.evaluate.drafter import check_pair, drafter_config, load_drafter
-from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, render
+from draftsmith.evaluate.prompts import (
+    SKIP_TEMPLATE_ERROR,
+    BenchmarkSet,
+    Conversation,
+    PromptTemplateError,
+    load_sets,
+    render,
+)
 from draftsmith.evaluate.report import METHODS, summarize
 from draftsmith.evaluate.sampling import SamplingConfig
 from draftsmith.evaluate.settings import EvaluateOptions, EvaluateSettings
@@ -316,7 +323,15 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
     history = list(conv.context)
     for t, turn in enumerate(conv.user_turns):
         history = history + turn
-        ids = decoders.render(history, conv.tools)
+        try:
+            ids = decoders.render(history, conv.tools)
+        except PromptTemplateError as exc:  # a later turn (first turns rendered when the set was read)
+            left = len(conv.user_turns) - t
+            rec["skipped"][SKIP_TEMPLATE_ERROR] = left
+            log.warning("set %s: %s turn %d skipped with %d later turn(s): %s", bset.name, conv.id, t, left - 1,
+                        exc)
+            bar.update(left)
+            break
         if not decoders.fits(len(ids), bset.max_new_tokens):  # a later turn (first turns fit)
             left = len(conv.user_turns) - t  # later turns need this one's answer
             rec["skipped"]["prompt_too_long"] = left

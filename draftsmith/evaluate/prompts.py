@@ -37,6 +37,9 @@ from draftsmith.config import HELDOUT, schema_entry_defaults  # HELDOUT: the hel
 log = logging.getLogger("draftsmith.evaluate")
 
 
+SKIP_TEMPLATE_ERROR = "template_error"  # tokenize's drop reason for the same failure
+
+
 @lru_cache(maxsize=None)
 def _set_defaults() -> Mapping[str, Any]:
     """A set's defaults (``max_prompts``, ``max_new_tokens``), from the schema's ``evaluate.sets`` entries."""
@@ -74,9 +77,12 @@ class BenchmarkSet:
     conversations: list[Conversation] = field(default_factory=list)
     rows_read: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    #: the ids of the skipped rows, by reason (the report lists them)
+    skipped_ids: dict[str, list[str]] = field(default_factory=dict)
 
     def skip(self, reason: str, row_id: str, detail: str = "") -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skipped_ids.setdefault(reason, []).append(row_id)
         log.warning("set %s: row %s skipped (%s) %s", self.name, row_id, reason, detail)
 
 
@@ -138,7 +144,9 @@ def load_sets(curated_eval: str, sets: Mapping[str, Mapping], *, heldout_sources
         heldout_sources: names of the ``split: both`` sources (the ``heldout`` set).
         first_prompt_fits: ``(conversation, max_new_tokens) -> bool``; a conversation whose first prompt does
             not fit is skipped (reason ``prompt_too_long``) and does not count towards ``max_prompts``, so a
-            set is filled with prompts of the length the drafter was trained on.
+            set is filled with prompts of the length the drafter was trained on; one whose first prompt the chat
+            template refuses (:class:`PromptTemplateError`) is skipped as ``template_error``, as tokenize drops
+            it.
 
     Returns:
         One :class:`BenchmarkSet` per configured set, in config order. ``rows_read`` counts the rows
@@ -175,7 +183,12 @@ def load_sets(curated_eval: str, sets: Mapping[str, Mapping], *, heldout_sources
             if conv is None:
                 bset.skip("no_user_turn", row["id"])
                 continue
-            if first_prompt_fits is not None and not first_prompt_fits(conv, bset.max_new_tokens):
+            try:
+                fits = first_prompt_fits is None or first_prompt_fits(conv, bset.max_new_tokens)
+            except PromptTemplateError as exc:
+                bset.skip(SKIP_TEMPLATE_ERROR, row["id"], f"({exc})")
+                continue
+            if not fits:
                 bset.skip("prompt_too_long", row["id"], "(first prompt longer than evaluate.max_prompt_tokens)")
                 continue
             bset.conversations.append(conv)
@@ -183,13 +196,30 @@ def load_sets(curated_eval: str, sets: Mapping[str, Mapping], *, heldout_sources
     return out
 
 
+class PromptTemplateError(Exception):
+    """The target's chat template raised on one prompt (jinja ``raise_exception`` such as "Conversation roles must
+    alternate", an undefined field, ...): that prompt is skipped, counted as ``template_error``."""
+
+
 def render(tokenizer, messages: list[dict], tools: Any, chat_template_kwargs: dict) -> list[int]:
     """Serving render of a prompt (generation prompt appended) -> token ids.
 
     Uses ``draftsmith.chat.render_prompt`` (the tokenize stage's own render, tool-call arguments
     parsed to dicts, null fields dropped).
-    """
-    from draftsmith.chat import render_prompt
 
-    return list(render_prompt(tokenizer, messages, tools, chat_template_kwargs))
+    Raises:
+        PromptTemplateError: the chat template raised on these messages (tokenize drops such a conversation as
+            ``template_error`` too).
+        draftsmith.chat.TemplateError: the tokenizer has no chat template; ValueError: bad
+            ``tokenize.chat_template_kwargs`` (both fail every prompt: they stop evaluate).
+    """
+    from draftsmith.chat import TemplateError, check_template_kwargs, render_prompt
+
+    check_template_kwargs(chat_template_kwargs)
+    try:
+        return list(render_prompt(tokenizer, messages, tools, chat_template_kwargs))
+    except TemplateError:
+        raise
+    except Exception as exc:  # whatever the template raises on this prompt, as tokenize's template_error
+        raise PromptTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 

@@ -190,6 +190,7 @@ def set_report(bset: BenchmarkSet, done: dict, sampling: SamplingConfig, block_s
         "rows_read": bset.rows_read,
         "conversations": len(bset.conversations),
         "skipped_rows": dict(bset.skipped),
+        "skipped_row_ids": {reason: list(ids) for reason, ids in bset.skipped_ids.items()},
         "prompts_planned": planned,
         "prompts": len(base),
         "skipped_prompts": dict(skipped),
@@ -401,13 +402,17 @@ def render_markdown(report: dict) -> str:
                          + [0] * (width - len(s["dflash"]["acceptance_histogram"]))
                          for n, s in report["sets"].items()]))
     lines.append("")
-    skipped = {n: {**s["skipped_rows"], **s["skipped_prompts"]} for n, s in report["sets"].items()
-               if s["skipped_rows"] or s["skipped_prompts"]}
+    skipped = {n: {k: s["skipped_rows"].get(k, 0) + s["skipped_prompts"].get(k, 0)  # rows and later turns
+                   for k in {**s["skipped_rows"], **s["skipped_prompts"]}}
+               for n, s in report["sets"].items() if s["skipped_rows"] or s["skipped_prompts"]}
     if skipped:
         lines.append("## Skipped")
         lines.append("")
         for n, reasons in skipped.items():
             lines.append(f"- {n}: " + ", ".join(f"{k} × {v}" for k, v in sorted(reasons.items())))
+            failed = report["sets"][n].get("skipped_row_ids", {}).get("template_error")
+            if failed:  # a template that refuses rows is worth a look: name them
+                lines.append(f"  - template_error rows: {', '.join(failed[:20])}{' ...' if len(failed) > 20 else ''}")
         lines.append("")
     return "\n".join(lines)
 
