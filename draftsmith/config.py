@@ -74,12 +74,83 @@ def _key_path(error, config: dict | None = None) -> str:
     return ".".join(parts) or "<top level>"
 
 
+#: other tools' names for draftsmith keys (the Hugging Face Trainer's, model configs'), so that "did you mean" finds
+#: ``train.lr`` for ``train.learning_rate`` (or its misspelling) where the names share too few letters
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm": "grad_clip",
+    "max_seq_length": "max_length",
+    "max_seq_len": "max_length",
+    "num_hidden_layers": "num_layers",
+    "block_len": "block_size",
+}
+_RANGE_VALIDATORS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _schema_paths(schema: dict, prefix: str = "") -> list[str]:
+    """Every dotted key path the schema declares (list items and map entries without an index)."""
+    paths = []
+    for key, node in (schema.get("properties") or {}).items():
+        paths.append(prefix + key)
+        paths += _schema_paths(node, f"{prefix}{key}.")
+        for nested in (node.get("items"), node.get("additionalProperties")):
+            if isinstance(nested, dict):
+                paths += _schema_paths(nested, f"{prefix}{key}.")
+    return paths
+
+
+def closest_key(word: str, known: list[str], schema: dict | None = None) -> str | None:
+    """The key ``word`` was probably meant to be: the closest of ``known`` (the keys at its level, by spelling or
+    through :data:`KEY_ALIASES`), else a key of that name or spelling elsewhere in ``schema`` (dotted); None if
+    nothing is close (:func:`difflib.get_close_matches`, cutoff 0.6)."""
+    names = {k: k for k in known} | {alias: key for alias, key in KEY_ALIASES.items() if key in known}
+    close = difflib.get_close_matches(word.lower(), list(names), n=1, cutoff=0.6)
+    if close:
+        return names[close[0]]
+    if schema is not None:
+        elsewhere = {path.rsplit(".", 1)[-1]: path for path in reversed(_schema_paths(schema)) if "." in path}
+        close = difflib.get_close_matches(word.lower(), list(elsewhere), n=1, cutoff=0.8)
+        if close:
+            return elsewhere[close[0]]
+    return None
+
+
+def _unknown_key_errors(err, config: dict, schema: dict) -> list[str]:
+    """One line per key an object does not allow, with the key it was probably meant to be."""
+    known = list((err.schema.get("properties") or {}))
+    where = _key_path(err, config)
+    prefix = "" if where == "<top level>" else where + "."
+    level = "at the top level" if not prefix else f"in {where}"
+    lines = []
+    for word in sorted(k for k in err.instance if k not in known):
+        guess = closest_key(str(word), known, schema)
+        if guess is not None:
+            # a data source's path carries its name ("data.sources.0 (chat)."): the key alone reads better there
+            shown = guess if "." in guess or "(" in prefix else prefix + guess
+            hint = f"did you mean {shown}?"
+        else:
+            hint = f"the keys {level} are: {', '.join(known)}"
+        lines.append(f"{prefix}{word}: unknown key ({word!r} was unexpected); {hint}")
+    return lines
+
+
 def config_errors(config: dict, schema: dict) -> list[str]:
-    """One message per schema violation, e.g. ``extract.shards: -1 is less than the minimum of 1``."""
+    """One message per schema violation, e.g. ``extract.shards: -1 is less than the minimum of 1``; an unknown key
+    is named with the key it was probably meant to be (``train.lerning_rate: unknown key ...; did you mean
+    train.lr?``); a value out of range comes with the key's description (the allowed range and why)."""
     validator = Draft202012Validator(schema)
     messages = []
     for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
-        messages.append(f"{_key_path(err, config)}: {err.message}")
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            messages += _unknown_key_errors(err, config, schema)
+            continue
+        message = f"{_key_path(err, config)}: {err.message}"
+        if err.validator in _RANGE_VALIDATORS and err.schema.get("description"):
+            message += f" ({' '.join(err.schema['description'].split())})"
+        messages.append(message)
     return messages
 
 
@@ -125,6 +196,19 @@ def cross_key_errors(config: dict) -> list[str]:
                       "per layer, or null (all full_attention)")
     if types and "sliding_attention" in types and not drafter.get("sliding_window"):
         errors.append("drafter.layer_types has sliding_attention layers but drafter.sliding_window is not set")
+    # the tapped layers (their range in the target: draftsmith.target_checks, once the target's config.json is read)
+    ids, taps = drafter.get("target_layer_ids"), drafter.get("num_target_features")
+    if ids is not None and len(set(ids)) != len(ids):
+        errors.append(f"drafter.target_layer_ids {list(ids)} has duplicates: list each tapped layer once")
+    if ids is not None and taps is not None and len(ids) != taps:
+        errors.append(f"drafter.num_target_features is {taps} but drafter.target_layer_ids lists {len(ids)} layers "
+                      f"{list(ids)}: the drafter reads one feature per listed layer; set num_target_features to "
+                      f"{len(ids)} or null (it only sizes the official formula when target_layer_ids is null)")
+    block, max_length = drafter.get("block_size"), config.get("tokenize", {}).get("max_length")
+    if block is not None and max_length is not None and block > max_length:
+        errors.append(f"drafter.block_size {block} is above tokenize.max_length {max_length}: block slots "
+                      f"{max_length}..{block - 1} lie past the end of every training row and are never supervised; "
+                      f"use a block size of at most {max_length} (published DFlash drafters use 8-16)")
     return errors
 
 

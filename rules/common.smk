@@ -8,6 +8,7 @@ from snakemake.logging import logger
 import sys
 
 from draftsmith.stages import canonical, num_phases, rule_params, stage_config
+from draftsmith.target_checks import block_size_warnings, check_target_settings
 
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"
@@ -61,6 +62,22 @@ def target_tokenizer_files(wildcards=None):
 
     model = config["target"]["model"]
     return [] if model.startswith(EMBEDDED) else tokenizer_files(target_dir())
+
+
+# Settings checked against the target before any GPU hour (draftsmith/target_checks.py: its config.json and tokenizer
+# files read as JSON): here, when the workflow is planned, if its folder exists (a local target, or an embedded one
+# an earlier run materialised); otherwise the first rules that read it (disk_plan, tokenize) check it before anything
+# else, and before any GPU rule.
+if os.path.isdir(target_dir()):
+    for warning in check_target_settings(config, target_dir()):
+        logger.warning(f"!!! {warning}")
+else:
+    for warning in block_size_warnings(config):
+        logger.warning(f"!!! {warning}")
+    logger.info(
+        f"{target_dir()} is not materialised yet: the settings are checked against it once it is, by the first "
+        "rule that reads it (disk_plan or tokenize), before any GPU rule"
+    )
 
 
 def source_path(source):

@@ -8,6 +8,11 @@ log = setup_logging(snakemake.log[0])
 # the stage (tokenizer, transformers) once the job's log is set up: an import failure lands in the log
 from draftsmith.disk import DiskSpaceError  # noqa: E402
 from draftsmith.stream import DiskPlanSettings, check_disk_before_regeneration  # noqa: E402
+from draftsmith.target_checks import check_target_in_job  # noqa: E402
+
+# an embedded target materialised in this run was not there when the workflow was planned: the settings are checked
+# against it here, before regeneration's GPU hours (rules/common.smk checks them at planning when it exists)
+check_target_in_job(snakemake.config, snakemake.input.target, log)
 
 # the rule has no params: everything disk_plan reads is a runtime key (it checks; it never reruns a stage)
 settings = DiskPlanSettings.from_rule({}, snakemake.config)

@@ -7,9 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallel across worker processes instead
 
 from draftsmith.io import setup_logging
+from draftsmith.target_checks import check_target_in_job
 from draftsmith.tokenize import TokenizeSettings, run
 
-setup_logging(snakemake.log[0])
+log = setup_logging(snakemake.log[0])
+# an embedded target materialised in this run was not there when the workflow was planned: the settings are checked
+# against it here, before extraction's GPU hours (rules/common.smk checks them at planning when it exists)
+check_target_in_job(snakemake.config, snakemake.input.target, log)
 settings = TokenizeSettings.from_rule(snakemake.params.settings, snakemake.config)
 # the workers are the job's threads: tokenize.threads, unless the profile sets them or --cores caps them
 settings = dataclasses.replace(settings, tokenize=settings.tokenize.replace(threads=snakemake.threads))
