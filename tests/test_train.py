@@ -179,6 +179,49 @@ def test_feature_index_errors_name_the_file(tmp_path):
         FeatureIndex(index_path)
 
 
+def test_a_truncated_chunk_is_an_input_error_naming_it(tmp_path):
+    from draftsmith.features import read_chunk
+    from draftsmith.io import InputError
+
+    target = tiny_target("qwen3")
+    index_path = write_features(tmp_path, target, [1], make_samples(target, 2, 4, 4))
+    chunk = tmp_path / json.loads(index_path.read_text())["chunks"][0]["path"]
+    chunk.write_bytes(chunk.read_bytes()[:-100])  # a copy cut short
+    for read in (read_chunk, FeatureIndex):
+        with pytest.raises(InputError) as info:
+            read(chunk if read is read_chunk else index_path)
+        message = str(info.value)
+        assert message.startswith(f"{chunk}: cannot be read (SafetensorError: "), message
+        assert "expected a whole safetensors chunk file written by rule extract_shard" in message
+        assert "delete its shard folder and rerun extract" in message
+
+
+@pytest.mark.parametrize("field, edit, says", [
+    ("chunks[1].num_samples", lambda m: m["chunks"][1].update(num_samples=3), "says 3 but"),
+    ("chunks[0].num_tokens", lambda m: m["chunks"][0].update(num_tokens=m["chunks"][0]["num_tokens"] + 1), "says"),
+    ("chunks[0].rows", lambda m: m["chunks"][0].update(rows=[0, 9]), "says [0, 9]..."),
+    ("chunks[1].bytes", lambda m: m["chunks"][1].update(bytes=7), "says 7 but"),
+    ("num_samples", lambda m: m.update(num_samples=4), "says 4 but its chunks hold 3"),
+    ("num_tokens", lambda m: m.update(num_tokens=1), "says 1 but its chunks hold"),
+    ("chunks[0]", lambda m: m["chunks"][0].pop("rows"), "chunk 0 lacks ['rows']"),
+])
+def test_a_hand_edited_index_is_refused_naming_the_field(tmp_path, field, edit, says):
+    """index.json is held to the chunk files it lists (their sizes and headers), not taken on its word."""
+    from draftsmith.io import InputError
+
+    target = tiny_target("qwen3")
+    index_path = write_features(tmp_path, target, [1], make_samples(target, 3, 4, 4), per_chunk=2)
+    FeatureIndex(index_path)  # as merge wrote it: accepted
+    meta = json.loads(index_path.read_text())
+    edit(meta)
+    index_path.write_text(json.dumps(meta))
+    with pytest.raises(InputError) as info:
+        FeatureIndex(index_path)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{index_path}: field {field!r}: {says}")
+    assert "rerun merge" in str(info.value)
+
+
 def test_packing_and_split_reconcile():
     lengths = [5, 9, 3, 12, 7, 1, 20]
     rows = pack_rows(lengths, list(range(len(lengths))), capacity=12)
