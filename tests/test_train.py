@@ -376,6 +376,60 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     assert any((a / "tensorboard").iterdir())
 
 
+def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
+    """A rerun that finds the run's final checkpoint trains no step; its trainer_state.json keeps the last
+    training line all the same (it was ``{}``)."""
+    cfg = dict(TINY_TRAIN, max_steps=4, log_every=2, tokens_per_batch=64)
+    first = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
+    assert first["resumed_from_step"] == 0 and first["last_train"]["step"] == 4
+    again = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
+    assert again["resumed_from_step"] == 4
+    assert again["last_train"] == first["last_train"]
+    assert again["history"] == first["history"] and again["memory_by_phase_gib"] == first["memory_by_phase_gib"]
+
+
+def _save_args(tmp_path: Path):
+    from types import SimpleNamespace
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([weight], lr=0.1)
+    weight.grad = torch.ones(3)
+    opt.step()
+    model = SimpleNamespace(trainable_state_dict=lambda: {"w": weight.detach().clone()})
+    return tmp_path / "run-x", model, opt
+
+
+def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import errno
+
+    from draftsmith.io import DiskFullError
+    from draftsmith.train import checkpoint
+
+    ckpt_dir, model, opt = _save_args(tmp_path)
+    checkpoint.save_checkpoint(ckpt_dir, 1, model, opt, {"fingerprint": "x"})
+    before = sorted(p.name for p in ckpt_dir.iterdir())
+    real = checkpoint.save_file
+
+    def failing(error):
+        def save(tensors, path, metadata=None):
+            if path.endswith("optimizer.safetensors"):
+                raise error
+            real(tensors, path, metadata=metadata)
+        return save
+
+    monkeypatch.setattr(checkpoint, "save_file", failing(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before == ["latest.json", "step-00000001"]
+    monkeypatch.setattr(checkpoint, "save_file", failing(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(DiskFullError) as info:
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert f"writing {ckpt_dir / 'step-00000002' / 'optimizer.safetensors'} (" in str(info.value)
+    assert " bytes free on " in str(info.value)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
+    assert load_latest_checkpoint(ckpt_dir)[1]["step"] == 1  # the earlier checkpoint is untouched
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     """The rule's shape: torchrun with 2 CPU processes (gloo) running ``python -m draftsmith.train``."""
