@@ -278,6 +278,27 @@ def test_a_malformed_line_is_a_counted_drop_or_a_stop_as_data_on_bad_line_says(t
     assert not out.exists() or not any(out.glob("*.parquet")) and not (out / "report.json").exists()
 
 
+def test_a_full_disk_while_spooling_names_the_spool_not_a_read_error(tmp_path, monkeypatch):
+    import errno
+    import io
+
+    from draftsmith.curate import pipeline
+    from draftsmith.io import DiskFullError
+
+    class Full(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "open", lambda *args, **kwargs: Full(), raising=False)
+    path = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(3)])
+    out = tmp_path / "out"
+    with pytest.raises(DiskFullError, match=rf"no space left on device writing {out}/\.curate-spool-\w+/0\.jsonl "
+                                            r"\([\d,]+ bytes free on "):
+        curate([src("a", path)], out / "train.parquet", out / "eval.parquet", out / "report.json",
+               CurateSettings.from_config(data={}))
+    assert sorted(p.name for p in out.iterdir()) == []  # no spool, no temporary parquet left
+
+
 def test_a_json_file_of_lines_with_a_malformed_first_line_is_read_as_lines(tmp_path):
     """A .json file of JSON lines whose first line is broken is still JSON lines: one drop at line 1, not the
     whole file as one document failing at line 2."""

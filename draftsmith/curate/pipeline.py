@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from draftsmith.io import InputError, atomic_path, write_json
+from draftsmith.io import InputError, atomic_path, disk_full, is_disk_full, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 
 from .adapters import ADAPTERS, COLUMN_FIELDS
@@ -258,13 +258,16 @@ class _RowGroupWriter:
 
 
 @contextlib.contextmanager
-def _read_errors_name(source: Source):
-    """Turn an I/O or decoding failure while reading a source into a CurateError naming it."""
+def _read_errors_name(source: Source, spool: Path):
+    """Turn an I/O or decoding failure while reading a source into a CurateError naming it (a full disk while
+    writing the ``spool`` is a :class:`~draftsmith.io.DiskFullError` naming it instead)."""
     try:
         yield
     except CurateError:
         raise
     except (OSError, EOFError, zlib.error, pa.ArrowException, SyntaxError) as exc:
+        if is_disk_full(exc):
+            raise disk_full(spool, exc) from exc
         raise CurateError(f"data.sources[{source.name}]: {source.path}: read error "
                           f"({type(exc).__name__}: {exc})") from exc
 
@@ -293,7 +296,7 @@ def _spool_source(source: Source, stats: _Stats, spool: Path, max_chars: int | N
     ids = array.array("Q")
     malformed = 0
     first_malformed = ""
-    with open(spool, "wb", buffering=1 << 20) as out, _read_errors_name(source):
+    with _read_errors_name(source, spool), open(spool, "wb", buffering=1 << 20) as out:
         for origin, rec in adapter.read(source.path, options):
             stats.read += 1
             if isinstance(rec, Malformed):
