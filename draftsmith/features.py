@@ -53,7 +53,7 @@ from safetensors import safe_open
 if TYPE_CHECKING:
     import torch
 
-from draftsmith.io import atomic_path, read_json
+from draftsmith.io import InputError, atomic_path, read_json, reading
 
 PLAN_FORMAT = "draftsmith.plan/1"
 FEATURES_FORMAT = "draftsmith.features/1"
@@ -548,12 +548,17 @@ class ChunkFile:
     (:func:`write_chunk` replaces a file by renaming, which is safe).
 
     Raises:
-        FileNotFoundError / OSError: the file cannot be opened (constructor).
+        FileNotFoundError: no such file (constructor).
+        InputError: the file cannot be opened or is not a whole safetensors file (truncated, damaged; constructor:
+            the file named).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._fh = safe_open(str(self.path), framework="pt")
+        with reading(self.path, "a whole safetensors chunk file written by rule extract_shard",
+                     "the chunk is truncated or damaged: delete its shard folder and rerun extract (or restore "
+                     "the file)"):
+            self._fh = safe_open(str(self.path), framework="pt")
         self.names = set(self._fh.keys())
 
     def check(self, *, storage_dtype: str, has_target_token: bool, width: int, context: str = ""
@@ -642,6 +647,11 @@ def write_index(path: str | os.PathLike, index: dict[str, Any]) -> None:
         tmp.write_text(f'{head[:-2]},\n  "chunks": [\n{lines}\n  ]\n}}\n', encoding="utf-8")
 
 
+#: What every chunk entry of an index carries; :class:`FeatureIndex` holds each to its chunk file.
+INDEX_CHUNK_FIELDS = ("path", "num_samples", "num_tokens", "bytes", "rows")
+_REMERGE = "delete it and rerun merge (snakemake rewrites it from the shards' manifests)"
+
+
 @dataclass(frozen=True)
 class SampleRef:
     """Where one tokenized row's features live: chunk ``chunk``, tokens ``start:end`` of that chunk."""
@@ -670,8 +680,16 @@ class FeatureIndex:
         meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
         layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
 
+    The index is held to what it describes at open time, from what is cheap: each chunk entry's ``bytes`` against
+    the file's size, ``num_samples`` / ``num_tokens`` / ``rows`` against the chunk header's ``offsets`` and
+    ``sample_index`` (read anyway), the totals ``num_samples`` / ``num_tokens`` (and ``bytes`` when present)
+    against the chunks'. Chunk sha256s are not recomputed here (that reads every byte; merge does it with
+    ``merge.verify_sha256``).
+
     Raises:
         FileNotFoundError: the index or a chunk file is missing.
+        InputError: an entry or total that disagrees with the chunk files (the field named, e.g.
+            ``chunks[3].num_samples``), an unreadable chunk file.
         ValueError: wrong format, a chunk lacking a tensor or with inconsistent shapes, a tokenized row stored twice
             (file and field named).
     """
@@ -695,6 +713,10 @@ class FeatureIndex:
         self.samples: list[SampleRef] = []
         self._by_row: dict[int, int] = {}  # tokenized row -> position in samples
         for ci, chunk in enumerate(self.meta["chunks"]):
+            missing = [k for k in INDEX_CHUNK_FIELDS if not isinstance(chunk, dict) or k not in chunk]
+            if missing:
+                raise InputError(self.path, f"chunk {ci} lacks {missing}", field=f"chunks[{ci}]",
+                                 expected=f"the fields {list(INDEX_CHUNK_FIELDS)} merge writes", action=_REMERGE)
             file = self.path.parent / chunk["path"]
             if not file.is_file():
                 raise FileNotFoundError(f"{self.path}: chunk {ci} file {file} does not exist")
@@ -703,6 +725,7 @@ class FeatureIndex:
             offsets, rows = self.chunks[ci].check(
                 storage_dtype=self.storage_dtype, has_target_token=self.has_target_token, width=self.width,
                 context=f" ({len(self.layer_ids)} layers x {self.hidden_size})")
+            self._check_entry(ci, chunk, file, offsets, rows)
             for i, row in enumerate(rows):
                 if int(row) in self._by_row:
                     raise ValueError(f"{self.path}: tokenized row {row} is stored twice (chunk "
@@ -711,6 +734,30 @@ class FeatureIndex:
                 self.samples.append(SampleRef(ci, offsets[i], offsets[i + 1], int(row)))
         if not self.samples:
             raise ValueError(f"{self.path}: the index holds no samples")
+        totals = {"num_samples": len(self.samples), "num_tokens": sum(r.num_tokens for r in self.samples),
+                  "bytes": sum(f.stat().st_size for f in self.files)}
+        for key, value in totals.items():
+            if (key != "bytes" or key in self.meta) and self.meta.get(key) != value:
+                raise InputError(self.path, f"says {self.meta.get(key)!r} but its chunks hold {value}", field=key,
+                                 expected=f"the sum of the chunks' {key}", action=_REMERGE)
+
+    def _check_entry(self, ci: int, entry: dict, file: Path, offsets: list[int], rows: list[int]) -> None:
+        """Hold chunk ``ci``'s index entry to its file: size on disk, samples, tokens and rows of its header's
+        ``offsets`` / ``sample_index`` (already read). Its sha256 is not recomputed (every byte; merge's
+        ``merge.verify_sha256`` does that).
+
+        Raises:
+            InputError: the first field that disagrees (the index, the chunk and the field named).
+        """
+        found = {"bytes": file.stat().st_size, "num_samples": len(rows), "num_tokens": offsets[-1],
+                 "rows": [int(r) for r in rows]}
+        for key, value in found.items():
+            if entry[key] != value:
+                shown = entry[key] if key != "rows" else f"{entry[key][:4]}..."
+                have = value if key != "rows" else f"{value[:4]}..."
+                raise InputError(self.path, f"says {shown} but {file} holds {have}", field=f"chunks[{ci}].{key}",
+                                 expected="the index merge wrote for these chunk files (was it edited by hand, or "
+                                          "a chunk rewritten after merge?)", action=_REMERGE)
 
     def has_row(self, row: int) -> bool:
         """Whether the features of tokenized train row ``row`` are in this index."""

@@ -1,21 +1,121 @@
-"""Small I/O helpers shared by every stage: atomic writes, checksums, JSON, logging.
+"""Small I/O helpers shared by every stage: atomic writes, checksums, JSON, logging, input errors.
 
 Every file a stage writes goes through :func:`atomic_path` (write to a temporary name in the same
 folder, fsync, then ``os.replace``), so a killed job never leaves a half-written file under its
-final name.
+final name; a full disk there raises :class:`DiskFullError` naming the file and the free bytes.
+
+Every stage reads its input files inside :func:`reading`, which turns a library's decode error (pyarrow's
+``ArrowInvalid`` of a truncated parquet, safetensors' ``SafetensorError`` of a truncated chunk, an ``OSError``)
+into one :class:`InputError` naming the file, what was expected and what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+
+class InputError(ValueError):
+    """An input file that cannot be read or decoded, or whose content breaks its contract.
+
+    The message is ``"<file>[: row r][: field f]: <problem>; expected <what>; <what to do>"``; the parts are kept
+    as attributes (``path``, ``row``, ``field``, ``problem``, ``expected``, ``action``) for callers and tests.
+    """
+
+    def __init__(self, path: str | os.PathLike, problem: str, *, row: int | str | None = None,
+                 field: str | None = None, expected: str = "", action: str = ""):
+        self.path, self.row, self.field = str(path), row, field
+        self.problem, self.expected, self.action = problem, expected, action
+        where = str(path) + (f": row {row}" if row is not None else "") + (f": field {field!r}" if field else "")
+        message = f"{where}: {problem}"
+        if expected:
+            message += f"; expected {expected}"
+        if action:
+            message += f"; {action}"
+        super().__init__(message)
+
+
+class DiskFullError(OSError):
+    """A write that ran out of disk (``ENOSPC``): the message names the file and the free bytes left."""
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    """The exception types of the libraries that read our inputs (imported here only when they are there)."""
+    kinds: list[type[BaseException]] = [OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError]
+    with contextlib.suppress(ImportError):
+        import pyarrow
+
+        kinds.append(pyarrow.ArrowException)
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        kinds.append(SafetensorError)
+    return tuple(kinds)
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, expected: str, action: str = "") -> Iterator[None]:
+    """Read ``path`` inside this block: a library's I/O or decode error becomes an :class:`InputError` naming it.
+
+    Converted: ``OSError`` (a missing file stays ``FileNotFoundError``, with the path), ``EOFError``,
+    ``UnicodeDecodeError``, ``json.JSONDecodeError``, pyarrow's ``ArrowException`` (``ArrowInvalid`` of a
+    truncated parquet), safetensors' ``SafetensorError`` (a truncated chunk). Errors of our own, which name the
+    file already (``ValueError``, ``KeyError``, :class:`InputError`), pass through.
+
+    Args:
+        expected: what the file should be (``"a tokenized parquet written by rule tokenize"``).
+        action: what to do about it (default: rerun the stage that writes it after deleting the file).
+    Raises:
+        InputError: see above (the original error chained as its cause).
+        FileNotFoundError: the file does not exist.
+    """
+    try:
+        yield
+    except InputError:
+        raise
+    except FileNotFoundError as exc:
+        if str(path) in str(exc):
+            raise
+        raise FileNotFoundError(exc.errno, f"{path}: {exc.strerror or exc}", str(path)) from exc
+    except _decode_errors() as exc:
+        raise InputError(path, f"cannot be read ({type(exc).__name__}: {exc})", expected=expected,
+                         action=action or "the file is damaged or truncated: delete it and rerun the stage "
+                                           "that writes it") from exc
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An ``ENOSPC`` error (pyarrow's I/O errors carry it in their message only)."""
+    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
+
+
+#: What :func:`reading` says a stage's parquet inputs should be.
+CURATED_PARQUET = "a curated parquet written by rule curate (columns id, source, messages, tools)"
+TOKENIZED_PARQUET = ("a tokenized parquet written by rule tokenize (columns id, source, input_ids, loss_mask, "
+                     "num_tokens)")
+
+
+def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
+    """The :class:`DiskFullError` of a write to ``path`` that raised ``exc`` (``ENOSPC``): the file, the free bytes
+    of its file system (``shutil.disk_usage``) and what to do."""
+    folder = Path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = f"{shutil.disk_usage(folder).free:,} bytes free on {folder}"
+    except OSError:
+        free = "free space unknown"
+    return DiskFullError(errno.ENOSPC, f"no space left on device writing {path} ({free}); free disk space or "
+                                       f"point the run at a larger disk, then rerun (finished outputs are kept)",
+                         str(path))
 
 
 @contextlib.contextmanager
@@ -24,6 +124,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
 
     The temporary file is removed when the block raises. ``suffix`` keeps an extension some
     writers insist on (e.g. ``.parquet``).
+
+    Raises:
+        DiskFullError: the disk filled up while writing or renaming (``ENOSPC``): the file and the free bytes named.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -38,9 +141,11 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise disk_full(path, exc) from exc
         raise
 
 
@@ -143,6 +248,8 @@ def progress(total: int | None, desc: str, *, unit: str = "it", logger: logging.
                 maxinterval=interval * 4,
                 smoothing=0.1, bar_format="{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%) "
                                           "[{elapsed} elapsed, ETA {remaining}, {rate_fmt}{postfix}]")
+
+
 def log_uncaught(exc_type, exc, tb) -> None:
     """``sys.excepthook`` of the stage scripts: the uncaught exception and its traceback go to every logging
     handler (the job's log file and stderr), once. Ctrl-C keeps Python's default report."""

@@ -31,7 +31,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "fetch_dataset": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
     "fetch_target": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
     "materialize_target": {"assets": {"output": ("target_dtype",), "runtime": ("dir", "index_url", "wheelhouse")}},
-    "curate": {"data": {"output": ("seed", "eval_fraction", "max_chars")}},
+    # on_bad_line: a malformed record is dropped and counted, or stops the job (what is written is the same)
+    "curate": {"data": {"output": ("seed", "eval_fraction", "max_chars"), "runtime": ("on_bad_line",)}},
     "regenerate_shard": {
         # engine, batch size and memory budget change how fast, not what: greedy answers are the target's either way (in
         # float32 token for token; in bf16 another batching may flip near-tied argmaxes). shards changes which rows

@@ -29,7 +29,7 @@ import numpy as np
 from draftsmith.batch_plan import StreamPlan, heldout_subset, split_samples
 from draftsmith.disk import DiskSpaceError, DrafterSize, bytes_per_token, disk_fit, free_disk_bytes, reserve_bytes
 from draftsmith.features import shard_plan
-from draftsmith.io import write_json
+from draftsmith.io import CURATED_PARQUET, reading, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import num_phases
 from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids
@@ -372,8 +372,8 @@ def check_disk_before_regeneration(curated_path: str | os.PathLike, target_dir: 
 
     d, x, s = settings.drafter, settings.extract, settings.stream
     trust = settings.target.trust_remote_code
-    table = pq.read_table(curated_path, columns=["messages", "tools"])
-    conversations = table.to_pylist()
+    with reading(curated_path, CURATED_PARQUET):
+        conversations = pq.read_table(curated_path, columns=["messages", "tools"]).to_pylist()
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust)
     tokens, rows = upper_bound_tokens(conversations, tokenizer, settings)
     num_layers, hidden, _ = target_dims(target_dir, trust_remote_code=trust)

@@ -89,7 +89,7 @@ from draftsmith.chat import (
     template_messages,
     tokenizer_fingerprint,
 )
-from draftsmith.io import atomic_path, write_json
+from draftsmith.io import CURATED_PARQUET, atomic_path, reading, write_json
 from draftsmith.regenerated import GENERATED_IDS
 from draftsmith.settings import SectionSettings, StageSettings, thaw
 from draftsmith.tokenized import (
@@ -673,15 +673,17 @@ def read_curated(path: str | os.PathLike, batch_size: int = 64) -> Iterator[list
 
     Raises:
         ValueError: a required column is missing (names the file and the column).
+        InputError: the file is not a readable parquet (truncated, damaged), naming it.
     """
-    pf = pq.ParquetFile(path)
-    names = set(pf.schema_arrow.names)
-    missing = [c for c in ("id", "messages") if c not in names]
-    if missing:
-        raise ValueError(f"{path}: curated parquet lacks column(s) {', '.join(missing)} (has {sorted(names)})")
-    columns = [c for c in ("id", "source", "messages", "tools") if c in names]
-    for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
-        yield batch.to_pylist()
+    with reading(path, CURATED_PARQUET):
+        pf = pq.ParquetFile(path)
+        names = set(pf.schema_arrow.names)
+        missing = [c for c in ("id", "messages") if c not in names]
+        if missing:
+            raise ValueError(f"{path}: curated parquet lacks column(s) {', '.join(missing)} (has {sorted(names)})")
+        columns = [c for c in ("id", "source", "messages", "tools") if c in names]
+        for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+            yield batch.to_pylist()
 
 
 def _rows_table(rows: list[TokenizedRow], schema: pa.Schema) -> pa.Table:

@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from draftsmith.io import TOKENIZED_PARQUET, reading
+
 META_CHAT_TEMPLATE_KWARGS = b"draftsmith.chat_template_kwargs"
 META_TOKENIZER_FINGERPRINT = b"draftsmith.tokenizer_fingerprint"
 META_MAX_LENGTH = b"draftsmith.max_length"
@@ -78,8 +80,11 @@ def read_tokenized_metadata(path: str | os.PathLike) -> dict:
 
     Raises:
         ValueError: a key is missing (names the file): not written by this stage; or a value is not JSON.
+        InputError: the file is not a readable parquet (truncated, damaged).
     """
-    return decode_metadata(path, pq.read_schema(path).metadata, required=True)
+    with reading(path, TOKENIZED_PARQUET):
+        schema = pq.read_schema(path)
+    return decode_metadata(path, schema.metadata, required=True)
 
 
 @dataclass
@@ -143,16 +148,18 @@ def read_tokenized(path: str | os.PathLike, *, with_tokens: bool = True) -> Toke
         ValueError: a missing column, a null field, duplicate ids, a row with no tokens, ``num_tokens``
             disagreeing with the list lengths -- naming the file, row, id and field -- or a metadata value
             that is not JSON.
+        InputError: the file is not a readable parquet (truncated, damaged), naming it.
     """
     path = str(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenized parquet {path} does not exist")
     columns = ["id", "num_tokens"] + (["input_ids", "loss_mask"] if with_tokens else [])
-    schema = pq.read_schema(path)
-    missing = [c for c in columns if c not in schema.names]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {missing} (have {schema.names})")
-    table = pq.ParquetFile(path, memory_map=True).read(columns=columns)  # (read_table would import pandas)
+    with reading(path, TOKENIZED_PARQUET):
+        schema = pq.read_schema(path)
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {missing} (have {schema.names})")
+        table = pq.ParquetFile(path, memory_map=True).read(columns=columns)  # (read_table would import pandas)
     ids = table.column("id").to_pylist()
     num_tokens = table.column("num_tokens").to_numpy(zero_copy_only=False)
     for r, (i, n) in enumerate(zip(ids, num_tokens)):

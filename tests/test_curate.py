@@ -256,6 +256,86 @@ def test_every_drop_reason_is_counted_reported_and_reconciled(tmp_path):
     assert report["totals"]["dropped"]["duplicate_across_sources"] == 2
 
 
+def test_a_malformed_line_is_a_counted_drop_or_a_stop_as_data_on_bad_line_says(tmp_path):
+    from draftsmith.io import InputError
+
+    path = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(4)],
+                       raw_lines={2: b'{"messages": [{"role": "user", "content": "hi"},, ]}'})  # line 3
+    report, train, evals = run(tmp_path, [src("a", path)])  # the default: drop
+    reconciles(report)
+    ra = report["sources"]["a"]
+    assert (ra["read"], ra["kept"], ra["dropped"]) == (5, 4, {"malformed_json": 1})
+    assert ra["examples"]["malformed_json"][0]["origin"] == f"{path}:3"
+    assert ra["examples"]["malformed_json"][0]["detail"] == f"{path}:3: Expecting value (column 49)"
+    assert len(train + evals) == 4
+    out = tmp_path / "stopped"
+    with pytest.raises(InputError) as info:
+        curate([src("a", path)], out / "train.parquet", out / "eval.parquet", out / "report.json",
+               CurateSettings.from_config(data={"on_bad_line": "stop"}))
+    assert str(info.value) == (f"{path}:3: Expecting value (column 49); expected one JSON record per line or array "
+                               "element (data.sources[a], adapter openai); fix or delete that record, or set "
+                               "data.on_bad_line: drop to count it as a dropped row of report.json")
+    assert not out.exists() or not any(out.glob("*.parquet")) and not (out / "report.json").exists()
+
+
+def test_a_full_disk_while_spooling_names_the_spool_not_a_read_error(tmp_path, monkeypatch):
+    import errno
+    import io
+
+    from draftsmith.curate import pipeline
+    from draftsmith.io import DiskFullError
+
+    class Full(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "open", lambda *args, **kwargs: Full(), raising=False)
+    path = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(3)])
+    out = tmp_path / "out"
+    with pytest.raises(DiskFullError, match=rf"no space left on device writing {out}/\.curate-spool-\w+/0\.jsonl "
+                                            r"\([\d,]+ bytes free on "):
+        curate([src("a", path)], out / "train.parquet", out / "eval.parquet", out / "report.json",
+               CurateSettings.from_config(data={}))
+    assert sorted(p.name for p in out.iterdir()) == []  # no spool, no temporary parquet left
+
+
+def test_a_json_file_of_lines_with_a_malformed_first_line_is_read_as_lines(tmp_path):
+    """A .json file of JSON lines whose first line is broken is still JSON lines: one drop at line 1, not the
+    whole file as one document failing at line 2."""
+    path = write_jsonl(tmp_path / "a.json", [chat(i) for i in range(3)], raw_lines={0: b'{"messages": [}'})
+    report, train, evals = run(tmp_path, [src("a", path)])
+    reconciles(report)
+    ra = report["sources"]["a"]
+    assert (ra["read"], ra["kept"], ra["dropped"]) == (4, 3, {"malformed_json": 1})
+    assert ra["examples"]["malformed_json"][0]["detail"] == f"{path}:1: Expecting value (column 15)"
+
+
+def test_a_tool_reply_without_its_call_is_a_counted_drop(tmp_path):
+    user, answer = {"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]}
+    records = [
+        {"messages": [user, call, {"role": "tool", "tool_call_id": "c1", "content": "20C"}, answer]},  # kept
+        {"messages": [user, call, {"role": "tool", "content": "20C"}, answer]},  # no id: answers the call, kept
+        {"messages": [user, {"role": "tool", "content": "20C"}, answer]},  # no call at all
+        {"messages": [user, call, {"role": "tool", "tool_call_id": "c9", "content": "20C"}, answer]},  # wrong id
+        {"messages": [user, call, {"role": "tool", "tool_call_id": "c1", "content": "20C"}, answer,
+                      {"role": "user", "content": "and tomorrow?"}, {"role": "tool", "content": "18C"},
+                      {"role": "assistant", "content": "cloudy"}]},  # a later reply after a plain answer
+    ]
+    path = write_jsonl(tmp_path / "tools.jsonl", records)
+    report, train, evals = run(tmp_path, [src("t", path)])
+    reconciles(report)
+    rt = report["sources"]["t"]
+    assert (rt["read"], rt["kept"], rt["dropped"]) == (5, 2, {"orphan_tool_reply": 3})
+    details = sorted(e["detail"] for e in rt["examples"]["orphan_tool_reply"])
+    assert details == ["message 1: a tool reply that follows no assistant tool call",
+                       "message 2: tool_call_id 'c9' is none of the preceding tool calls ['c1']",
+                       "message 5: a tool reply that follows no assistant tool call"]
+    assert report["drop_reasons"]["orphan_tool_reply"].startswith("a tool reply that answers no tool call")
+    assert len(train + evals) == 2
+
+
 def test_entirely_unreadable_source_fails_with_its_path_and_writes_nothing(tmp_path):
     ok = write_jsonl(tmp_path / "ok.jsonl", [chat(1)])
     broken = tmp_path / "broken.jsonl"

@@ -1,4 +1,5 @@
-"""The stage scripts' logging: a failed job's own log holds the traceback that ended it."""
+"""draftsmith.io: a failed job's own log holds the traceback that ended it; a damaged input or a full disk is one
+error naming the file."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,3 +29,134 @@ def test_uncaught_exception_lands_in_the_jobs_log_with_its_traceback(tmp_path):
     assert "Traceback (most recent call last)" in log and ", in inner\n" in log
     # the console (Snakemake's) sees it once, not twice
     assert proc.stderr.count("Traceback (most recent call last)") == 1
+
+
+# -- damaged inputs and a full disk: one error naming the file ------------------------------------------------
+
+def _truncated_parquet(path: Path, table) -> Path:
+    """``table`` written as parquet, then cut to half its bytes (a copy interrupted, a disk that filled up)."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return path
+
+
+def _curated_table():
+    import pyarrow as pa
+
+    from draftsmith.curate import OUTPUT_SCHEMA
+
+    messages = [{"role": "user", "content": "hi", "reasoning_content": None, "tool_calls": None,
+                 "tool_call_id": None, "name": None}]
+    return pa.Table.from_pylist([{"id": f"r{i}", "source": "s", "messages": messages, "tools": None}
+                                 for i in range(200)], schema=OUTPUT_SCHEMA)
+
+
+def _tokenized_table():
+    import pyarrow as pa
+
+    from draftsmith.tokenized import TOKENIZED_SCHEMA, tokenized_metadata
+
+    rows = [{"id": f"r{i}", "source": "s", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "num_tokens": 3}
+            for i in range(200)]
+    return pa.Table.from_pylist(rows, schema=TOKENIZED_SCHEMA.with_metadata(tokenized_metadata({}, "fp", 64)))
+
+
+def _read_curated_for_tokenize(path):
+    from draftsmith.tokenize import read_curated
+
+    return list(read_curated(path))
+
+
+def _read_curated_for_regenerate(path):
+    from draftsmith.regenerate.shards import regenerate_file
+
+    return regenerate_file(path, path.parent / "out.parquet", None, target_key="t", chunk_size=8)
+
+
+def _read_curated_for_the_disk_plan(path):
+    from types import SimpleNamespace
+
+    from draftsmith.stream import check_disk_before_regeneration
+
+    settings = SimpleNamespace(drafter=None, extract=None, stream=None,
+                               target=SimpleNamespace(trust_remote_code=False))
+    return check_disk_before_regeneration(path, path.parent / "target", path.parent / "plan.json", settings)
+
+
+def _read_curated_for_evaluate(path):
+    from draftsmith.evaluate.prompts import load_sets
+
+    return load_sets(str(path), {}, heldout_sources=[])
+
+
+def _read_tokenized(path):
+    from draftsmith.tokenized import read_tokenized
+
+    return read_tokenized(path)
+
+
+def _read_tokenized_metadata(path):
+    from draftsmith.tokenized import read_tokenized_metadata
+
+    return read_tokenized_metadata(path)
+
+
+def _read_regenerated_report(path):
+    from draftsmith.regenerate.report import read_report
+
+    return read_report(path)
+
+
+@pytest.mark.parametrize("table, read", [
+    ("curated", _read_curated_for_tokenize),
+    ("curated", _read_curated_for_regenerate),
+    ("curated", _read_curated_for_the_disk_plan),
+    ("curated", _read_curated_for_evaluate),
+    ("regenerated", _read_regenerated_report),  # regenerate's report of the regenerated parquet
+    ("tokenized", _read_tokenized),  # extract, merge, stream_plan
+    ("tokenized", _read_tokenized_metadata),  # evaluate
+], ids=lambda v: getattr(v, "__name__", v))
+def test_a_truncated_parquet_is_an_input_error_naming_it(tmp_path, table, read):
+    from draftsmith.io import InputError
+
+    path = _truncated_parquet(tmp_path / f"{table}.parquet",
+                              _tokenized_table() if table == "tokenized" else _curated_table())
+    with pytest.raises(InputError) as info:
+        read(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: cannot be read (ArrowInvalid: ")
+    assert f"expected a {table} parquet written by rule" in message
+    assert "delete it and rerun the stage that writes it" in message
+    assert info.value.path == str(path)
+
+
+def test_a_full_disk_names_the_file_and_the_free_bytes_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from draftsmith import io
+
+    target = tmp_path / "out" / "report.json"
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io.os, "replace", full)
+    with pytest.raises(io.DiskFullError) as info:
+        io.write_json(target, {"a": 1})
+    message = str(info.value)
+    assert str(target) in message and "no space left on device" in message
+    free = shutil.disk_usage(tmp_path).free
+    shown = int(message.split(" bytes free on ")[0].rsplit("(", 1)[1].replace(",", ""))
+    assert abs(shown - free) < 64 << 20  # the free bytes of that file system (others write meanwhile)
+    assert info.value.errno == errno.ENOSPC
+    assert list((tmp_path / "out").iterdir()) == []  # no temporary file left behind
+    # pyarrow's I/O errors carry ENOSPC in their message only: the same error
+    monkeypatch.undo()
+    with pytest.raises(io.DiskFullError, match=r"writing .*train\.parquet \("):
+        with io.atomic_path(tmp_path / "train.parquet", suffix=".parquet"):
+            raise OSError("IOError: [Errno 28] No space left on device")
+    assert list(tmp_path.glob(".train.parquet*")) == []

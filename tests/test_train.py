@@ -179,6 +179,49 @@ def test_feature_index_errors_name_the_file(tmp_path):
         FeatureIndex(index_path)
 
 
+def test_a_truncated_chunk_is_an_input_error_naming_it(tmp_path):
+    from draftsmith.features import read_chunk
+    from draftsmith.io import InputError
+
+    target = tiny_target("qwen3")
+    index_path = write_features(tmp_path, target, [1], make_samples(target, 2, 4, 4))
+    chunk = tmp_path / json.loads(index_path.read_text())["chunks"][0]["path"]
+    chunk.write_bytes(chunk.read_bytes()[:-100])  # a copy cut short
+    for read in (read_chunk, FeatureIndex):
+        with pytest.raises(InputError) as info:
+            read(chunk if read is read_chunk else index_path)
+        message = str(info.value)
+        assert message.startswith(f"{chunk}: cannot be read (SafetensorError: "), message
+        assert "expected a whole safetensors chunk file written by rule extract_shard" in message
+        assert "delete its shard folder and rerun extract" in message
+
+
+@pytest.mark.parametrize("field, edit, says", [
+    ("chunks[1].num_samples", lambda m: m["chunks"][1].update(num_samples=3), "says 3 but"),
+    ("chunks[0].num_tokens", lambda m: m["chunks"][0].update(num_tokens=m["chunks"][0]["num_tokens"] + 1), "says"),
+    ("chunks[0].rows", lambda m: m["chunks"][0].update(rows=[0, 9]), "says [0, 9]..."),
+    ("chunks[1].bytes", lambda m: m["chunks"][1].update(bytes=7), "says 7 but"),
+    ("num_samples", lambda m: m.update(num_samples=4), "says 4 but its chunks hold 3"),
+    ("num_tokens", lambda m: m.update(num_tokens=1), "says 1 but its chunks hold"),
+    ("chunks[0]", lambda m: m["chunks"][0].pop("rows"), "chunk 0 lacks ['rows']"),
+])
+def test_a_hand_edited_index_is_refused_naming_the_field(tmp_path, field, edit, says):
+    """index.json is held to the chunk files it lists (their sizes and headers), not taken on its word."""
+    from draftsmith.io import InputError
+
+    target = tiny_target("qwen3")
+    index_path = write_features(tmp_path, target, [1], make_samples(target, 3, 4, 4), per_chunk=2)
+    FeatureIndex(index_path)  # as merge wrote it: accepted
+    meta = json.loads(index_path.read_text())
+    edit(meta)
+    index_path.write_text(json.dumps(meta))
+    with pytest.raises(InputError) as info:
+        FeatureIndex(index_path)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{index_path}: field {field!r}: {says}")
+    assert "rerun merge" in str(info.value)
+
+
 def test_packing_and_split_reconcile():
     lengths = [5, 9, 3, 12, 7, 1, 20]
     rows = pack_rows(lengths, list(range(len(lengths))), capacity=12)
@@ -331,6 +374,60 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     assert state2["resumed_from_step"] == 0 and len(list((b / "checkpoints").glob("run-*"))) == 2
     assert ckpts.is_dir()
     assert any((a / "tensorboard").iterdir())
+
+
+def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
+    """A rerun that finds the run's final checkpoint trains no step; its trainer_state.json keeps the last
+    training line all the same (it was ``{}``)."""
+    cfg = dict(TINY_TRAIN, max_steps=4, log_every=2, tokens_per_batch=64)
+    first = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
+    assert first["resumed_from_step"] == 0 and first["last_train"]["step"] == 4
+    again = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
+    assert again["resumed_from_step"] == 4
+    assert again["last_train"] == first["last_train"]
+    assert again["history"] == first["history"] and again["memory_by_phase_gib"] == first["memory_by_phase_gib"]
+
+
+def _save_args(tmp_path: Path):
+    from types import SimpleNamespace
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([weight], lr=0.1)
+    weight.grad = torch.ones(3)
+    opt.step()
+    model = SimpleNamespace(trainable_state_dict=lambda: {"w": weight.detach().clone()})
+    return tmp_path / "run-x", model, opt
+
+
+def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import errno
+
+    from draftsmith.io import DiskFullError
+    from draftsmith.train import checkpoint
+
+    ckpt_dir, model, opt = _save_args(tmp_path)
+    checkpoint.save_checkpoint(ckpt_dir, 1, model, opt, {"fingerprint": "x"})
+    before = sorted(p.name for p in ckpt_dir.iterdir())
+    real = checkpoint.save_file
+
+    def failing(error):
+        def save(tensors, path, metadata=None):
+            if path.endswith("optimizer.safetensors"):
+                raise error
+            real(tensors, path, metadata=metadata)
+        return save
+
+    monkeypatch.setattr(checkpoint, "save_file", failing(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before == ["latest.json", "step-00000001"]
+    monkeypatch.setattr(checkpoint, "save_file", failing(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(DiskFullError) as info:
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert f"writing {ckpt_dir / 'step-00000002' / 'optimizer.safetensors'} (" in str(info.value)
+    assert " bytes free on " in str(info.value)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
+    assert load_latest_checkpoint(ckpt_dir)[1]["step"] == 1  # the earlier checkpoint is untouched
 
 
 @pytest.mark.slow

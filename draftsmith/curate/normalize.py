@@ -222,6 +222,30 @@ def _bad_utf8_location(messages: list[dict], tools: str | None) -> str:
     return "tools"
 
 
+def _check_tool_replies(out: list[dict], n_system: int, leading: int) -> None:
+    """Drop a conversation with a tool reply that answers no tool call: a ``tool`` message whose nearest earlier
+    non-tool message is not an assistant turn with ``tool_calls``, or whose ``tool_call_id`` (when it has one) is
+    none of that turn's call ids. A chat template renders such a reply as a tool result out of nowhere.
+
+    ``n_system`` / ``leading``: the system messages kept and the messages trimmed after them (to name a message by
+    its index in the record).
+
+    Raises:
+        DropRow("orphan_tool_reply"): naming the message.
+    """
+    calls: list[dict] | None = None
+    for k, m in enumerate(out):
+        if m["role"] != "tool":
+            calls = m["tool_calls"] if m["role"] == "assistant" else None
+            continue
+        i = k if k < n_system else k + leading
+        if not calls:
+            raise DropRow("orphan_tool_reply", f"message {i}: a tool reply that follows no assistant tool call")
+        if m["tool_call_id"] is not None and m["tool_call_id"] not in {c["id"] for c in calls}:
+            raise DropRow("orphan_tool_reply", f"message {i}: tool_call_id {m['tool_call_id']!r} is none of the "
+                                               f"preceding tool calls {[c['id'] for c in calls]}")
+
+
 def normalize_conversation(messages: Any, tools: Any = None, *, prompt_only: bool = False,
                            max_chars: int | None = None) -> Conversation:
     """Validate and normalise one conversation into the curated row form.
@@ -246,7 +270,7 @@ def normalize_conversation(messages: Any, tools: Any = None, *, prompt_only: boo
     Raises:
         DropRow: with one of the reasons of :data:`DROP_REASONS` (``bad_record``, ``unknown_role``,
             ``unsupported_content``, ``invalid_tool_call``, ``invalid_tools``, ``invalid_utf8``,
-            ``no_assistant_turn``, ``no_user_turn``, ``too_long``).
+            ``no_assistant_turn``, ``no_user_turn``, ``orphan_tool_reply``, ``too_long``).
     """
     if not isinstance(messages, list):
         raise DropRow("bad_record", f"messages is {type(messages).__name__}, not a list")
@@ -304,6 +328,8 @@ def normalize_conversation(messages: Any, tools: Any = None, *, prompt_only: boo
                                                "with text or tool calls")
     elif not out or out[-1]["role"] != "user" or not out[-1]["content"].strip():
         raise DropRow("no_user_turn", "a prompt-only row must end with a non-empty user turn")
+
+    _check_tool_replies(out, n_system, leading)
 
     if max_chars is not None:
         n = len(tools_json or "") + sum(

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from draftsmith.io import atomic_path, write_json
+from draftsmith.io import InputError, atomic_path, disk_full, is_disk_full, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 
 from .adapters import ADAPTERS, COLUMN_FIELDS
@@ -48,13 +48,16 @@ class CurateDataOptions(SectionSettings):
 
     ``seed``: sampling seed (``max_samples``, ``weight``); ``eval_fraction``: share of ``split: both`` rows held
     out, in [0, 1] (checked by :func:`curate`); ``max_chars``: optional length limit of a conversation in
-    characters (see :func:`normalize_conversation`), None for none.
+    characters (see :func:`normalize_conversation`), None for none; ``on_bad_line``: ``drop`` (a record that does
+    not decode is a counted ``malformed_json`` drop) or ``stop`` (it fails the job with an
+    :class:`~draftsmith.io.InputError` naming the file, line and column).
     """
 
     SECTION: ClassVar[str] = "data"
     seed: int
     eval_fraction: float
     max_chars: int | None
+    on_bad_line: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,24 +258,30 @@ class _RowGroupWriter:
 
 
 @contextlib.contextmanager
-def _read_errors_name(source: Source):
-    """Turn an I/O or decoding failure while reading a source into a CurateError naming it."""
+def _read_errors_name(source: Source, spool: Path):
+    """Turn an I/O or decoding failure while reading a source into a CurateError naming it (a full disk while
+    writing the ``spool`` is a :class:`~draftsmith.io.DiskFullError` naming it instead)."""
     try:
         yield
     except CurateError:
         raise
     except (OSError, EOFError, zlib.error, pa.ArrowException, SyntaxError) as exc:
+        if is_disk_full(exc):
+            raise disk_full(spool, exc) from exc
         raise CurateError(f"data.sources[{source.name}]: {source.path}: read error "
                           f"({type(exc).__name__}: {exc})") from exc
 
 
 def _spool_source(source: Source, stats: _Stats, spool: Path, max_chars: int | None,
-                  warn_limit: int = 20) -> array.array:
+                  warn_limit: int = 20, on_bad_line: str = "drop") -> array.array:
     """Pass 1: read, convert, normalise and validate; spool every valid row as one JSON line.
 
     The spool line is the compact JSON already built for the row id, so pass 1 serialises each row
     once; pass 2 de-duplicates and samples on the ids and parses only the kept lines, in C++
     (``pyarrow.json``).
+
+    A record that does not decode (:class:`Malformed`) is a counted drop, or with ``on_bad_line="stop"`` raises
+    :class:`~draftsmith.io.InputError` naming its file, line and column.
 
     Returns the uint64 ids of the spooled rows, in spool order (8 bytes per row).
     """
@@ -287,10 +296,16 @@ def _spool_source(source: Source, stats: _Stats, spool: Path, max_chars: int | N
     ids = array.array("Q")
     malformed = 0
     first_malformed = ""
-    with open(spool, "wb", buffering=1 << 20) as out, _read_errors_name(source):
+    with _read_errors_name(source, spool), open(spool, "wb", buffering=1 << 20) as out:
         for origin, rec in adapter.read(source.path, options):
             stats.read += 1
             if isinstance(rec, Malformed):
+                if on_bad_line == "stop":
+                    raise InputError(origin, rec.detail.removeprefix(f"{origin}: "),
+                                     expected=f"one JSON record per line or array element (data.sources[{source.name}],"
+                                              f" adapter {source.adapter})",
+                                     action="fix or delete that record, or set data.on_bad_line: drop to count it "
+                                            "as a dropped row of report.json")
                 malformed += 1
                 first_malformed = first_malformed or rec.detail
                 if malformed <= warn_limit:
@@ -499,8 +514,8 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
         train_path, eval_path, report_path: outputs (written atomically; nothing is renamed into
             place unless every source succeeded).
         settings: ``data.seed`` (sampling seed of max_samples, weight), ``data.eval_fraction`` (share of
-            ``split: both`` rows held out, in [0, 1]) and ``data.max_chars`` (optional length limit, see
-            :func:`normalize_conversation`).
+            ``split: both`` rows held out, in [0, 1]), ``data.max_chars`` (optional length limit, see
+            :func:`normalize_conversation`) and ``data.on_bad_line`` (``drop`` or ``stop``).
 
     Returns:
         The report dict (also written to ``report_path``).
@@ -508,6 +523,7 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
     Raises:
         CurateError: bad source configuration; a missing path; a source with no readable record, or
             whose every row was dropped (the message names the source, path, adapter and main reason).
+        InputError: with ``data.on_bad_line: stop``, the first record that does not decode (file, line, column).
     """
     seed, eval_fraction, max_chars = settings.data.seed, settings.data.eval_fraction, settings.data.max_chars
     srcs = check_sources(sources)
@@ -539,7 +555,7 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
                     stats = _Stats(s)
                     spool = spool_dir / f"{len(all_stats)}.jsonl"
                     log.info("%s: reading %s (adapter %s)", s.name, s.path, s.adapter)
-                    ids = _spool_source(s, stats, spool, max_chars)
+                    ids = _spool_source(s, stats, spool, max_chars, on_bad_line=settings.data.on_bad_line)
                     kept = _emit_source(s, stats, spool, ids, writers, kept_before=kept_ids,
                                         seed=seed, eval_fraction=eval_fraction)
                     check_some_kept(s, stats)

@@ -180,19 +180,24 @@ def _first_char(path: Path) -> str:
     return head[:1]
 
 
-def _looks_like_jsonl(path: Path) -> bool:
-    """A ``.json`` file that is really JSON lines: its first line is one complete JSON value and
-    another non-blank line follows (BFCL ships such files)."""
+def _looks_like_jsonl(path: Path, probe_lines: int = 3) -> bool:
+    """A ``.json`` file that is really JSON lines (BFCL ships such files): it has more than one non-blank line,
+    and one of its first ``probe_lines`` non-blank lines is a complete JSON object on its own. (A malformed first
+    line does not turn the file into one document, whose parse error would point at line 2 and drop every
+    record; the lines of an indented JSON document are not objects on their own.)"""
+    lines, whole = 0, False
     with _open_binary(path) as fh:
-        first = fh.readline()
-        try:
-            json.loads(_decode(first))
-        except json.JSONDecodeError:
-            return False
-        for rest in fh:
-            if rest.strip():
-                return True
-    return False
+        for raw in fh:
+            if not raw.strip():
+                continue
+            lines += 1
+            if lines > probe_lines:
+                break
+            try:
+                whole = whole or isinstance(json.loads(_decode(raw)), dict)
+            except json.JSONDecodeError:
+                pass
+    return whole and lines > 1
 
 
 def iter_json_document(path: str | Path) -> Iterator[Item]:

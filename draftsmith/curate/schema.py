@@ -47,6 +47,8 @@ DROP_REASONS = {
     "invalid_tools": "a tools list that is not a list of function schemas",
     "no_assistant_turn": "no assistant turn with text or tool calls",
     "no_user_turn": "no user turn at all, or a prompt-only row (mtbench, tau2) not ending with one",
+    "orphan_tool_reply": "a tool reply that answers no tool call: no assistant tool call before it, or a "
+                         "tool_call_id that none of those calls has",
     "too_long": "more characters than data.max_chars",
     "duplicate": "same normalised messages + tools as an earlier row of the same source",
     "duplicate_across_sources": "same normalised messages + tools as a row kept from an earlier source",

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping
 import pyarrow.parquet as pq
 
 from draftsmith.config import HELDOUT, schema_entry_defaults  # HELDOUT: the held-out set's source, one definition
+from draftsmith.io import CURATED_PARQUET, reading
 
 log = logging.getLogger("draftsmith.evaluate")
 
@@ -155,9 +156,10 @@ def load_sets(curated_eval: str, sets: Mapping[str, Mapping], *, heldout_sources
 
     Raises:
         ValueError: a set names a source with no row in the eval split (names the file and source).
+        InputError: the curated eval parquet is not readable (truncated, damaged), naming it.
     """
-    table = pq.read_table(curated_eval, columns=["id", "source", "messages", "tools"])
-    rows = table.to_pylist()
+    with reading(curated_eval, CURATED_PARQUET):
+        rows = pq.read_table(curated_eval, columns=["id", "source", "messages", "tools"]).to_pylist()
     by_source: dict[str, list[dict]] = {}
     for row in rows:
         by_source.setdefault(row["source"], []).append(row)

@@ -19,6 +19,8 @@ import os
 
 import pyarrow.parquet as pq
 
+from draftsmith.io import reading
+
 META_KEY = b"draftsmith.regenerate"
 
 # counted outcomes: why a conversation was dropped (``dropped.<reason>``) or ended early (``cut.<reason>``)
@@ -53,8 +55,10 @@ def read_report(path: str | os.PathLike) -> dict:
 
     Raises:
         ValueError: the file holds no regenerate report (names the file).
+        InputError: the file is not a readable parquet (truncated, damaged), naming it.
     """
-    meta = pq.read_schema(path).metadata or {}
+    with reading(path, "a regenerated parquet written by rule regenerate"):
+        meta = pq.read_schema(path).metadata or {}
     if META_KEY not in meta:
         raise ValueError(f"{path}: no {META_KEY.decode()} metadata (not written by the regenerate stage)")
     return json.loads(meta[META_KEY])

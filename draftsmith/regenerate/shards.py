@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftsmith.chat import tokenizer_fingerprint
-from draftsmith.io import atomic_path, progress, sha256_file
+from draftsmith.io import CURATED_PARQUET, atomic_path, progress, reading, sha256_file
 from draftsmith.regenerate.report import BASE_COUNTS, META_KEY, check_counts, read_report
 from draftsmith.regenerated import regenerated_schema
 
@@ -62,9 +62,10 @@ def shard_parts(parts: int, shard: int, shards: int) -> tuple[int, int]:
     return shard * parts // shards, (shard + 1) * parts // shards
 
 
-def _iter_parts(pf: pq.ParquetFile, chunk_size: int, first: int, last: int):
+def _iter_parts(pf: pq.ParquetFile, chunk_size: int, first: int, last: int, path: str | os.PathLike = ""):
     """Yield ``(k, table)`` for the global parts ``k`` in ``[first, last)`` of ``pf``: rows ``[k x chunk_size,
-    min((k + 1) x chunk_size, rows))``, whatever the file's row groups; only the row groups holding them are read."""
+    min((k + 1) x chunk_size, rows))``, whatever the file's row groups; only the row groups holding them are read.
+    A damaged row group raises :class:`~draftsmith.io.InputError` naming ``path``."""
     meta = pf.metadata
     start, stop = first * chunk_size, min(last * chunk_size, meta.num_rows)
     if start >= stop:
@@ -78,7 +79,12 @@ def _iter_parts(pf: pq.ParquetFile, chunk_size: int, first: int, last: int):
         offset += n
     k, pending = first, []
     end = min((k + 1) * chunk_size, stop)  # the global row where part k ends
-    for batch in pf.iter_batches(batch_size=chunk_size, row_groups=groups):
+    batches = pf.iter_batches(batch_size=chunk_size, row_groups=groups)
+    while True:
+        with reading(path, CURATED_PARQUET):
+            batch = next(batches, None)
+        if batch is None:
+            return
         b0, pos = pos, pos + batch.num_rows  # global rows [b0, pos) of this batch
         row = max(start, b0)
         while row < min(pos, stop):
@@ -120,10 +126,12 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
 
     Raises:
         ValueError: the input lacks the curated columns (names the file); a shard outside ``0 .. shards - 1``.
+        InputError: the input is not a readable parquet (truncated, damaged), naming it.
     """
     t0 = time.perf_counter()
     output_path = Path(output_path)
-    pf = pq.ParquetFile(input_path)
+    with reading(input_path, CURATED_PARQUET):
+        pf = pq.ParquetFile(input_path)
     schema = pf.schema_arrow
     missing = [c for c in ("id", "messages") if c not in schema.names]
     if missing:
@@ -160,7 +168,7 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
     regenerator.progress = bar
     new_tokens, t_new = 0, 0.0
     try:
-        for k, batch in _iter_parts(pf, chunk_size, first, last):
+        for k, batch in _iter_parts(pf, chunk_size, first, last, input_path):
             part = parts_dir / f"part-{k:06d}.parquet"
             part_paths.append(part)
             info = _claim_part(part, key)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.io import read_json, sha256_file, write_json
+from draftsmith.io import DiskFullError, disk_full, is_disk_full, read_json, sha256_file, write_json
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
 
@@ -93,31 +93,46 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
     ``state`` (JSON) gets the sha256 of every tensor file; ``state.json`` is written last inside the
     temporary folder, which is then renamed into place. Pruning never removes the checkpoint just written nor those
     at the steps in ``protect`` (stream mode's phase boundaries, which a rerun of a phase starts from).
+
+    A save that fails (a full disk, an interrupt) removes its temporary folder before the error propagates; the
+    checkpoints written before stay as they were.
+
+    Raises:
+        DiskFullError: the disk filled up (the file being written and the free bytes named).
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}"
     tmp = ckpt_dir / f".step-{step:08d}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    opt_tensors, opt_meta = optimizer_tensors(opt)
-    rng = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"torch_cuda_{i}"] = s
-    files = {"model.safetensors": model.trainable_state_dict(), "optimizer.safetensors": opt_tensors,
-             "rng.safetensors": rng}
-    hashes = {}
-    for name, tensors in files.items():
-        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-        hashes[name] = sha256_file(tmp / name)
-    full = dict(state, format=CHECKPOINT_FORMAT, step=step, files=hashes, optimizer=opt_meta)
-    write_json(tmp / "state.json", full)
-    for name in list(files) + ["state.json"]:
-        with open(tmp / name, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    name = ""
+    try:
+        opt_tensors, opt_meta = optimizer_tensors(opt)
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                rng[f"torch_cuda_{i}"] = s
+        files = {"model.safetensors": model.trainable_state_dict(), "optimizer.safetensors": opt_tensors,
+                 "rng.safetensors": rng}
+        hashes = {}
+        for name, tensors in files.items():
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            hashes[name] = sha256_file(tmp / name)
+        name = "state.json"
+        full = dict(state, format=CHECKPOINT_FORMAT, step=step, files=hashes, optimizer=opt_meta)
+        write_json(tmp / "state.json", full)
+        for name in list(files) + ["state.json"]:
+            with open(tmp / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        name = ""
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise disk_full(final / name if name else final, exc) from exc
+        raise
     fsync_dir(ckpt_dir)
     write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
     done = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
@@ -202,17 +217,18 @@ def restore(path: Path, state: dict, fingerprint: str, model: DFlashDraftModel,
 
 
 def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer: torch.optim.Optimizer,
-           device: torch.device, total_steps: int) -> tuple[int, list]:
-    """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history)``,
-    ``(0, [])`` when there is none.
+           device: torch.device, total_steps: int) -> tuple[int, list, dict]:
+    """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history, its
+    state.json)`` (the state carries what the run measured up to it: ``last_train``, ``memory_by_phase_gib``),
+    ``(0, [], {})`` when there is none.
 
     Raises:
         ValueError: the checkpoint's fingerprint is not the folder's (edited by hand).
     """
     found = load_latest_checkpoint(ckpt_dir)
     if found is None:
-        return 0, []
+        return 0, [], {}
     path, state = found
     step, history = restore(path, state, fingerprint, model, optimizer, device)
     log.info("resumed from %s (step %d of %d)", path, step, total_steps)
-    return step, history
+    return step, history, state

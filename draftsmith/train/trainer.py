@@ -93,9 +93,10 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # one (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
     run.use_checkpoints(run_fingerprint(drafter_config_dict(run.config), settings.train, data.index.meta,
                                         ranks.world))
-    start_step, run.history = resume(run.ckpt_dir, run.fingerprint, run.model, run.optimizer, device,
-                                     run.total_steps)
+    start_step, run.history, resumed = resume(run.ckpt_dir, run.fingerprint, run.model, run.optimizer, device,
+                                              run.total_steps)
     run.start(start_step, f"{data.plan.steps_per_epoch[0]} per epoch")
+    run.restore_measurements(resumed)
 
     # -- the loop: steps start_step .. end_step - 1, then the final held-out metrics and trained/
     end_step = run.total_steps if stop_after_steps is None else min(run.total_steps, stop_after_steps)
@@ -193,6 +194,14 @@ class Trainer:
         if ranks.main:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step or None)
+
+    def restore_measurements(self, state: Mapping) -> None:
+        """Take back what the run measured before its checkpoint ``state``: the last training log line
+        (:attr:`last`) and the GPU memory by phase. A run resumed at its final step trains no step, and its
+        trainer_state.json keeps them all the same; a step trained after the resume measures them anew."""
+        self.last = dict(state.get("last_train") or {})
+        if self.memory is not None and state.get("memory_by_phase_gib"):
+            self.memory.phases = dict(state["memory_by_phase_gib"])
 
     def autocast(self):
         return (torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu
@@ -306,7 +315,9 @@ class Trainer:
                                   "micro_batches_per_step": plan.per_step},
                 "scheduler": {"warmup_steps": self.warmup, "total_steps": total, "min_lr_ratio": cfg.min_lr_ratio,
                               "lr": self.optimizer.param_groups[0]["lr"]},
-                "history": self.history, **(extra() if extra is not None else {})}
+                "history": self.history, "last_train": self.last,
+                "memory_by_phase_gib": self.memory.phases if self.memory is not None else None,
+                **(extra() if extra is not None else {})}
             path = save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, state,
                                    keep=int(cfg.keep_checkpoints), protect=protect)
             size = sum(f.stat().st_size for f in path.iterdir())
