@@ -131,3 +131,17 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasonin
                      ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string()), ("name", pa.string())])
 CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(MESSAGE)),
                      ("tools", pa.string())])
+
+
+def progress_lines(records, desc: str, t0: float) -> list[tuple[float, str]]:
+    """The progress lines (:mod:`draftsmith.progress`) of the bar named ``desc`` among log ``records``:
+    ``(seconds since t0, line)`` in order."""
+    return [(r.created - t0, r.getMessage()) for r in records if r.getMessage().startswith(f"{desc}: ")]
+
+
+def assert_steady(lines: list[tuple[float, str]], interval: float, end: float) -> None:
+    """A progress line at least every ``interval`` seconds (with slack for a loaded CI machine) from the start
+    (0) to ``end`` seconds."""
+    times = [0.0] + [t for t, _ in lines] + [end]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) <= 1.75 * interval, (gaps, [line for _, line in lines])
