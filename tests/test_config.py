@@ -135,6 +135,36 @@ def test_an_overlay_removes_a_set_with_null():
     check_eval_sets(config["evaluate"], config["data"]["sources"])  # no set names a missing source
 
 
+def test_evaluate_only_chooses_the_sets():
+    """`evaluate.only: [heldout]` over config.yaml, with one's own sources: only the held-out set is left (its
+    settings from config.yaml), the sets naming the embedded benchmarks are gone before their sources are checked,
+    and the evaluate rule's params carry the one set; a name that is no set stops with the key and a suggestion."""
+    from draftsmith.config import check_config
+    from draftsmith.evaluate.settings import EvaluateSettings
+    from draftsmith.stages import rule_params
+
+    schema_path = str(REPO / "schemas" / "config.schema.yaml")
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["data"]["sources"] = [{"name": "mychat", "path": "/data/chat.jsonl", "adapter": "sharegpt",
+                                  "split": "both"}]
+    config["evaluate"]["only"] = ["heldout"]
+    check_config(config, schema_path)
+    assert config["evaluate"]["sets"] == {"heldout": {"source": "heldout", "max_prompts": 12, "max_new_tokens": 64}}
+    check_eval_sets(config["evaluate"], config["data"]["sources"])  # mtbench & co. are not checked: not chosen
+    assert list(EvaluateSettings.from_config(config).evaluate.sets) == ["heldout"]
+    assert list(rule_params(config, "evaluate")["evaluate"]["sets"]) == ["heldout"]
+    # several, in evaluate.sets order whatever the order of `only`
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["evaluate"]["only"] = ["mmath", "heldout"]
+    check_config(config, schema_path)
+    assert list(config["evaluate"]["sets"]) == ["heldout", "mmath"]
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["evaluate"]["only"] = ["heldut"]
+    with pytest.raises(ConfigError, match=r"evaluate.only: 'heldut' is no set of evaluate.sets "
+                                          r"\(did you mean 'heldout'\?\); the sets are heldout, mtbench"):
+        check_config(config, schema_path)
+
+
 def test_dry_run_plans_every_stage(tmp_path):
     proc = _snakemake(tmp_path, "-n", config_text="regenerate:\n  enabled: true\n")
     out = proc.stdout + proc.stderr
