@@ -270,6 +270,11 @@ def test_readme_commands_work_as_written(tmp_path):
     commands = readme_commands()
     assert "snakemake results/features/shard-1/manifest.json" in commands and "snakemake --until merge" in commands
     work = copy_workflow(tmp_path / "project")
+    # the user's overlay the README's own-target recipe runs with (its target and data are the user's: here the
+    # embedded ones, with the recipe's regeneration and evaluation-set keys)
+    (work / "my.yaml").write_text("regenerate: {enabled: false}\nevaluate: {only: [heldout]}\n")
+    assert {"snakemake --configfile=my.yaml -n", "snakemake --configfile=my.yaml results/tokenized/train.parquet",
+            "snakemake results/tokenized/train.parquet --configfile my.yaml"} <= set(commands)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for command in commands:
         args = command.split()[1:]

@@ -1259,3 +1259,24 @@ def test_progress_lines_come_every_interval_with_the_tokens_decoded(stage_inputs
     # the last line counts every token of the three decodings (greedy and lossless: each as long as target-only's)
     final = int(re.search(r", ([\d,]+) tok decoded,", lines[-1][1]).group(1).replace(",", ""))
     assert final == 3 * report["sets"]["heldout"]["per_prompt"][0]["new_tokens"] > tokens[-1]
+
+
+def test_every_plot_shows_its_sample_sizes():
+    """Each evaluation figure names, for every set, the prompts it stands on (τ bars: under the set's name; the
+    per-position lines and the histogram: in the legend, with the DFlash verify steps they count)."""
+    import matplotlib.text
+
+    from draftsmith.evaluate.report import histogram_figure, per_position_figure, tau_figure
+
+    def set_entry(prompts, steps):
+        return {"prompts": prompts, "dflash": {"tau": 1.4, "speedup": 0.8, "per_position": [0.3, 0.1, None],
+                                               "acceptance_histogram": [steps - 3, 2, 1], "steps": steps},
+                "prompt_lookup": {"tau": 1.5, "speedup": 1.1}}
+
+    report = {"sets": {"heldout": set_entry(12, 340), "mtbench": set_entry(2, 57)}}
+    for build in (tau_figure, per_position_figure, histogram_figure):
+        fig = build(report)
+        texts = " | ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+        assert "n=12 prompts" in texts and "n=2 prompts" in texts, (build.__name__, texts)
+        if build is not tau_figure:
+            assert "heldout (n=12 prompts, 340 steps)" in texts and "mtbench (n=2 prompts, 57 steps)" in texts
