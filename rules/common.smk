@@ -37,9 +37,11 @@ def _profile_resource(rule, name):
 
 
 def gpu_resources(rule, gpus):
-    """Resources of a GPU rule that follow the config's GPU count `gpus` (train.gpus, evaluate.gpus, ...): `gpu`,
-    and on a cluster whose profile names `mem_mb_per_gpu` for the rule (profiles/slurm), mem_mb = gpus x that, so
-    SLURM's --gpus and --mem follow the config, not a fixed number in the profile."""
+    """The resources of a GPU job that follow the config's GPU count `gpus` (train.gpus, evaluate.gpus, ...).
+
+    `gpu` = gpus, and where the profile names `mem_mb_per_gpu` for the rule (profiles/slurm), mem_mb = gpus x that,
+    so SLURM's --gpus and --mem follow the config, not a fixed number in the profile.
+    """
     resources = {"gpu": gpus}
     per_gpu = _profile_resource(rule, "mem_mb_per_gpu")
     if per_gpu:
