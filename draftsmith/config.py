@@ -170,7 +170,16 @@ def check_config(config: dict, schema_path: str) -> None:
                           + "\n  ".join(errors))
     sets = (config.get("evaluate") or {}).get("sets")
     if isinstance(sets, dict):  # `name: null` removes a set (an overlay config dropping one of config.yaml's)
-        config["evaluate"]["sets"] = {name: s for name, s in sets.items() if s is not None}
+        sets = config["evaluate"]["sets"] = {name: s for name, s in sets.items() if s is not None}
+        only = config["evaluate"].get("only")
+        if only is not None:  # evaluate.only chooses the sets
+            unknown = [name for name in only if name not in sets]
+            if unknown:
+                raise ConfigError("invalid configuration:\n  " + "\n  ".join(
+                    f"evaluate.only: {name!r} is no set of evaluate.sets" + "".join(
+                        f" (did you mean {c!r}?)" for c in difflib.get_close_matches(str(name), list(sets), n=1))
+                    + f"; the sets are {', '.join(sets) or 'none'}" for name in unknown))
+            config["evaluate"]["sets"] = {name: s for name, s in sets.items() if name in only}
     validate(config, schema_path)  # fills in the documented defaults
     errors = cross_key_errors(config)
     if errors:

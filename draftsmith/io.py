@@ -219,37 +219,6 @@ def setup_logging(log_file: str | os.PathLike | None = None, level: int = loggin
     return logging.getLogger("draftsmith")
 
 
-class _LogStream:
-    """A file-like sink for tqdm that turns each refresh into one log line (no carriage returns)."""
-
-    def __init__(self, logger: logging.Logger):
-        self.logger = logger
-
-    def write(self, text: str) -> None:
-        text = text.strip("\r\n ")
-        if text:
-            self.logger.info(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def progress(total: int | None, desc: str, *, unit: str = "it", logger: logging.Logger | None = None,
-             interval: float = 30.0, initial: int = 0, unit_scale: bool = False, disable: bool = False):
-    """A tqdm progress bar written as log lines (console and the rule's log): count, rate and ETA.
-
-    Long stages (regenerate, extract, train, evaluate) otherwise leave the terminal silent for minutes. One line
-    at most every ``interval`` seconds, plus the final one; ``postfix`` figures (loss, tokens/s) ride along.
-    """
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, initial=initial, unit_scale=unit_scale, disable=disable,
-                file=_LogStream(logger or logging.getLogger("draftsmith")), mininterval=interval,
-                maxinterval=interval * 4,
-                smoothing=0.1, bar_format="{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%) "
-                                          "[{elapsed} elapsed, ETA {remaining}, {rate_fmt}{postfix}]")
-
-
 def log_uncaught(exc_type, exc, tb) -> None:
     """``sys.excepthook`` of the stage scripts: the uncaught exception and its traceback go to every logging
     handler (the job's log file and stderr), once. Ctrl-C keeps Python's default report."""

@@ -30,6 +30,36 @@ def all_cores(share=1, most=None):
     return max(1, min(cores // max(1, share), most or cores))
 
 
+def _profile_resource(rule, name):
+    """The value the profile's set-resources give `name` for `rule` (profiles/slurm), or None."""
+    value = (workflow.resource_settings.overwrite_resources.get(rule) or {}).get(name)
+    value = getattr(value, "value", value)  # Snakemake 9 wraps them in Resource objects
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def gpu_resources(rule, gpus):
+    """The resources of a GPU job that follow the config's GPU count `gpus` (train.gpus, evaluate.gpus, ...).
+
+    `gpu` = gpus, and where the profile names `mem_mb_per_gpu` for the rule (profiles/slurm), mem_mb = gpus x that,
+    so SLURM's --gpus and --mem follow the config, not a fixed number in the profile.
+    """
+    resources = {"gpu": gpus}
+    per_gpu = _profile_resource(rule, "mem_mb_per_gpu")
+    if per_gpu:
+        resources["mem_mb"] = gpus * per_gpu
+    return resources
+
+
+def gpu_threads(rule, gpus, share=1):
+    """Threads of a GPU rule: where the profile names `cpus_per_gpu` for the rule (profiles/slurm), gpus x
+    cpus_per_gpu: the CPUs SLURM allocates for --gpus and --cpus-per-gpu, so the job runs with exactly its
+    allocation; otherwise (profiles/default) all_cores(share)."""
+    per_gpu = _profile_resource(rule, "cpus_per_gpu")
+    if per_gpu:  # the submitting run and the job's own run on its node (handed the same set-resources)
+        return gpus * per_gpu
+    return all_cores(share)
+
+
 onstart:
     # (the executor is known once the DAG is built, not at parse time)
     if workflow.non_local_exec and workflow.resource_settings.cores is not None:

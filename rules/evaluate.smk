@@ -37,9 +37,9 @@ rule evaluate:
         "benchmarks/evaluate/evaluate.tsv"
     conda:
         "../envs/draftsmith.yaml"
-    threads: all_cores()
+    threads: gpu_threads("evaluate", config["evaluate"]["gpus"])
     resources:
-        gpu=config["evaluate"]["gpus"],
+        **gpu_resources("evaluate", config["evaluate"]["gpus"]),
     params:
         settings=rule_params(config, "evaluate"),
         sources=canonical(config["data"]["sources"]),

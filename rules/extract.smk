@@ -37,9 +37,9 @@ rule extract_shard:
         shard=r"\d+",
     conda:
         "../envs/draftsmith.yaml"
-    threads: all_cores(share=len(SHARDS))
+    threads: gpu_threads("extract_shard", 1, share=len(SHARDS))
     resources:
-        gpu=1,
+        **gpu_resources("extract_shard", 1),
     params:
         settings=rule_params(config, "extract_shard"),
     script:
@@ -64,9 +64,9 @@ rule extract_heldout:
         "benchmarks/extract_heldout/extract_heldout.tsv"
     conda:
         "../envs/draftsmith.yaml"
-    threads: all_cores(share=len(SHARDS))
+    threads: gpu_threads("extract_heldout", 1, share=len(SHARDS))
     resources:
-        gpu=1,
+        **gpu_resources("extract_heldout", 1),
     params:
         settings=rule_params(config, "extract_heldout"),
     script:
@@ -90,9 +90,9 @@ rule extract_slice:
         shard=r"\d+",
     conda:
         "../envs/draftsmith.yaml"
-    threads: all_cores(share=len(SHARDS))
+    threads: gpu_threads("extract_slice", 1, share=len(SHARDS))
     resources:
-        gpu=1,
+        **gpu_resources("extract_slice", 1),
     params:
         settings=rule_params(config, "extract_slice"),
     script:

@@ -25,9 +25,9 @@ rule regenerate_shard:
         shard=r"\d+",
     conda:
         "../envs/draftsmith.yaml"
-    threads: all_cores(share=len(REGENERATE_SHARDS))
+    threads: gpu_threads("regenerate_shard", config["regenerate"]["gpus"], share=len(REGENERATE_SHARDS))
     resources:
-        gpu=config["regenerate"]["gpus"],
+        **gpu_resources("regenerate_shard", config["regenerate"]["gpus"]),
     params:
         settings=rule_params(config, "regenerate_shard"),
     script:

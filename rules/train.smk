@@ -28,9 +28,9 @@ if STREAM:
             phase=r"\d+",
         conda:
             "../envs/draftsmith.yaml"
-        threads: all_cores()
+        threads: gpu_threads("train_phase", config["train"]["gpus"])
         resources:
-            gpu=config["train"]["gpus"],
+            **gpu_resources("train_phase", config["train"]["gpus"]),
         params:
             settings=rule_params(config, "train_phase"),
         script:
@@ -52,9 +52,9 @@ if STREAM:
             "benchmarks/train/train.tsv"
         conda:
             "../envs/draftsmith.yaml"
-        threads: all_cores()
+        threads: gpu_threads("train", config["train"]["gpus"])
         resources:
-            gpu=config["train"]["gpus"],
+            **gpu_resources("train", config["train"]["gpus"]),
         params:
             settings=rule_params(config, "train"),
         script:
@@ -76,9 +76,9 @@ else:
             "benchmarks/train/train.tsv"
         conda:
             "../envs/draftsmith.yaml"
-        threads: all_cores()
+        threads: gpu_threads("train", config["train"]["gpus"])
         resources:
-            gpu=config["train"]["gpus"],
+            **gpu_resources("train", config["train"]["gpus"]),
         params:
             settings=rule_params(config, "train"),
         script:

@@ -135,6 +135,36 @@ def test_an_overlay_removes_a_set_with_null():
     check_eval_sets(config["evaluate"], config["data"]["sources"])  # no set names a missing source
 
 
+def test_evaluate_only_chooses_the_sets():
+    """`evaluate.only: [heldout]` over config.yaml, with one's own sources: only the held-out set is left (its
+    settings from config.yaml), the sets naming the embedded benchmarks are gone before their sources are checked,
+    and the evaluate rule's params carry the one set; a name that is no set stops with the key and a suggestion."""
+    from draftsmith.config import check_config
+    from draftsmith.evaluate.settings import EvaluateSettings
+    from draftsmith.stages import rule_params
+
+    schema_path = str(REPO / "schemas" / "config.schema.yaml")
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["data"]["sources"] = [{"name": "mychat", "path": "/data/chat.jsonl", "adapter": "sharegpt",
+                                  "split": "both"}]
+    config["evaluate"]["only"] = ["heldout"]
+    check_config(config, schema_path)
+    assert config["evaluate"]["sets"] == {"heldout": {"source": "heldout", "max_prompts": 12, "max_new_tokens": 64}}
+    check_eval_sets(config["evaluate"], config["data"]["sources"])  # mtbench & co. are not checked: not chosen
+    assert list(EvaluateSettings.from_config(config).evaluate.sets) == ["heldout"]
+    assert list(rule_params(config, "evaluate")["evaluate"]["sets"]) == ["heldout"]
+    # several, in evaluate.sets order whatever the order of `only`
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["evaluate"]["only"] = ["mmath", "heldout"]
+    check_config(config, schema_path)
+    assert list(config["evaluate"]["sets"]) == ["heldout", "mmath"]
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["evaluate"]["only"] = ["heldut"]
+    with pytest.raises(ConfigError, match=r"evaluate.only: 'heldut' is no set of evaluate.sets "
+                                          r"\(did you mean 'heldout'\?\); the sets are heldout, mtbench"):
+        check_config(config, schema_path)
+
+
 def test_dry_run_plans_every_stage(tmp_path):
     proc = _snakemake(tmp_path, "-n", config_text="regenerate:\n  enabled: true\n")
     out = proc.stdout + proc.stderr
@@ -240,6 +270,11 @@ def test_readme_commands_work_as_written(tmp_path):
     commands = readme_commands()
     assert "snakemake results/features/shard-1/manifest.json" in commands and "snakemake --until merge" in commands
     work = copy_workflow(tmp_path / "project")
+    # the user's overlay the README's own-target recipe runs with (its target and data are the user's: here the
+    # embedded ones, with the recipe's regeneration and evaluation-set keys)
+    (work / "my.yaml").write_text("regenerate: {enabled: false}\nevaluate: {only: [heldout]}\n")
+    assert {"snakemake --configfile=my.yaml -n", "snakemake --configfile=my.yaml results/tokenized/train.parquet",
+            "snakemake results/tokenized/train.parquet --configfile my.yaml"} <= set(commands)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for command in commands:
         args = command.split()[1:]

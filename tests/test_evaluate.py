@@ -42,7 +42,7 @@ from draftsmith.evaluate import (
 from draftsmith.evaluate.report import lossless_check, step_slots
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target import capture_layers, fla_available
-from tiny import CURATED, TINY_CHATML_TEMPLATE, VOCAB, tiny_target, tiny_tokenizer
+from tiny import CURATED, TINY_CHATML_TEMPLATE, VOCAB, assert_steady, progress_lines, tiny_target, tiny_tokenizer
 
 BLOCK = 8
 MASK = VOCAB - 1
@@ -1263,3 +1263,57 @@ def test_decoding_workers_append_to_the_job_log(stage_inputs, tmp_path):
     lines = [line for line in text.splitlines() if "evaluate worker" in line and "100%" in line]
     assert "the job starts" in text and "the job ends" in text and "2 decoding workers started" in text
     assert {line.split("evaluate worker ")[1][0] for line in lines} == {"0", "1"}
+
+
+def test_progress_lines_come_every_interval_with_the_tokens_decoded(stage_inputs, tmp_path, monkeypatch, caplog):
+    """A slow target (every forward sleeps 0.1 s) decoding one held-out prompt three ways (~7 s): a progress line at
+    least every second (evaluate.progress_interval 1 s), the tokens decoded of the prompt in flight counted and
+    rising before it is done, with an ETA (issue 34: evaluate went 293 s without a line)."""
+    import re
+
+    from transformers import LlamaForCausalLM
+
+    real_forward = LlamaForCausalLM.forward
+
+    def slow_forward(self, *args, **kwargs):
+        time.sleep(0.1)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
+    kwargs = _stage_kwargs(stage_inputs, tmp_path, progress_interval=1.0,
+                           sets={"heldout": {"source": "heldout", "max_prompts": 1, "max_new_tokens": 24}})
+    t0 = time.time()
+    with caplog.at_level("INFO", logger="draftsmith"):
+        report = run_evaluate(**kwargs)
+    lines = progress_lines(caplog.records, "evaluate", t0)
+    assert_steady(lines, 1.0, lines[-1][0])  # to the bar's last line (then the report and plots are written)
+    in_flight = [line for _, line in lines if line.startswith("evaluate: 0/1 prompt") and "tok decoded" in line]
+    assert len(in_flight) >= 2, lines
+    tokens = [int(re.search(r", ([\d,]+) tok decoded,", line).group(1).replace(",", "")) for line in in_flight]
+    assert tokens[0] > 0 and tokens == sorted(tokens) and tokens[-1] > tokens[0], in_flight
+    assert "ETA ?" not in in_flight[-1] and "set heldout c1#0" in in_flight[-1], in_flight[-1]
+    assert lines[-1][1].startswith("evaluate: 1/1 prompt")
+    # the last line counts every token of the three decodings (greedy and lossless: each as long as target-only's)
+    final = int(re.search(r", ([\d,]+) tok decoded,", lines[-1][1]).group(1).replace(",", ""))
+    assert final == 3 * report["sets"]["heldout"]["per_prompt"][0]["new_tokens"] > tokens[-1]
+
+
+def test_every_plot_shows_its_sample_sizes():
+    """Each evaluation figure names, for every set, the prompts it stands on (τ bars: under the set's name; the
+    per-position lines and the histogram: in the legend, with the DFlash verify steps they count)."""
+    import matplotlib.text
+
+    from draftsmith.evaluate.report import histogram_figure, per_position_figure, tau_figure
+
+    def set_entry(prompts, steps):
+        return {"prompts": prompts, "dflash": {"tau": 1.4, "speedup": 0.8, "per_position": [0.3, 0.1, None],
+                                               "acceptance_histogram": [steps - 3, 2, 1], "steps": steps},
+                "prompt_lookup": {"tau": 1.5, "speedup": 1.1}}
+
+    report = {"sets": {"heldout": set_entry(12, 340), "mtbench": set_entry(2, 57)}}
+    for build in (tau_figure, per_position_figure, histogram_figure):
+        fig = build(report)
+        texts = " | ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+        assert "n=12 prompts" in texts and "n=2 prompts" in texts, (build.__name__, texts)
+        if build is not tau_figure:
+            assert "heldout (n=12 prompts, 340 steps)" in texts and "mtbench (n=2 prompts, 57 steps)" in texts

@@ -850,3 +850,43 @@ def test_vllm_engine_passes_token_ids_and_stop_ids(monkeypatch):
     with pytest.raises(ValueError, match="vllm package is not installed"):
         VLLMEngine("/models/t", dtype="bfloat16", max_new_tokens=4, stop_ids=[2], temperature=0.0, top_p=1.0,
                    seed=0, max_model_len=None, trust_remote_code=False)
+
+
+def test_progress_lines_come_every_interval_with_advancing_token_counts(tmp_path, model, tok, stop, caplog,
+                                                                         monkeypatch):
+    """A slow target (every forward sleeps 0.2 s) regenerating one part of 3 conversations in one batch: a line at
+    least every second (progress_interval 1 s), before the first conversation is done, with the new tokens of the
+    batch in flight counted and rising, and an ETA once tokens are generated (issue 34: 31 minutes of
+    ``0/660 (0%) ETA ?``)."""
+    import re
+    import time
+
+    from tiny import assert_steady, progress_lines
+
+    real_forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.2)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow_forward)
+    src = _write(tmp_path / "train.parquet", json.loads(json.dumps(CONVERSATIONS)))
+    regen = Regenerator(model, tok, shard_settings(max_new_tokens=16, batch_size=4, max_turns=1), stop)
+    t0 = time.time()
+    with caplog.at_level("INFO", logger="draftsmith.regenerate"):
+        report = regenerate_file(src, tmp_path / "out.parquet", regen, target_key="t", chunk_size=8,
+                                 progress_interval=1.0)
+    end = time.time() - t0
+    lines = progress_lines(caplog.records, "regenerate", t0)
+    assert_steady(lines, 1.0, end)
+    def new_tokens(line):
+        return int(re.search(r", ([\d,]+) new tok,", line).group(1).replace(",", ""))
+
+    # the part's only batch takes > 3 s: lines while no conversation is done (after tqdm's first, at 0 s)
+    in_flight = [line for _, line in lines[1:] if line.startswith("regenerate: 0/3 conv")]
+    assert len(in_flight) >= 2, lines
+    tokens = [new_tokens(line) for line in in_flight]
+    assert tokens[0] > 0 and tokens == sorted(tokens) and tokens[-1] > tokens[0], in_flight
+    assert "ETA ?" not in in_flight[-1] and re.search(r"new tok/s", in_flight[-1]), in_flight[-1]
+    assert lines[-1][1].startswith("regenerate: 3/3 conv")
+    assert new_tokens(lines[-1][1]) >= report["counts"]["tokens_generated"] > 0

@@ -92,6 +92,17 @@ def _set_threads(wrap: str) -> dict[str, int]:
     return {rule: int(n) for rule, n in pairs}
 
 
+def _set_resources(wrap: str) -> dict[str, dict[str, int]]:
+    """Per-rule resources the remote job is handed (its --set-resources, base64 'rule:name=value' values)."""
+    values = re.search(r"--set-resources ((?:base64//\S+ ?)+)", wrap).group(1).split()
+    out: dict[str, dict[str, int]] = {}
+    for v in values:
+        key, value = base64.b64decode(v[len("base64//"):]).decode().split("=", 1)
+        rule, name = key.split(":", 1)
+        out.setdefault(rule, {})[name] = int(value) if value.isdigit() else value
+    return out
+
+
 def _flag(args: list[str], name: str) -> str | None:
     for k, a in enumerate(args):
         if a.startswith(name + "="):
@@ -105,6 +116,10 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
     pytest.importorskip("snakemake_executor_plugin_slurm")
     work = copy_workflow(tmp_path / "workflow")
     config = yaml.safe_load((work / "config.yaml").read_text())
+    # GPU counts of the config, not of the profile: train on 2 GPUs, evaluate on 3
+    config["train"]["gpus"], config["evaluate"]["gpus"] = 2, 3
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    gpus = {"train": 2, "evaluate": 3, "regenerate_shard": 1, "extract_shard": 1}
     # the assets the login node would fetch (localrule fetch_dataset) and materialise are there already
     for source in config["data"]["sources"]:
         (work / "resources" / "data" / source["path"].split(":", 1)[1]).mkdir(parents=True)
@@ -136,17 +151,20 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
         rule = name.split("_wildcards_")[0]
         wrap = _flag(args, "--wrap")
         resources = {**PROFILE["default-resources"], **PROFILE["set-resources"].get(rule, {})}
-        threads = _set_threads(wrap).get(rule, 1)  # what the job runs with on its node
-        assert threads == PROFILE["set-threads"].get(rule, 1), name
-        # the profile's memory and runtime
-        assert _flag(args, "--mem") == str(resources["mem_mb"]) and _flag(args, "-t") == str(resources["runtime"])
+        threads = _set_threads(wrap).get(rule, 1)  # what the job runs with on its node (CPU rules)
+        assert _flag(args, "-t") == str(resources["runtime"]), name  # the profile's runtime
         if rule in GPU_RULES:
-            # the GPUs and CPUs the profile names, and threads = that allocation
-            assert _flag(args, "--gpus") == str(resources["gpu"]), name
+            # the GPUs of the config; the CPUs and memory per GPU of the profile, times those GPUs
+            assert "gpu" not in resources and rule not in PROFILE["set-threads"], name
+            assert _flag(args, "--gpus") == str(gpus[rule]), name
             assert _flag(args, "--cpus-per-gpu") == str(resources["cpus_per_gpu"]), name
             assert _flag(args, "--cpus-per-task") is None, name
-            assert threads == resources["gpu"] * resources["cpus_per_gpu"], name
+            assert _flag(args, "--mem") == str(gpus[rule] * resources["mem_mb_per_gpu"]), name
+            # the job's own run on its node is handed the per-GPU figures: its threads are gpus x cpus_per_gpu
+            assert _set_resources(wrap)[rule]["cpus_per_gpu"] == resources["cpus_per_gpu"], name
         else:
+            assert threads == PROFILE["set-threads"].get(rule, 1), name
+            assert _flag(args, "--mem") == str(resources["mem_mb"]), name  # the profile's memory
             assert _flag(args, "--gpus") is None and _flag(args, "--cpus-per-task") == str(threads), name
         remote = shlex.split(wrap.removeprefix("--wrap="))
         # the remote job runs on its node's allocation, not capped at the submitting host's cores
@@ -154,6 +172,7 @@ def test_documented_slurm_command_submits_every_rule_with_its_allocation(tmp_pat
         # no absolute workflow path among its inputs (moving the project folder must not rerun it)
         inputs = remote[remote.index("--wait-for-files") + 1:remote.index("--force")]
         assert not [p for p in inputs if p.startswith(str(work)) and ".snakemake" not in p], (name, inputs)
-    assert (_flag(jobs["train"], "--gpus"), _flag(jobs["train"], "--cpus-per-gpu")) == ("8", "8")
-    assert _set_threads(_flag(jobs["train"], "--wrap"))["train"] == 64
+    # train follows train.gpus (issue 34: 8 GPUs and 512 GB whatever it said): 2 GPUs x 8 CPUs x 64 GB
+    assert [_flag(jobs["train"], f) for f in ("--gpus", "--cpus-per-gpu", "--mem")] == ["2", "8", "128000"]
+    assert [_flag(jobs["evaluate"], f) for f in ("--gpus", "--cpus-per-gpu", "--mem")] == ["3", "8", "384000"]
     assert (work / "results" / "eval" / "report.json").exists()

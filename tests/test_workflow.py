@@ -319,6 +319,7 @@ def _changed_value(section: str, key: str, value, node: dict, config: dict):
         ("drafter", "target_layer_ids"): [0],
         ("drafter", "layer_types"): ["full_attention"] * int(config["drafter"]["num_layers"]),
         ("evaluate", "stop_tokens"): ["</s>"],
+        ("evaluate", "only"): list(config["evaluate"]["sets"])[:1],
     }
     if (section, key) in special:
         return special[(section, key)]

@@ -136,3 +136,17 @@ CURATED = pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", 
 REGENERATED = pa.schema([("id", pa.string()), ("source", pa.string()),
                          ("messages", pa.list_(pa.struct(list(MESSAGE) + [("generated_ids", pa.list_(pa.int32()))]))),
                          ("tools", pa.string())])
+
+
+def progress_lines(records, desc: str, t0: float) -> list[tuple[float, str]]:
+    """The progress lines (:mod:`draftsmith.progress`) of the bar named ``desc`` among log ``records``:
+    ``(seconds since t0, line)`` in order."""
+    return [(r.created - t0, r.getMessage()) for r in records if r.getMessage().startswith(f"{desc}: ")]
+
+
+def assert_steady(lines: list[tuple[float, str]], interval: float, end: float) -> None:
+    """A progress line at least every ``interval`` seconds (with slack for a loaded CI machine) from the start
+    (0) to ``end`` seconds."""
+    times = [0.0] + [t for t, _ in lines] + [end]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) <= 1.75 * interval, (gaps, [line for _, line in lines])

@@ -23,6 +23,7 @@ the prefill logits) is not part of any step, as in the official code.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -370,7 +371,8 @@ def _prompt_tensor(input_ids, device) -> torch.Tensor:
 def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
                     stop_token_ids: list[int] | None = None,
                     sampling: SamplingConfig = SamplingConfig(),
-                    generator: torch.Generator | None = None, static=None, width: int | None = 1) -> GenerationResult:
+                    generator: torch.Generator | None = None, static=None, width: int | None = 1,
+                    on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
     """Target-only decoding (the baseline and the lossless reference): one token per forward.
 
     Args:
@@ -386,6 +388,7 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
             width). With the verify width, target-only
             decoding runs the very kernels verification runs, so its greedy output is the exact reference for the
             lossless check in bf16 (a 1-token forward's kernels round differently and flip near-tied argmaxes).
+        on_tokens: called with 1 after each token generated (the progress line's tokens decoded).
 
     Returns:
         :class:`GenerationResult` (``committed`` empty: every step commits one token).
@@ -401,6 +404,8 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
         tokens = [token]
         position = ids.shape[1]
         stopped = token in stops
+        if on_tokens is not None:
+            on_tokens(1)
         step_ids = torch.empty((1, 1), dtype=torch.long, device=device)
         while len(tokens) < max_new_tokens and not stopped:
             step_ids.fill_(token)
@@ -410,6 +415,8 @@ def target_generate(target: nn.Module, input_ids, *, max_new_tokens: int,
             token = int(select_tokens(logits[-1], sampling, generator).item())
             tokens.append(token)
             stopped = token in stops
+            if on_tokens is not None:
+                on_tokens(1)
     t1 = _now(device)
     return GenerationResult(tokens=tokens, num_prompt_tokens=ids.shape[1], seconds=t1 - t0,
                             prefill_seconds=t_first - t0, stopped=stopped)
@@ -420,7 +427,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                          stop_token_ids: list[int] | None = None,
                          sampling: SamplingConfig = SamplingConfig(),
                          generator: torch.Generator | None = None,
-                         rollback: str = "auto", static=None) -> GenerationResult:
+                         rollback: str = "auto", static=None,
+                         on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
     """Speculative decoding of one prompt: draft with ``proposer``, verify with one target forward.
 
     Lossless: with greedy sampling the tokens equal :func:`target_generate`'s; with temperature > 0
@@ -438,6 +446,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
         rollback: how recurrent state is restored, see :class:`TargetCache`.
         static: a :class:`~draftsmith.evaluate.static.StaticTarget` (static cache, CUDA graphs; attention-only
             and Gated DeltaNet hybrid targets) or None (dynamic cache with exact rollback).
+        on_tokens: called with the tokens committed by each step, the first token included (the progress line).
 
     Returns:
         :class:`GenerationResult` with per-step ``committed`` / ``accepted`` / ``proposed``.
@@ -460,6 +469,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
         t_first = _now(device)
         start = num_prompt
         stopped = bool(torch.isin(output[start], stops).item()) if stops.numel() else False
+        if on_tokens is not None:
+            on_tokens(1)
         while start + 1 < max_length and not stopped:
             room = max_length - start - 1  # drafts that can still become output
             drafts, draft_probs = proposer.propose(output, start, min(proposer.max_drafts, room),
@@ -486,6 +497,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
             committed.append(produced)
             accepted_log.append(accepted)
             proposed_log.append(k)
+            if on_tokens is not None:
+                on_tokens(produced)
     t1 = _now(device)
     end = min(start + 1, max_length)
     return GenerationResult(tokens=output[num_prompt:end].tolist(), num_prompt_tokens=num_prompt,

@@ -120,9 +120,16 @@ class Decoders:
         """The sampling seed of a prompt (0 when greedy: greedy output does not depend on it)."""
         return 0 if self.sampling.greedy else _gen_seed(self.seed, label)
 
-    def decode(self, ids: list[int], max_new: int, gen_seed: int, rotate: int = 0) -> dict[str, GenerationResult]:
+    def passes(self) -> int:
+        """Decodings of a prompt by :meth:`decode`: one per method, plus the lossless reference when greedy on the
+        static path."""
+        return len(METHODS) + int(self.static is not None and self.sampling.greedy)
+
+    def decode(self, ids: list[int], max_new: int, gen_seed: int, rotate: int = 0,
+               on_tokens: Callable[[int], None] | None = None) -> dict[str, GenerationResult]:
         """One prompt decoded by every method (in an order rotated by ``rotate``: no method always first) and,
-        when greedy on the static path, the lossless reference (target-only at the verify width)."""
+        when greedy on the static path, the lossless reference (target-only at the verify width); ``on_tokens(k)``
+        after every ``k`` tokens decoded (the progress line)."""
         self.load()
         out = {}
         order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]
@@ -130,15 +137,17 @@ class Decoders:
             gen = torch.Generator(device=self.device).manual_seed(gen_seed) if not self.sampling.greedy else None
             if method == "target_only":
                 out[method] = target_generate(self.target, ids, max_new_tokens=max_new, stop_token_ids=self.stops,
-                                              sampling=self.sampling, generator=gen, static=self.static)
+                                              sampling=self.sampling, generator=gen, static=self.static,
+                                              on_tokens=on_tokens)
             else:
                 proposer = self.dflash if method == "dflash" else self.lookup
                 out[method] = speculative_generate(self.target, proposer, ids, max_new_tokens=max_new,
                                                    stop_token_ids=self.stops, sampling=self.sampling, generator=gen,
-                                                   rollback=self.rollback, static=self.static)
+                                                   rollback=self.rollback, static=self.static, on_tokens=on_tokens)
         if self.static is not None and self.sampling.greedy:  # the lossless reference: verification's kernels
             out["reference"] = target_generate(self.target, ids, max_new_tokens=max_new, stop_token_ids=self.stops,
-                                               sampling=self.sampling, static=self.static, width=None)
+                                               sampling=self.sampling, static=self.static, width=None,
+                                               on_tokens=on_tokens)
         return out
 
 
@@ -341,6 +350,7 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
             bar.update(left)
             break
         if not decoders.warmed:  # first-call costs (loading, CUDA graphs, kernels) out of the timings
+            bar.set_postfix_str("loading the target and drafter, warming up", refresh=False)
             decoders.decode(ids, min(16, bset.max_new_tokens), decoders.seed)
             decoders.warmed = True
         label = f"{conv.id}#{t}"
@@ -351,8 +361,16 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
             log.info("set %s %s: the same prompt as %s, decoded there: its results are reused",
                      bset.name, label, again[1])
         else:
+            budget, tokens = decoders.passes() * bset.max_new_tokens, [0]
+
+            def on_tokens(k: int) -> None:  # the prompt in flight: its tokens decoded of every pass's budget
+                tokens[0] += k
+                bar.advance(**{"tok decoded": k})
+                bar.set_partial(min(tokens[0] / budget, 0.999))
+
+            bar.set_postfix_str(f"set {bset.name} {label}{tau_so_far(so_far)}", refresh=False)
             res = decoders.decode(ids, bset.max_new_tokens, _gen_seed(decoders.seed, label),
-                                  rotate=rotate + len(rec["labels"]))
+                                  rotate=rotate + len(rec["labels"]), on_tokens=on_tokens)
             decoded[(pkey, bset.max_new_tokens, decoders.draw_seed(label))] = (res, f"{bset.name}:{label}")
         for m, r in res.items():
             rec["results"].setdefault(m, []).append(dataclasses.asdict(r))
@@ -364,10 +382,17 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
         log.debug("set %s %s#%d: %d prompt tokens, %d new; τ dflash %.2f, lookup %.2f",
                   bset.name, conv.id, t, len(ids), len(res["target_only"].tokens),
                   res["dflash"].tau, res["prompt_lookup"].tau)
-        bar.set_postfix_str(f"set {bset.name}, τ so far: dflash {summarize(so_far['dflash'])['tau']:.2f}"
-                            f", lookup {summarize(so_far['prompt_lookup'])['tau']:.2f}", refresh=False)
+        bar.set_postfix_str(f"set {bset.name}{tau_so_far(so_far)}", refresh=False)
         bar.update(1)
     return rec
+
+
+def tau_so_far(so_far: dict[str, list[GenerationResult]]) -> str:
+    """``, τ so far: dflash 2.10, lookup 1.80`` (empty before the first prompt is decoded)."""
+    if not so_far.get("dflash"):
+        return ""
+    return (f", τ so far: dflash {summarize(so_far['dflash'])['tau']:.2f}"
+            f", lookup {summarize(so_far['prompt_lookup'])['tau']:.2f}")
 
 
 def aggregate(bset: BenchmarkSet, records: dict[str, dict]) -> dict:

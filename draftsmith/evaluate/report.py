@@ -451,8 +451,22 @@ def _save_figure(plt, fig, path) -> None:
     plt.close(fig)
 
 
+def sample_label(report: dict, name: str) -> str:
+    """A set's name with the sample sizes its figures stand on: ``heldout (n=12 prompts, 340 steps)`` (steps: DFlash
+    verify steps, what the per-position and histogram figures count)."""
+    s = report["sets"][name]
+    return f"{name} (n={s['prompts']} prompts, {s['dflash']['steps']} steps)"
+
+
 def plot_tau(report: dict, path) -> None:
-    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated."""
+    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated, each set's prompts
+    under it (:func:`tau_figure`)."""
+    plt = _pyplot()
+    _save_figure(plt, tau_figure(report), path)
+
+
+def tau_figure(report: dict):
+    """The figure of :func:`plot_tau` (a matplotlib ``Figure``)."""
     plt = _pyplot()
     names = list(report["sets"])
     d = [report["sets"][n]["dflash"]["tau"] or 0.0 for n in names]
@@ -468,31 +482,45 @@ def plot_tau(report: dict, path) -> None:
                 ax.annotate(f"{sp:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(list(xs), names)
+    ax.set_xticks(list(xs), [f"{n}\nn={report['sets'][n]['prompts']} prompts" for n in names])
     ax.set_ylabel("acceptance length τ (tokens / target forward)")
     ax.set_title("τ per benchmark set (labels: wall-clock speedup vs target-only)")
     ax.legend(fontsize=8)
-    _save_figure(plt, fig, path)
+    return fig
 
 
 def plot_per_position(report: dict, path) -> None:
-    """Lines: per-position acceptance rate P(drafts 1..k accepted) against draft slot k, per set."""
+    """Lines: per-position acceptance rate P(drafts 1..k accepted) against draft slot k, per set, each labelled with
+    its prompts and verify steps (:func:`per_position_figure`)."""
+    plt = _pyplot()
+    _save_figure(plt, per_position_figure(report), path)
+
+
+def per_position_figure(report: dict):
+    """The figure of :func:`plot_per_position` (a matplotlib ``Figure``)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for name, s in report["sets"].items():
         rates = s["dflash"]["per_position"]
         ks = [k + 1 for k, r in enumerate(rates) if r is not None]
-        ax.plot(ks, [r for r in rates if r is not None], marker="o", ms=3, label=name)
+        ax.plot(ks, [r for r in rates if r is not None], marker="o", ms=3, label=sample_label(report, name))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(drafts 1..k accepted)")
     ax.set_ylim(0, 1.02)
     ax.set_title("DFlash per-position acceptance")
     ax.legend(fontsize=8)
-    _save_figure(plt, fig, path)
+    return fig
 
 
 def plot_histogram(report: dict, path) -> None:
-    """Bars: fraction of verify steps committing n tokens (n = 1..B), per set."""
+    """Bars: fraction of verify steps committing n tokens (n = 1..B), per set, each labelled with its prompts and
+    verify steps (:func:`histogram_figure`)."""
+    plt = _pyplot()
+    _save_figure(plt, histogram_figure(report), path)
+
+
+def histogram_figure(report: dict):
+    """The figure of :func:`plot_histogram` (a matplotlib ``Figure``)."""
     plt = _pyplot()
     names = list(report["sets"])
     width = max((len(report["sets"][n]["dflash"]["acceptance_histogram"]) for n in names), default=1)
@@ -502,10 +530,10 @@ def plot_histogram(report: dict, path) -> None:
         hist = report["sets"][n]["dflash"]["acceptance_histogram"]
         total = sum(hist) or 1
         ax.bar([k + 1 - 0.4 + bar_w * (i + 0.5) for k in range(len(hist))], [h / total for h in hist],
-               bar_w, label=n)
+               bar_w, label=sample_label(report, n))
     ax.set_xticks(range(1, width + 1))
     ax.set_xlabel("tokens committed in a verify step (accepted drafts + bonus)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("DFlash acceptance-length histogram")
     ax.legend(fontsize=8)
-    _save_figure(plt, fig, path)
+    return fig

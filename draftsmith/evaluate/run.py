@@ -46,7 +46,8 @@ from draftsmith.evaluate.report import (
 from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, saved_file, set_key, unsaved
 from draftsmith.evaluate.settings import EvaluateSettings
 from draftsmith.evaluate.workers import decoding_workers, run_workers, worker_of
-from draftsmith.io import progress, read_json, write_json, write_text
+from draftsmith.io import read_json, write_json, write_text
+from draftsmith.progress import progress
 
 log = logging.getLogger("draftsmith.evaluate")
 

@@ -35,6 +35,7 @@ class EvaluateOptions(SectionSettings):
     seed: int
     max_prompt_tokens: int | None  # None: the target's max_position_embeddings
     stop_tokens: tuple[str, ...]  # removed: must stay empty
+    only: tuple[str, ...] | None  # the sets chosen (draftsmith.config.check_config left only these in sets)
     sets: Mapping[str, Mapping[str, Any]]  # name -> {source, max_prompts, max_new_tokens}, in config order
     gpus: int
     rollback: str

@@ -22,7 +22,8 @@ from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, 
 from draftsmith.evaluate.settings import EvaluateSettings
 from draftsmith.evaluate.workers import worker_of
 from draftsmith.gpu import log_peak_memory
-from draftsmith.io import progress, read_json, setup_logging, write_json
+from draftsmith.io import read_json, setup_logging, write_json
+from draftsmith.progress import progress
 
 log = logging.getLogger("draftsmith.evaluate")
 

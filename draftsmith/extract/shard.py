@@ -36,7 +36,8 @@ from draftsmith.features import (
     subset_label,
     write_chunk,
 )
-from draftsmith.io import progress, read_json, sha256_file, target_fingerprint, write_json
+from draftsmith.io import read_json, sha256_file, target_fingerprint, write_json
+from draftsmith.progress import progress
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import (
     LayerCapture,

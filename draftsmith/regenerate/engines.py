@@ -22,10 +22,13 @@ class Engine:
     #: the ``regenerate.engine`` value that names it (``static``, ``generate``, ``continuous``, ``vllm``)
     name = ""
 
-    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         """Each prompt's generated ids, in prompt order: the answer, the stop token that ended it (if one did), then
         possibly more ids (padding, or a row that kept decoding with its batch) that the caller cuts off.
-        ``on_done(n)`` is called each time ``n`` more answers are done."""
+        ``on_done(n)`` is called each time ``n`` more answers are done; ``on_step(rows, steps, tokens)``, by the
+        engines that decode step by step here (``generate``, ``static``), within a batch: ``steps`` more decode steps
+        of a batch of ``rows`` rows ran, generating ``tokens`` tokens in rows not stopped yet (the progress line's
+        count of new tokens)."""
         raise NotImplementedError
 
     def report(self) -> dict:
@@ -50,9 +53,11 @@ class GenerateEngine(Engine):
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        stops = self.gen.eos_token_id
+        stops = torch.tensor(stops if isinstance(stops, list) else [stops] if stops is not None else [])
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
@@ -61,13 +66,35 @@ class GenerateEngine(Engine):
             for r, i in enumerate(idx):
                 ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
                 mask[r, width - len(prompts[i]):] = 1
+            streamer = _StepCounter(len(idx), stops, on_step) if on_step is not None else None
             seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                       generation_config=self.gen)
+                                       generation_config=self.gen, streamer=streamer)
             for r, i in enumerate(idx):
                 out[i] = seqs[r, width:].tolist()
             if on_done is not None:
                 on_done(len(idx))
         return out  # type: ignore[return-value]
+
+
+class _StepCounter:
+    """A ``generate`` streamer (transformers' ``BaseStreamer`` protocol: ``put``, ``end``) that reports each decode
+    step to ``on_step(rows, 1, tokens)``: ``tokens`` = rows of the batch that had not generated a stop id before the
+    step (the first ``put`` is the prompt)."""
+
+    def __init__(self, rows: int, stops: torch.Tensor, on_step):
+        self.rows, self.stops, self.on_step = rows, stops, on_step
+        self.live = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.live is None:  # the prompt
+            self.live = torch.ones(self.rows, dtype=torch.bool)
+            return
+        tokens = value.reshape(-1)[:self.rows].cpu()
+        self.on_step(self.rows, 1, int(self.live.sum()))
+        self.live &= ~torch.isin(tokens, self.stops)
+
+    def end(self) -> None:
+        pass
 
 
 class ContinuousBatchingEngine(Engine):
@@ -81,7 +108,7 @@ class ContinuousBatchingEngine(Engine):
         self.model, self.gen = model, generation_config
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         if not prompts:
             return []
         results = self.model.generate_batch(inputs=prompts, generation_config=self.gen, progress_bar=False)
@@ -127,7 +154,7 @@ class VLLMEngine(Engine):
                                           stop_token_ids=list(stop_ids), skip_special_tokens=False,
                                           include_stop_str_in_output=True)
 
-    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, self.params, use_tqdm=False)
         out = []

@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 import torch
 
 from draftsmith.chat import tokenizer_fingerprint
-from draftsmith.io import CURATED_PARQUET, atomic_path, progress, reading, sha256_file
+from draftsmith.io import CURATED_PARQUET, atomic_path, reading, sha256_file
+from draftsmith.progress import progress
 from draftsmith.regenerate.report import BASE_COUNTS, META_KEY, check_counts, read_report
 from draftsmith.regenerated import regenerated_schema
 
@@ -189,7 +190,6 @@ def regenerate_file(input_path: str | os.PathLike, output_path: str | os.PathLik
             total.update(stats)
             new_tokens += stats["tokens_generated"]
             t_new += time.perf_counter() - t1
-            bar.set_postfix_str(f"{new_tokens / max(t_new, 1e-9):,.0f} new tok/s", refresh=False)
             bar.update(len(records))
             log.debug("part %d: %d conversations -> %d rows, %d turns regenerated, %d tokens in %.1f s",
                       k, len(records), len(out), stats["turns_regenerated"], stats["tokens_generated"],

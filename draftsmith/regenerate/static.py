@@ -401,11 +401,11 @@ class StaticBatchEngine(Engine):
                 "rows_capped_batches": self.rows_capped_batches, "static_engine": self.phase_report()}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         with without_cudnn_attention():  # a new prompt width per batch: no per-shape cuDNN plans
-            return self._generate(prompts, on_done)
+            return self._generate(prompts, on_done, on_step)
 
-    def _generate(self, prompts: list[list[int]], on_done=None) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
         out: list[list[int] | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: largest cache first
         stops = self.stops.to(self.device)
@@ -434,11 +434,20 @@ class StaticBatchEngine(Engine):
             t_prefilled = time.perf_counter()
             generated = torch.empty((len(idx), self.max_new), dtype=torch.long, device=self.device)
             done = torch.zeros(len(idx), dtype=torch.bool, device=self.device)
+            live = torch.zeros((), dtype=torch.long, device=self.device)  # tokens of rows not stopped yet
+            reported = (0, 0)  # steps and tokens given to on_step so far (read at the checks: no extra sync)
             for t in range(self.max_new):
                 generated[:, t] = token
+                live += (~done).sum()
                 done |= torch.isin(token, stops)
-                if t + 1 == self.max_new or ((t + 1) % self.check_every == 0 and bool(done.all())):
-                    break
+                last = t + 1 == self.max_new
+                if last or (t + 1) % self.check_every == 0:
+                    if on_step is not None:
+                        n = int(live)
+                        on_step(len(idx), t + 1 - reported[0], n - reported[1])
+                        reported = (t + 1, n)
+                    if last or bool(done.all()):
+                        break
                 token = self._next(step(token, pad))
             rows = generated[:, :t + 1].tolist()  # waits for the device
             self.phases.update(batches=1, rows=len(idx), prefill_tokens=len(idx) * width, decode_steps=t,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -88,9 +87,9 @@ class Regenerator:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
         self.engine = engine if engine is not None else self._build_engine()
-        self.progress = None  # a progress bar counting conversations, set by regenerate_file
+        self.progress = None  # a progress bar counting conversations (draftsmith.progress), set by regenerate_file
         self.fused = None  # what draftsmith.fused.fused_target changed while this regenerates (set by run)
-        self._last_line = time.monotonic()
+        self._part_rows = 0  # conversations of the records being regenerated (the progress bar's in-flight part)
 
     def _build_engine(self) -> Engine:
         from transformers import GenerationConfig
@@ -125,21 +124,28 @@ class Regenerator:
             token that ended them (``None``: ``max_new_tokens`` was reached).
         """
         stops = set(self.stop_ids)
-        done = [0]
+        bar, max_new = self.progress, self.settings.regenerate.max_new_tokens
+        state = {"answers": 0, "rows": 0, "steps": 0}  # answers done; rows and decode steps of the batch in flight
 
-        def on_done(n: int) -> None:  # a line on the console within long parts too (at the bar's interval)
-            done[0] += n
-            bar = self.progress
-            if bar is not None:
-                bar.set_postfix_str(f"{done[0]}/{len(prompts)} answers of this round", refresh=False)
-                if time.monotonic() - self._last_line >= bar.mininterval:  # update(0) would not print
-                    bar.refresh()
-                    self._last_line = time.monotonic()
+        def show() -> None:  # the part in flight: done answers + the batch's steps of max_new, as conversations
+            work = state["answers"] + state["rows"] * min(state["steps"], max_new) / max_new
+            bar.set_partial(self._part_rows * min(work / len(prompts), 0.999))
+            bar.set_postfix_str(f"{state['answers']}/{len(prompts)} answers of this round", refresh=False)
 
-        out = self.engine.generate(prompts, on_done)
+        def on_step(rows: int, steps: int, tokens: int) -> None:
+            state["rows"], state["steps"] = rows, state["steps"] + steps
+            bar.advance(**{"new tok": tokens})
+            show()
+
+        def on_done(n: int) -> None:
+            state["answers"] += n
+            state["rows"] = state["steps"] = 0
+            show()
+
+        out = self.engine.generate(prompts, on_done, on_step) if bar is not None else self.engine.generate(prompts)
         results = []
         for ids in out:
-            answer, stopped = _split_stop(ids[:self.settings.regenerate.max_new_tokens], stops)
+            answer, stopped = _split_stop(ids[:max_new], stops)
             results.append((answer, int(ids[len(answer)]) if stopped else None))
         return results
 
@@ -190,6 +196,7 @@ class Regenerator:
         + ``turns_removed_by_cut``; ``cut.<reason>`` per conversation.
         """
         stats: collections.Counter = collections.Counter()
+        self._part_rows = len(records)
         n = self.settings.regenerate.num_answers
         convs = [_Conv(rec if k == 0 else {**rec, "id": f"{rec.get('id')}@{k}"}, list(rec.get("messages") or []),
                        copy=k)

@@ -24,8 +24,9 @@ import torch
 from draftsmith.batch_plan import pack_rows, seed_of
 from draftsmith.drafter_config import default_loss_gamma, drafter_config_dict
 from draftsmith.flops import step_flops
-from draftsmith.io import progress, write_json
+from draftsmith.io import write_json
 from draftsmith.modeling import DFlashDraftModel
+from draftsmith.progress import progress
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_weight
 from draftsmith.train.checkpoint import checkpoint_steps, resume, run_fingerprint, save_checkpoint
