@@ -89,11 +89,11 @@ def stream_setup(tmp_path_factory):
             (folder / "shard-0").mkdir(parents=True, exist_ok=True)
             cat = lambda key: torch.cat([samples[r][key] for r in part])  # noqa: E731
             lengths = [samples[r]["input_ids"].numel() for r in part]
-            write_chunk(folder / path, features=cat("features"), lengths=lengths, sample_index=part,
-                        input_ids=cat("input_ids"), loss_mask=cat("loss_mask"), storage_dtype=storage,
-                        target_token=cat("target_token"), num_layers=len(LAYERS))
-            chunks.append({"path": path, "shard": 0, "num_samples": len(part), "num_tokens": sum(lengths),
-                           "bytes": (folder / path).stat().st_size, "rows": part})
+            digest = write_chunk(folder / path, features=cat("features"), lengths=lengths, sample_index=part,
+                                 input_ids=cat("input_ids"), loss_mask=cat("loss_mask"), storage_dtype=storage,
+                                 target_token=cat("target_token"), num_layers=len(LAYERS))
+            chunks.append({"path": path, "shard": 0, "sha256": digest, "num_samples": len(part),
+                           "num_tokens": sum(lengths), "bytes": (folder / path).stat().st_size, "rows": part})
         write_index(folder / "index.json", index_document({
             "chunks": chunks, "num_samples": len(rows), "num_tokens": sum(c["num_tokens"] for c in chunks),
             "layer_ids": LAYERS, "layer_semantics": LAYER_SEMANTICS, "hidden_size": target.config.hidden_size,
