@@ -37,6 +37,7 @@ from draftsmith.train import (
     split_samples,
     train,
 )
+from extraction import rewrite_index_chunk
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -351,23 +352,6 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     assert any((a / "tensorboard").iterdir())
 
 
-def rewrite_chunk(index_path: Path, ci: int, change) -> None:
-    """Rewrite chunk ``ci`` of an index with draftsmith.features' writer, its tensors passed through ``change``
-    (same samples and token counts), and record its new sha256 in the index, as extract and merge would."""
-    from draftsmith.features import write_chunk, write_index
-
-    index = json.loads(index_path.read_text())
-    entry = index["chunks"][ci]
-    t = change(load_file(str(index_path.parent / entry["path"])))
-    offsets = t["offsets"].tolist()
-    entry["sha256"] = write_chunk(
-        index_path.parent / entry["path"], features=t["hidden_states"], input_ids=t["input_ids"],
-        loss_mask=t["loss_mask"], lengths=[b - a for a, b in zip(offsets, offsets[1:])],
-        sample_index=t["sample_index"].tolist(), target_token=t.get("target_token"),
-        storage_dtype=index["storage_dtype"])
-    write_index(index_path, index)
-
-
 def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_run_trains(qwen3_setup, tmp_path,
                                                                                            caplog):
     """Issue 33 item 6. A finished run whose trained/ is gone (Snakemake removes a rule's outputs before it reruns
@@ -412,7 +396,7 @@ def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_
     # the same counts, another loss mask in chunk 0 (the prompts supervised too): a new run, other weights
     changed = tmp_path / "changed"
     shutil.copytree(index.parent, changed)
-    rewrite_chunk(changed / "index.json", 0, lambda t: dict(t, loss_mask=torch.ones_like(t["loss_mask"])))
+    rewrite_index_chunk(changed / "index.json", 0, lambda t: dict(t, loss_mask=torch.ones_like(t["loss_mask"])))
     meta = json.loads((changed / "index.json").read_text())
     assert (meta["num_samples"], meta["num_tokens"]) == (json.loads(index.read_text())["num_samples"],
                                                          json.loads(index.read_text())["num_tokens"])
