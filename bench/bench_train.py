@@ -313,9 +313,10 @@ def write_synthetic(workdir: Path) -> tuple[Path, Path]:
         ids = torch.cat(toks)
         feats = torch.randn(ids.numel(), len(ids_) * H, generator=g).to(torch.bfloat16)
         name = f"shard-0/chunk-{c:05d}.safetensors"
-        write_chunk(fdir / name, features=feats, lengths=lens, sample_index=range(c * 8, c * 8 + 8), input_ids=ids,
-                    loss_mask=torch.cat(masks), target_token=torch.roll(ids, -1), storage_dtype="bfloat16")
-        chunks.append({"path": name, "shard": 0, "num_samples": 8, "num_tokens": offs[-1],
+        digest = write_chunk(fdir / name, features=feats, lengths=lens, sample_index=range(c * 8, c * 8 + 8),
+                             input_ids=ids, loss_mask=torch.cat(masks), target_token=torch.roll(ids, -1),
+                             storage_dtype="bfloat16")
+        chunks.append({"path": name, "shard": 0, "sha256": digest, "num_samples": 8, "num_tokens": offs[-1],
                        "rows": list(range(c * 8, c * 8 + 8))})
     write_index(fdir / "index.json", index_document({
         "num_samples": 24, "num_tokens": sum(c["num_tokens"] for c in chunks),

@@ -1,5 +1,6 @@
 # train: the DFlash drafter, torchrun DDP with one process per leased GPU ({resources.gpu}).
-# Checkpoints live in results/drafter/checkpoints/ (not a declared output) so a rerun resumes.
+# Checkpoints live in results/drafter/checkpoints/ (not a declared output) so a killed run resumes; a finished
+# run whose outputs Snakemake removed to rerun it (--forcerun, changed inputs) trains again (train/checkpoint.py).
 # scripts/train.py leases the GPUs and runs torchrun; output goes to the console (progress: step, rate, ETA)
 # and to the log. In stream mode (stream.slices > 1, docs/stream.md) train_phase trains one phase of the global plan
 # on its slice (resuming from the previous phase's last checkpoint), and train ends the run: the final held-out

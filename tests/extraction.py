@@ -1,5 +1,6 @@
 """Extraction helpers shared by test_extract.py and test_fused.py: a tokenized parquet, a plan, one shard run
-through ``extract_shard`` on the CPU, the stored samples read back, and the reference features of a sample alone.
+through ``extract_shard`` on the CPU, the stored samples read back, and the reference features of a sample alone;
+and for test_train.py, test_train_phases.py and test_workflow.py a chunk rewritten with other values (same counts).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftsmith import extract as ex
-from draftsmith.features import read_chunk
+from draftsmith.features import read_chunk, read_safetensors_header, write_chunk, write_index
 from draftsmith.io import write_json
 from tiny import VOCAB
 
@@ -84,3 +85,24 @@ def alone(model, ids: np.ndarray, layer_ids=LAYER_IDS):
     out = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
     return feats, out.logits[0].argmax(-1).to(torch.int32)
+
+
+def rewrite_chunk(path: Path, change, storage_dtype: str) -> str:
+    """Rewrite a chunk file with draftsmith.features' writer, its tensors passed through ``change`` (a function of
+    the dict of tensors; the same samples and token counts), its metadata kept; returns its new sha256."""
+    from safetensors.torch import load_file
+
+    t = change(load_file(str(path)))
+    offsets = t["offsets"].tolist()
+    return write_chunk(path, features=t["hidden_states"], input_ids=t["input_ids"], loss_mask=t["loss_mask"],
+                       lengths=[b - a for a, b in zip(offsets, offsets[1:])], sample_index=t["sample_index"].tolist(),
+                       target_token=t.get("target_token"), scales=t.get("scales"), storage_dtype=storage_dtype,
+                       metadata=read_safetensors_header(path).metadata or None)
+
+
+def rewrite_index_chunk(index_path: Path, ci: int, change) -> None:
+    """:func:`rewrite_chunk` on chunk ``ci`` of an index, its new sha256 recorded in the index (as merge would)."""
+    index = json.loads(index_path.read_text())
+    entry = index["chunks"][ci]
+    entry["sha256"] = rewrite_chunk(index_path.parent / entry["path"], change, index["storage_dtype"])
+    write_index(index_path, index)

@@ -9,8 +9,11 @@ length with the official z-lab ``dflash_generate`` (real speculative decoding ag
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -34,6 +37,7 @@ from draftsmith.train import (
     split_samples,
     train,
 )
+from extraction import rewrite_index_chunk
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,11 +93,11 @@ def write_features(folder: Path, target, layer_ids: list[int], samples: list[dic
             tt.append(logits[0].argmax(-1))
             lengths.append(x.shape[1])
         name = f"shard-0/chunk-{c0 // per_chunk:05d}.safetensors"
-        write_chunk(folder / name, features=torch.cat(hs), lengths=lengths, sample_index=part,
-                    input_ids=torch.cat(ids), loss_mask=torch.cat(lm), storage_dtype=storage_dtype,
-                    target_token=torch.cat(tt) if target_tokens else None, num_layers=len(layer_ids))
-        chunks.append({"path": name, "shard": 0, "num_samples": len(part), "num_tokens": sum(lengths),
-                       "bytes": (folder / name).stat().st_size, "rows": part})
+        digest = write_chunk(folder / name, features=torch.cat(hs), lengths=lengths, sample_index=part,
+                             input_ids=torch.cat(ids), loss_mask=torch.cat(lm), storage_dtype=storage_dtype,
+                             target_token=torch.cat(tt) if target_tokens else None, num_layers=len(layer_ids))
+        chunks.append({"path": name, "shard": 0, "sha256": digest, "num_samples": len(part),
+                       "num_tokens": sum(lengths), "bytes": (folder / name).stat().st_size, "rows": part})
     index = index_document({
         "chunks": chunks, "num_samples": len(samples), "num_tokens": sum(c["num_tokens"] for c in chunks),
         "bytes": sum(c["bytes"] for c in chunks), "layer_ids": layer_ids, "layer_semantics": LAYER_SEMANTICS,
@@ -314,9 +318,12 @@ def test_train_settings_hold_exactly_the_stage_keys():
 
 
 def test_run_fingerprint_is_pinned():
-    """The run fingerprint names the checkpoint folder (run-<fingerprint[:12]>): the same configuration must keep
-    it, or a rerun would not resume its own checkpoints. The hex is what draftsmith.train gave before it became a
-    package (settings as a dict). Cadence keys and ``gpus`` (it enters as the world size) leave it alone."""
+    """The run fingerprint names the checkpoint folder (run-<fingerprint[:12]>): the same configuration and data
+    must keep it, or a rerun would not resume its own checkpoints. The hex changed once on purpose, when the
+    features' content (the digest of the chunk files' sha256) joined it (issue 33 item 6). Cadence keys and ``gpus``
+    (it enters as the world size) leave it alone; so do the chunks' order and paths; one chunk's sha256 does not,
+    and an index chunk without one is refused. In stream mode (a plan identity) the slice's chunks stay out: every
+    phase shares the fingerprint."""
     from draftsmith.train import run_fingerprint
 
     train_cfg = {"gpus": 2, "seed": 7, "epochs": 1.5, "max_steps": None, "lr": 3e-3, "weight_decay": 0.01,
@@ -328,13 +335,25 @@ def test_run_fingerprint_is_pinned():
     drafter_config = {"target_layer_ids": [1, 2], "mask_token_id": 3, "block_size": 4}
     meta = {"num_samples": 8, "num_tokens": 384, "layer_ids": [1, 2], "target_fingerprint": "test",
             "tokenizer_fingerprint": "test", "storage_dtype": "bfloat16", "chunks": []}
-    pinned = "3d9412799996d19b90c2747b7984b8a17835e7da8c405b6382c7310a61528ba5"
+    pinned = "7f8b60695b293d7da5fef012c3c0d6b8a5de8c292fd776032cc704259118199b"
     assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 2) == pinned
     cadence = dict(train_cfg, save_every=7, loader_workers=1, gpus=1, log_every=1, keep_checkpoints=1)
     assert run_fingerprint(drafter_config, TrainSettings.from_config(train=cadence).train, meta, 2) == pinned
     assert run_fingerprint(drafter_config, TrainSettings.from_config(train=dict(train_cfg, lr=1e-3)).train, meta,
                            2) != pinned
     assert run_fingerprint(drafter_config, TrainSettings.from_config(train=train_cfg).train, meta, 1) != pinned
+
+    options = TrainSettings.from_config(train=train_cfg).train
+    a, b = {"path": "shard-0/chunk-00000.safetensors", "sha256": "a" * 64}, {"path": "shard-1/x", "sha256": "b" * 64}
+    two = run_fingerprint(drafter_config, options, dict(meta, chunks=[a, b]), 2)
+    assert two != pinned
+    assert run_fingerprint(drafter_config, options, dict(meta, chunks=[dict(b, path="y"), a]), 2) == two
+    assert run_fingerprint(drafter_config, options, dict(meta, chunks=[a, dict(b, sha256="c" * 64)]), 2) != two
+    with pytest.raises(ValueError, match=r"chunk 1 \(shard-1/x\) has no sha256"):
+        run_fingerprint(drafter_config, options, dict(meta, chunks=[a, {"path": "shard-1/x"}]), 2)
+    plan = {"stream": {"slices": 2}, "lengths_sha256": "0" * 64}
+    assert (run_fingerprint(drafter_config, options, dict(meta, chunks=[a]), 2, plan)
+            == run_fingerprint(drafter_config, options, dict(meta, chunks=[b]), 2, plan))
 
 def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
     cfg = dict(TINY_TRAIN, max_steps=8, save_every=3, eval_fraction=0.15, eval_every=4, grad_accum=2,
@@ -428,6 +447,72 @@ def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypat
     assert " bytes free on " in str(info.value)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == before
     assert load_latest_checkpoint(ckpt_dir)[1]["step"] == 1  # the earlier checkpoint is untouched
+
+
+def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_run_trains(qwen3_setup, tmp_path,
+                                                                                           caplog):
+    """Issue 33 item 6. A finished run whose trained/ is gone (Snakemake removes a rule's outputs before it reruns
+    it: --forcerun train) trains from step 0 again (and, on the CPU, reaches the same weights bit for bit); with
+    trained/ in place a direct call has nothing to train. A run stopped at step 2 of 4 still resumes from step 2.
+    Features rewritten with the same counts (one chunk's loss mask) are another run: fresh, other weights. A byte
+    changed in a chunk file after merge stops a fresh start, naming the file and both sha256."""
+    caplog.set_level(logging.INFO, logger="draftsmith.train")
+    cfg = dict(TINY_TRAIN, max_steps=4, save_every=2, tokens_per_batch=64)
+    index, target, out = qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path / "drafter"
+    weights = lambda: load_file(str(out / "trained" / "model.safetensors"))  # noqa: E731
+    first = train(index, target, out, settings(cfg), threads=1)
+    assert first["resumed_from_step"] == 0
+    w1 = weights()
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    record = json.loads((ckpts / "finished-run.json").read_text())
+    assert record["step"] == 4 and record["output"] == "../../trained/trainer_state.json"
+
+    caplog.clear()  # trained/ in place: nothing to train
+    assert train(index, target, out, settings(cfg), threads=1)["resumed_from_step"] == 4
+    assert "previous run finished at step 4 and its output is in place: nothing left to train" in caplog.text
+
+    caplog.clear()  # trained/ gone (what Snakemake does before rerunning train): fresh, not the old final checkpoint
+    shutil.rmtree(out / "trained")
+    again = train(index, target, out, settings(cfg), threads=1)
+    assert again["resumed_from_step"] == 0 and again["last_train"]["step"] == 4
+    assert ("previous run finished at step 4 and its output ../../trained/trainer_state.json is gone" in caplog.text
+            and "starting fresh (removed its checkpoints at steps [2, 4])" in caplog.text)
+    assert "verified the sha256 of the chunk files of" in caplog.text
+    w2 = weights()
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+    caplog.clear()  # an interrupted run (stopped at step 2 of 4, no trained/) resumes from its checkpoint
+    shutil.rmtree(out / "trained")
+    assert train(index, target, out, settings(cfg), threads=1, stop_after_steps=2)["stopped_at"] == 2
+    assert not (ckpts / "finished-run.json").exists()
+    resumed = train(index, target, out, settings(cfg), threads=1)
+    assert resumed["resumed_from_step"] == 2 and "resuming interrupted run from step 2 of 4" in caplog.text
+    w3 = weights()
+    assert all(torch.equal(w1[k], w3[k]) for k in w1)
+
+    # the same counts, another loss mask in chunk 0 (the prompts supervised too): a new run, other weights
+    changed = tmp_path / "changed"
+    shutil.copytree(index.parent, changed)
+    rewrite_index_chunk(changed / "index.json", 0, lambda t: dict(t, loss_mask=torch.ones_like(t["loss_mask"])))
+    meta = json.loads((changed / "index.json").read_text())
+    assert (meta["num_samples"], meta["num_tokens"]) == (json.loads(index.read_text())["num_samples"],
+                                                         json.loads(index.read_text())["num_tokens"])
+    caplog.clear()
+    other = train(changed / "index.json", target, out, settings(cfg), threads=1)
+    assert other["resumed_from_step"] == 0 and other["fingerprint"] != first["fingerprint"]
+    assert len(list((out / "checkpoints").glob("run-*"))) == 2
+    w4 = weights()
+    assert any(not torch.equal(w1[k], w4[k]) for k in w1)
+
+    # a byte changed in chunk 1 after merge (the index still records the old sha256): a fresh start refuses it
+    chunk = changed / meta["chunks"][1]["path"]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    shutil.rmtree(out / "trained")
+    with pytest.raises(ValueError, match=rf"chunk 1 file {re.escape(str(chunk))} has sha256 [0-9a-f]{{64}}, the "
+                                         rf"index records {meta['chunks'][1]['sha256']}"):
+        train(changed / "index.json", target, out, settings(cfg), threads=1)
 
 
 @pytest.mark.slow

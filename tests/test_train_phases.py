@@ -9,6 +9,7 @@ into one index per slice (and one holding everything for the offline run), so ev
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -35,6 +36,7 @@ from draftsmith.train import (
     train_final,
     train_phase,
 )
+from extraction import rewrite_index_chunk
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,11 +91,11 @@ def stream_setup(tmp_path_factory):
             (folder / "shard-0").mkdir(parents=True, exist_ok=True)
             cat = lambda key: torch.cat([samples[r][key] for r in part])  # noqa: E731
             lengths = [samples[r]["input_ids"].numel() for r in part]
-            write_chunk(folder / path, features=cat("features"), lengths=lengths, sample_index=part,
-                        input_ids=cat("input_ids"), loss_mask=cat("loss_mask"), storage_dtype=storage,
-                        target_token=cat("target_token"), num_layers=len(LAYERS))
-            chunks.append({"path": path, "shard": 0, "num_samples": len(part), "num_tokens": sum(lengths),
-                           "bytes": (folder / path).stat().st_size, "rows": part})
+            digest = write_chunk(folder / path, features=cat("features"), lengths=lengths, sample_index=part,
+                                 input_ids=cat("input_ids"), loss_mask=cat("loss_mask"), storage_dtype=storage,
+                                 target_token=cat("target_token"), num_layers=len(LAYERS))
+            chunks.append({"path": path, "shard": 0, "sha256": digest, "num_samples": len(part),
+                           "num_tokens": sum(lengths), "bytes": (folder / path).stat().st_size, "rows": part})
         write_index(folder / "index.json", index_document({
             "chunks": chunks, "num_samples": len(rows), "num_tokens": sum(c["num_tokens"] for c in chunks),
             "layer_ids": LAYERS, "layer_semantics": LAYER_SEMANTICS, "hidden_size": target.config.hidden_size,
@@ -148,7 +150,11 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
+    assert_same_weights_as(weights(a), b)
+
+
+def assert_same_weights_as(wa: dict[str, torch.Tensor], b: Path) -> None:
+    wb = weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
@@ -238,6 +244,43 @@ def test_reused_slices_run_and_a_stopped_phase_resumes_to_the_same_weights(strea
     state = finish(stream_setup, settings, cut)
     assert state["heldout"] is None and state["steps"] == plan.total_steps
     assert_same_weights(whole, cut)
+
+
+def test_a_rerun_phase_trains_again_and_a_changed_slice_is_not_resumed(stream_setup, tmp_path, caplog):
+    """Issue 33 item 6, stream mode. A finished phase whose marker is gone (Snakemake removes it to rerun the phase:
+    --forcerun) trains its steps again from the previous phase's end, not from its own end checkpoint, and the run
+    ends with the same weights bit for bit. A phase whose slice holds other values with the same counts (here its
+    marker still in place) does not resume the checkpoints trained on the old slice: it trains again, and the run
+    ends with other weights."""
+    caplog.set_level(logging.INFO, logger="draftsmith.train")
+    settings = phase_settings(dict(TRAIN, epochs=2, save_every=1, keep_checkpoints=2, eval_fraction=0.0),
+                              slices=2, reuse=2)
+    plan, _ = stream_plan(stream_setup, settings)
+    first, end = plan.phases[1].first_step, plan.phases[1].end_step
+    out = tmp_path / "run"
+    run_phases(stream_setup, settings, out)
+    finish(stream_setup, settings, out)
+    before = weights(out)
+
+    caplog.clear()
+    (out / "phases" / "phase-1.json").unlink()
+    again = run_phases(stream_setup, settings, out, phases=[1])[0]
+    assert again["resumed_from_step"] == first and again["last_train"]["step"] == end
+    assert f"previous phase 1 finished at step {end} and its output ../../phases/phase-1.json is gone" in caplog.text
+    assert "starting fresh" in caplog.text and "verified the sha256 of the chunk files of" in caplog.text
+    finish(stream_setup, settings, out)
+    assert_same_weights_as(before, out)
+
+    # slice 1 with another loss mask in its first chunk (same samples, same counts); phase 1's marker in place
+    slice1 = stream_setup["index_of"](list(plan.phases[1].samples), f"{out.name}-slice-1")
+    rewrite_index_chunk(slice1, 0, lambda t: dict(t, loss_mask=torch.ones_like(t["loss_mask"])))
+    caplog.clear()
+    changed = run_phases(stream_setup, settings, out, phases=[1])[0]
+    assert changed["resumed_from_step"] == first and changed["features_sha256"] != again["features_sha256"]
+    assert "descends from another start or slice content" in caplog.text
+    finish(stream_setup, settings, out)
+    after = weights(out)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
 # ------------------------------------------------------------------------------------------------------------

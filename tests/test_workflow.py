@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
 from workflow import (
@@ -211,6 +212,53 @@ def test_failed_job_stops_the_dag_and_its_log_holds_the_traceback(workflow, tmp_
     assert "Traceback (most recent call last)" in log and message in log
     assert message in proc.stdout + proc.stderr
     assert not (work / "results" / "curated" / "train.parquet").exists()
+
+
+def test_changed_features_with_the_same_counts_and_forcerun_train_train_new_weights(workflow, tmp_path):
+    """Issue 33 item 6 on the tiny DAG (up to train, in its own copy). Shard 0's first chunk rewritten with the
+    features negated (same samples, same counts; its manifest entry updated as extract writes it): Snakemake reruns
+    merge and train, and train starts a fresh run with other weights instead of handing back the finished
+    checkpoint. Then ``--forcerun train``: the weights file is written again by a run from step 0 (the log says
+    the previous run finished and it starts fresh), bit for bit the weights of the run it replaces (on the CPU)."""
+    from safetensors.torch import load_file
+
+    from extraction import rewrite_chunk
+
+    work = copy_workflow(tmp_path / "workflow")
+    shutil.copy2(workflow / "config.yaml", work / "config.yaml")
+    weights, log = work / "results/drafter/trained/model.safetensors", work / "logs/train/train.log"
+    proc = snakemake(work, str(weights.relative_to(work)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    w0 = load_file(str(weights))
+
+    manifest_path = work / "results/features/shard-0/manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest["chunks"][0]
+    chunk = manifest_path.parent / entry["file"]
+    entry["sha256"] = rewrite_chunk(chunk, lambda t: dict(t, hidden_states=-t["hidden_states"]),
+                                    manifest["storage_dtype"])
+    assert chunk.stat().st_size == entry["bytes"]
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    proc = snakemake(work, str(weights.relative_to(work)))
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-6000:]
+    assert "rule merge:" in console and "rule train:" in console
+    state = json.loads((weights.parent / "trainer_state.json").read_text())
+    assert state["resumed_from_step"] == 0 and "starting fresh" in log.read_text()
+    assert len(list((work / "results/drafter/checkpoints").glob("run-*"))) == 2
+    w1 = load_file(str(weights))
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+
+    before = weights.stat().st_mtime_ns
+    proc = snakemake(work, "--forcerun", "train", str(weights.relative_to(work)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    text = log.read_text()
+    assert (f"previous run finished at step {state['steps']} and its output ../../trained/trainer_state.json is "
+            "gone" in text and "starting fresh" in text)
+    assert json.loads((weights.parent / "trainer_state.json").read_text())["resumed_from_step"] == 0
+    assert weights.stat().st_mtime_ns != before
+    w2 = load_file(str(weights))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_moving_the_project_folder_reruns_nothing(finished_run, tmp_path):

@@ -19,14 +19,18 @@ tokens; optimizer step ``s`` of rank ``r`` takes row ``(s_e * accum + m) * world
 (seed, epoch, row). So a resumed run replays exactly the batches an uninterrupted one would see, and "data
 position" is the step counter. Stream mode cuts the same plan into phases (:class:`StreamPlan`).
 
-Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder per configuration):
+Checkpoints (``<out>/checkpoints/run-<fingerprint>/step-XXXXXXXX/``, one folder per configuration and, offline,
+features' content: :func:`run_fingerprint`):
 ``model.safetensors`` (drafter weights), ``optimizer.safetensors``
 (AdamW moments and step counts), ``rng.safetensors`` (torch CPU / CUDA generator states), ``state.json`` (step,
 epoch, scheduler, data position, run fingerprint, sha256 of the other files; written last). A folder is
 assembled under a temporary name and renamed into place, then ``latest.json`` is replaced atomically; resume
 verifies the hashes, so a half-written checkpoint is never accepted. In stream mode every phase of a run shares the
 folder; a phase's checkpoints also record the phase and the ``state.json`` sha256 of the checkpoint it started from
-(``"phase"``), and its marker ``<out>/phases/phase-{p}.json`` (:data:`PHASE_FORMAT`) names its last checkpoint.
+(``"phase"``) and the digest of its slice's chunks, and its marker ``<out>/phases/phase-{p}.json``
+(:data:`PHASE_FORMAT`) names its last checkpoint. A finished run or phase records its output in
+``finished-<run|phase-p>.json`` beside its checkpoints; once that output is gone (Snakemake reruns the job) it starts
+fresh instead of resuming (:mod:`.checkpoint`).
 """
 
 from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, pack_rows, seed_of, split_samples

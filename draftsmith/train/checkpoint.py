@@ -1,9 +1,16 @@
-"""Checkpoints: the run fingerprint that names their folder, atomic writes, verified reads, resume.
+"""Checkpoints: the run fingerprint that names their folder, atomic writes, verified reads, resume, and the record of
+a finished run.
 
 A checkpoint is ``<out>/checkpoints/run-<fingerprint[:12]>/step-XXXXXXXX/`` (the layout is described in
 :mod:`draftsmith.train`): :func:`save_checkpoint` assembles it under a temporary name, fsyncs and renames it into
 place, then replaces ``latest.json``; :func:`load_latest_checkpoint` returns the newest one whose files match their
 recorded sha256; :func:`resume` loads its weights, optimizer state and RNG states into a run.
+
+A run (or a stream-mode phase) that wrote its output records it in ``finished-<name>.json`` beside its checkpoints
+(:func:`mark_finished`). Its checkpoints are points to resume from only while that output is in place: Snakemake
+removes a job's outputs before it runs the job, so a finished run whose output is gone is being rerun (``--forcerun``,
+or an input that changed without changing the fingerprint) and starts fresh (:func:`read_finished`,
+:func:`remove_checkpoints`); an interrupted run has no record and resumes.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.features import index_content_sha256
 from draftsmith.io import DiskFullError, disk_full, is_disk_full, read_json, sha256_file, write_json
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
@@ -26,6 +34,7 @@ from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
 log = logging.getLogger("draftsmith.train")
 
 CHECKPOINT_FORMAT = "draftsmith.checkpoint/1"
+FINISHED_FORMAT = "draftsmith.finished/1"
 
 
 #: The index metadata every slice of a stream-mode run shares (a slice's sample and token counts are its own).
@@ -39,9 +48,16 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     ``world``), the features' identity and the world size.
 
     Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
-    target and tokenizer fingerprints and storage dtype. In stream mode it is :data:`SHARED_FEATURE_KEYS` only, and
-    ``plan_identity`` (the ``stream`` keys and a hash of the tokenized rows' lengths: what decides the global plan)
-    joins the payload, so every phase of a run has the same fingerprint, whatever its slice holds."""
+    target and tokenizer fingerprints, storage dtype and content: the digest of its chunk files' sha256
+    (:func:`draftsmith.features.index_content_sha256`), so features rewritten with the same counts are another run.
+    In stream mode it is :data:`SHARED_FEATURE_KEYS` only, and ``plan_identity`` (the ``stream`` keys and a hash of
+    the tokenized rows' lengths: what decides the global plan) joins the payload, so every phase of a run has the
+    same fingerprint, whatever its slice holds (a phase's checkpoints record its slice's content instead:
+    :func:`draftsmith.train.phases.resume_phase`).
+
+    Raises:
+        ValueError: offline, a chunk of the index without a sha256.
+    """
     keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
     payload = {
         "drafter": drafter_config,
@@ -51,6 +67,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     }
     if plan_identity is not None:
         payload["plan"] = plan_identity
+    else:
+        payload["features"]["content_sha256"] = index_content_sha256(index_meta)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -220,7 +238,8 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
            device: torch.device, total_steps: int) -> tuple[int, list, dict]:
     """Load the newest valid checkpoint of this run (weights, optimizer, RNG); ``(start step, eval history, its
     state.json)`` (the state carries what the run measured up to it: ``last_train``, ``memory_by_phase_gib``),
-    ``(0, [], {})`` when there is none.
+    ``(0, [], {})`` when there is none. The caller removes the checkpoints of a finished run that is rerun first
+    (:func:`read_finished`).
 
     Raises:
         ValueError: the checkpoint's fingerprint is not the folder's (edited by hand).
@@ -230,5 +249,63 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
         return 0, [], {}
     path, state = found
     step, history = restore(path, state, fingerprint, model, optimizer, device)
-    log.info("resumed from %s (step %d of %d)", path, step, total_steps)
+    if step < total_steps:
+        log.info("resuming interrupted run from step %d of %d (%s)", step, total_steps, path)
     return step, history, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finished runs
+
+
+def finished_path(ckpt_dir: Path, name: str) -> Path:
+    """Where the record of a finished ``name`` lives: ``ckpt_dir/finished-<name>.json``."""
+    return ckpt_dir / f"finished-{name}.json"
+
+
+def mark_finished(ckpt_dir: Path, name: str, checkpoint: Path, output: Path) -> None:
+    """Record (atomically, :data:`FINISHED_FORMAT`) that ``name`` (``"run"``, ``"phase-<p>"``) finished: the
+    checkpoint it ended with (folder name, ``state.json`` sha256) and the output it wrote last (its path relative to
+    ``ckpt_dir`` and its sha256). Written after the output."""
+    write_json(finished_path(ckpt_dir, name), {
+        "format": FINISHED_FORMAT, "name": name, "checkpoint": checkpoint.name,
+        "step": int(read_json(checkpoint / "state.json")["step"]), "state_sha256": state_sha256(checkpoint),
+        "output": os.path.relpath(output, ckpt_dir), "output_sha256": sha256_file(output)})
+
+
+def read_finished(ckpt_dir: Path, name: str) -> tuple[dict | None, bool]:
+    """``(the record of a finished name or None, whether its output is in place)``: in place when the file it
+    names exists with the recorded sha256. A record whose output is gone or another file means the job is rerun
+    (Snakemake removes a job's outputs before running it); an unreadable record counts as one whose output is gone.
+    """
+    path = finished_path(ckpt_dir, name)
+    if not path.is_file():
+        return None, False
+    try:
+        record = read_json(path)
+        output = ckpt_dir / record["output"]
+        return record, output.is_file() and sha256_file(output) == record["output_sha256"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s is unreadable: taken as a finished run whose output is gone", path)
+        return {"step": "?", "output": "?"}, False
+
+
+def remove_checkpoints(ckpt_dir: Path, name: str, steps: Collection[int] | None = None) -> list[int]:
+    """Remove the checkpoints of a finished ``name`` that is rerun: the step folders at ``steps`` (None: all),
+    ``latest.json`` when it names one of them, then the record (last: a kill in between leaves the record, so the
+    next start removes the rest). Returns the steps removed."""
+    removed = []
+    latest = ckpt_dir / "latest.json"
+    for step, path in checkpoint_steps(ckpt_dir).items():
+        if steps is None or step in steps:
+            if latest.is_file():
+                try:
+                    if read_json(latest).get("path") == path.name:
+                        latest.unlink()
+                except ValueError:
+                    latest.unlink()
+            shutil.rmtree(path)
+            removed.append(step)
+    fsync_dir(ckpt_dir)
+    finished_path(ckpt_dir, name).unlink(missing_ok=True)
+    return removed

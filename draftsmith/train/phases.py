@@ -10,8 +10,10 @@ and writes its marker (:data:`PHASE_FORMAT`, the rule's output). The end of the 
 computes the final held-out metrics and writes ``trained/`` as offline training does.
 
 Checkpoints of a phase record where they come from (``state.json`` ``"phase"``: the phase, its steps, the sha256 of
-the ``state.json`` it started from), so a rerun of a phase never resumes from checkpoints a previous run of it left
-that descend from another start.
+the ``state.json`` it started from and the digest of its slice's chunk files), so a rerun of a phase never resumes
+from checkpoints a previous run of it left that descend from another start or were trained on other features. A
+finished phase records its marker (:func:`~draftsmith.train.checkpoint.mark_finished`); when Snakemake reruns it (the
+marker is gone: ``--forcerun``) it trains again from its first step, while a killed phase (no record) resumes.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any
 
 from draftsmith.batch_plan import Phase, StreamPlan
 from draftsmith.drafter_config import drafter_config_dict
-from draftsmith.features import FeatureIndex
+from draftsmith.features import FeatureIndex, index_content_sha256
 from draftsmith.io import read_json, write_json
 from draftsmith.train.checkpoint import (
     checkpoint_steps,
+    mark_finished,
     restore,
     run_fingerprint,
     state_sha256,
@@ -52,9 +55,11 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
                 threads: int | None = None, stop_after_steps: int | None = None) -> dict[str, Any]:
     """Train phase ``phase`` of a stream-mode run: steps ``[first_step, end_step)`` of the global plan.
 
-    Resumes from the newest checkpoint of this phase in ``[first_step, end_step]`` (a killed phase; at ``end_step``
-    nothing is left to train) or else the checkpoint at ``first_step`` (the previous phase's end; none for phase 0's
-    step 0); checkpoints at ``end_step``; keeps the checkpoints at the first steps of this and the previous phase out
+    Resumes from the newest checkpoint of this phase in ``[first_step, end_step]`` trained on this slice's content
+    (a killed phase; at ``end_step`` nothing is left to train) or else the checkpoint at ``first_step`` (the previous
+    phase's end; none for phase 0's step 0), after verifying the slice's chunk sha256; a finished phase whose marker
+    is gone (Snakemake reruns it) removes its checkpoints after ``first_step`` and trains again; checkpoints at
+    ``end_step``; keeps the checkpoints at the first steps of this and the previous phase out
     of ``train.keep_checkpoints``' pruning (a rerun of this phase starts from the first); writes the marker.
 
     Args:
@@ -79,8 +84,9 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
     Raises:
         ValueError: the world size is not ``train.gpus``' (the plan is cut for it); the phase does not exist or
             differs from ``expected``; the slice or held-out index lacks a sample the phase reads (or its length
-            differs from the tokenized row's); the previous marker is of another run fingerprint or ends elsewhere;
-            no checkpoint at ``first_step`` (or not the one the previous marker names); the plan is impossible.
+            differs from the tokenized row's); a slice chunk without a sha256 or whose file does not match it; the
+            previous marker is of another run fingerprint or ends elsewhere; no checkpoint at ``first_step`` (or not
+            the one the previous marker names); the plan is impossible.
     """
     t_start = time.time()
     cfg = settings.train
@@ -105,14 +111,18 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
     fingerprint = run_fingerprint(drafter_config_dict(run.config), cfg, data.features.meta, world,
                                   data.plan_identity)
     run.use_checkpoints(fingerprint)
-    start_step, start_sha, resumed = resume_phase(run, data.plan, current, prev, previous)
+    content = index_content_sha256(index.meta, index.path)
+    run.restart_finished(f"phase-{phase}", steps=range(current.first_step + 1, current.end_step + 1))
+    start_step, start_sha, resumed = resume_phase(run, data.plan, current, prev, previous, content)
+    if start_step == current.first_step < current.end_step:
+        run.verify_features(index)
     run.start(start_step, f"phase {phase} of {len(data.plan.phases)}: steps {current.first_step}.."
                           f"{current.end_step - 1}")
 
     # -- the loop over the phase's steps; checkpoints record their lineage; the phase boundaries are kept
     end_step = current.end_step if stop_after_steps is None else min(current.end_step, stop_after_steps)
     lineage = {"index": phase, "first_step": current.first_step, "end_step": current.end_step,
-               "start_state_sha256": start_sha}
+               "start_state_sha256": start_sha, "features_sha256": content}
     protect = {current.first_step} | ({data.plan.phases[phase - 1].first_step} if phase > 0 else set())
     try:
         if start_step < end_step:
@@ -138,6 +148,7 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
             "checkpoint": {"path": ckpt.relative_to(run.out_dir).as_posix(), "step": current.end_step,
                            "state_sha256": state_sha256(ckpt)},
             "fingerprint": fingerprint, "stream": settings.stream.to_dict(), "features": data.features.meta,
+            "features_sha256": content,
             "labels": "target" if data.use_target_tokens else "data", "world_size": world, "device": str(device),
             "resumed_from_step": start_step, "last_train": run.last, "heldout": run.evals[-1] if run.evals else None,
             "rates": {k: run.last[k] for k in ("tokens_per_s", "window_tokens_per_s", "model_tflops_per_gpu")
@@ -150,6 +161,7 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
             path = Path(marker_path) if marker_path else run.out_dir / "phases" / f"phase-{phase}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, marker)
+            mark_finished(run.ckpt_dir, f"phase-{phase}", ckpt, path)
             log.info("phase %d done: steps %d..%d, checkpoint %s; marker %s", phase, current.first_step,
                      current.end_step - 1, ckpt, path)
         barrier()
@@ -324,11 +336,12 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def resume_phase(run: Trainer, plan: StreamPlan, phase: Phase, prev: dict | None,
-                 prev_path: str | os.PathLike | None) -> tuple[int, str | None, dict]:
+                 prev_path: str | os.PathLike | None, features_sha256: str) -> tuple[int, str | None, dict]:
     """Load the checkpoint phase ``phase`` starts from into ``run`` (weights, optimizer, RNG, history).
 
     The newest checkpoint of this run in ``(first_step, end_step]`` that descends from the checkpoint at
-    ``first_step`` (its ``"phase"`` record: this phase, the same start), else the checkpoint at ``first_step``
+    ``first_step`` and was trained on the same slice (its ``"phase"`` record: this phase, the same start, the same
+    ``features_sha256``, :func:`~draftsmith.features.index_content_sha256`), else the checkpoint at ``first_step``
     (phase 0 at step 0: none, a fresh start). ``prev``, the previous phase's marker, must be of this run, end at
     ``first_step`` and name the checkpoint there.
 
@@ -367,19 +380,23 @@ def resume_phase(run: Trainer, plan: StreamPlan, phase: Phase, prev: dict | None
             origin = read_json(found[step] / "state.json").get("phase") or {}
         except (FileNotFoundError, ValueError):
             continue
-        if (origin.get("index"), origin.get("start_state_sha256")) != (p, start_sha):
-            log.info("phase %d: %s descends from another start (an earlier run of the phases); not resumed", p,
-                     found[step])
+        if (origin.get("index"), origin.get("start_state_sha256"), origin.get("features_sha256")) != (
+                p, start_sha, features_sha256):
+            log.info("phase %d: %s descends from another start or slice content (an earlier run of the phases); "
+                     "not resumed", p, found[step])
             continue
         state = verify_checkpoint(found[step])
         if state is not None:
             chosen = (found[step], state)
             break
     if chosen is None:
+        log.info("phase %d: starting fresh at step 0", p)
         return 0, None, {}
     step, run.history = restore(chosen[0], chosen[1], run.fingerprint, run.model, run.optimizer, run.device)
-    log.info("phase %d: resumed from %s (step %d; the phase trains steps %d..%d of %d)", p, chosen[0], step, first,
-             end - 1, plan.total_steps)
+    how = (f"starting from phase {p - 1}'s end checkpoint" if step == first
+           else "resuming interrupted phase from" if step < end else "its end checkpoint is there:")
+    log.info("phase %d: %s %s (step %d; the phase trains steps %d..%d of %d)", p, how, chosen[0], step, first, end - 1,
+             plan.total_steps)
     return step, start_sha, chosen[1]
 
 

@@ -23,13 +23,22 @@ import torch
 
 from draftsmith.batch_plan import pack_rows, seed_of
 from draftsmith.drafter_config import default_loss_gamma, drafter_config_dict
+from draftsmith.features import FeatureIndex, verify_chunk_sha256
 from draftsmith.flops import step_flops
 from draftsmith.io import write_json
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.progress import progress
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_weight
-from draftsmith.train.checkpoint import checkpoint_steps, resume, run_fingerprint, save_checkpoint
+from draftsmith.train.checkpoint import (
+    checkpoint_steps,
+    mark_finished,
+    read_finished,
+    remove_checkpoints,
+    resume,
+    run_fingerprint,
+    save_checkpoint,
+)
 from draftsmith.train.distributed import Dist, all_reduce_sum, barrier, prepare_step, setup_device
 from draftsmith.train.metrics import (
     Metrics,
@@ -57,6 +66,11 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
           stop_after_steps: int | None = None) -> dict[str, Any]:
     """Train a DFlash drafter; resume automatically from ``<out_dir>/checkpoints``.
 
+    The checkpoint folder is the run fingerprint's (settings and the features' content,
+    :func:`~draftsmith.train.checkpoint.run_fingerprint`). An interrupted run resumes from its newest checkpoint; a
+    finished run whose ``trained/trainer_state.json`` is gone (Snakemake removed it to rerun train) starts fresh;
+    a fresh start first verifies every chunk file against the sha256 the index records.
+
     Writes ``<out_dir>/trained/{model.safetensors, config.json, trainer_state.json}`` (trainer_state last),
     checkpoints under ``<out_dir>/checkpoints/``, TensorBoard scalars under ``<out_dir>/tensorboard/``.
 
@@ -77,8 +91,9 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         when ``stop_after_steps`` stopped the run early.
 
     Raises:
-        ValueError: inconsistent features / config (named), too few samples for one optimizer step, or a
-            checkpoint from a different configuration in ``checkpoints/``.
+        ValueError: inconsistent features / config (named), too few samples for one optimizer step, a checkpoint
+            from a different configuration in ``checkpoints/``, or (starting fresh) a chunk file whose sha256 is not
+            the index's.
         NonFiniteError: a step's loss or gradient norm is not finite (:meth:`Trainer.check_finite`: the step and
             its rows named; the newest checkpoint is the last good state).
     """
@@ -90,12 +105,21 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # -- model: the frozen target embedding and head, the drafter, AdamW
     run = Trainer(data, target_dir, out_dir, settings, device, ranks)
 
-    # -- resume: one checkpoint folder per run fingerprint. A rerun with the same configuration resumes; a changed
-    # one (Snakemake reruns train when its params change) starts fresh and leaves the other run's checkpoints alone
+    # -- resume: one checkpoint folder per run fingerprint (settings and the features' content). A changed
+    # configuration or dataset starts fresh and leaves the other run's checkpoints alone; the same one resumes when
+    # it was interrupted, and starts fresh when it finished and Snakemake reruns it (its output is gone)
     run.use_checkpoints(run_fingerprint(drafter_config_dict(run.config), settings.train, data.index.meta,
                                         ranks.world))
+    finished = run.restart_finished("run")
     start_step, run.history, resumed = resume(run.ckpt_dir, run.fingerprint, run.model, run.optimizer, device,
                                               run.total_steps)
+    if start_step == 0:
+        if ranks.main:
+            log.info("run %s: starting fresh", run.ckpt_dir)
+        run.verify_features(data.index)
+    elif ranks.main and start_step == run.total_steps:
+        log.info("%s at step %d%s: nothing left to train; writing trained/ again", "previous run finished" if finished
+                 else "resuming interrupted run", start_step, " and its output is in place" if finished else "")
     run.start(start_step, f"{data.plan.steps_per_epoch[0]} per epoch")
     run.restore_measurements(resumed)
 
@@ -105,7 +129,11 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
         run.train_steps(start_step, end_step)
         if end_step < run.total_steps:  # stopped early on purpose (tests): checkpoint written, no final outputs
             return {"stopped_at": end_step, "total_steps": run.total_steps}
-        return run.final_outputs(t_start, resumed_from_step=start_step)
+        state = run.final_outputs(t_start, resumed_from_step=start_step)
+        if ranks.main:  # after trained/: its checkpoints are no point to resume from once trained/ is gone
+            mark_finished(run.ckpt_dir, "run", run.ckpt_dir / f"step-{run.total_steps:08d}",
+                          run.out_dir / "trained" / "trainer_state.json")
+        return state
     finally:
         run.close()
 
@@ -164,6 +192,35 @@ class Trainer:
         if others and self.ranks.main:
             log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s", parent,
                      ", ".join(others))
+
+    def restart_finished(self, name: str, steps: Collection[int] | None = None) -> bool:
+        """Start ``name`` (``"run"``, ``"phase-<p>"``) afresh when it finished and is rerun: its record
+        (:func:`~draftsmith.train.checkpoint.read_finished`) names an output that is gone, and Snakemake removes a
+        job's outputs before running it (``--forcerun``; or an input that changed without changing the run
+        fingerprint), so its final checkpoint is no point to resume from: rank 0 removes its checkpoints at
+        ``steps`` (None: all) and the record. Every rank reads the record before any removes it. An interrupted
+        run has no record and resumes. Returns whether it finished with its output still in place (a direct call
+        on a finished run: nothing to train)."""
+        record, in_place = read_finished(self.ckpt_dir, name)
+        barrier()
+        if record is not None and not in_place and self.ranks.main:
+            removed = remove_checkpoints(self.ckpt_dir, name, steps)
+            log.info("previous %s finished at step %s and its output %s is gone (Snakemake removes a rule's outputs "
+                     "before rerunning it); starting fresh (removed its checkpoints at steps %s)",
+                     name.replace("-", " "), record.get("step"), record.get("output"), removed or "none")
+        barrier()
+        return record is not None and in_place
+
+    def verify_features(self, index: FeatureIndex) -> None:
+        """Before a fresh start: this rank's share of ``index``'s chunk files against the sha256 the index records,
+        on torch's CPU threads (:func:`~draftsmith.features.verify_chunk_sha256`; raises its ValueError)."""
+        t0 = time.time()
+        nbytes = verify_chunk_sha256(index, threads=torch.get_num_threads(),
+                                     share=(self.ranks.rank, self.ranks.world))
+        seconds = time.time() - t0
+        if self.ranks.main:
+            log.info("verified the sha256 of the chunk files of %s before training on them (rank 0's share: %.2f GB "
+                     "in %.1f s, %.2f GB/s)", index.path, nbytes / 1e9, seconds, nbytes / 1e9 / max(seconds, 1e-9))
 
     def start(self, start_step: int, steps_note: str) -> None:
         """Log the drafter, wrap the step's module (DDP across ranks, compiled layers on a GPU), make the batch
