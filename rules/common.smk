@@ -96,9 +96,11 @@ def target_tokenizer_files(wildcards=None):
 
 # Settings checked against the target before any GPU hour (draftsmith/target_checks.py: its config.json and tokenizer
 # files read as JSON): here, when the workflow is planned, if its folder exists (a local target, or an embedded one
-# an earlier run materialised); otherwise the first rules that read it (disk_plan, tokenize) check it before anything
-# else, and before any GPU rule.
-if os.path.isdir(target_dir()):
+# an earlier run materialised: its config.json is there); otherwise the first rules that read it (disk_plan,
+# tokenize) check it before anything else, and before any GPU rule.
+if os.path.isdir(target_dir()) and (
+    not config["target"]["model"].startswith(EMBEDDED) or os.path.isfile(os.path.join(target_dir(), "config.json"))
+):
     for warning in check_target_settings(config, target_dir()):
         logger.warning(f"!!! {warning}")
 else:

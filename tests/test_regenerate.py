@@ -154,8 +154,8 @@ def test_tokenize_trains_on_exactly_the_generated_ids(tmp_path, model, tok, stop
     regen = Regenerator(model, tok, shard_settings(max_new_tokens=12, batch_size=3), stop)
     given = []  # the prompts the engine ran
     engine_generate = regen.engine.generate
-    regen.engine.generate = lambda prompts, on_done=None: (given.extend(map(list, prompts)),
-                                                           engine_generate(prompts, on_done))[1]
+    regen.engine.generate = lambda prompts, on_done=None, on_step=None: (
+        given.extend(map(list, prompts)), engine_generate(prompts, on_done, on_step))[1]
     src = _write(tmp_path / "curated.parquet", json.loads(json.dumps(CONVERSATIONS)))
     report = regenerate_file(src, tmp_path / "regenerated.parquet", regen, target_key="tiny", chunk_size=8)
     records = pq.read_table(tmp_path / "regenerated.parquet").to_pylist()
