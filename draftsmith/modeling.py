@@ -50,8 +50,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.drafter_config import (
+    DFlashConfig,
     draft_value,
     drafter_config_dict,
+    drafter_config_from_dict,
     layer_is_causal,
     layer_window,
 )
@@ -602,13 +604,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         block_size: B, tokens per draft block (anchor included).
         mask_token_id: id whose (target) embedding fills slots 1..B-1.
         target_layer_ids: tapped target layers, id i = HF ``output_hidden_states[i + 1]``.
-        config: the ``Qwen3Config`` with ``dflash_config``.
+        config: the :class:`~draftsmith.drafter_config.DFlashConfig`.
     """
 
-    config_class = Qwen3Config
+    config_class = DFlashConfig
     _no_split_modules = ["DFlashDecoderLayer"]
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DFlashConfig):
         super().__init__(config)
         layer_ids = draft_value(config, "target_layer_ids")
         if layer_ids is None:
@@ -820,8 +822,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: the config is not a DFlash drafter config or lacks ``target_layer_ids`` /
-                ``mask_token_id``; the weights miss a tensor, have an extra one or a wrong shape (names listed).
+            ValueError: the config is not a drafter config of this class (``architectures``) or lacks
+                ``target_layer_ids`` / ``mask_token_id``; the weights miss a tensor, have an extra one or a wrong
+                shape (names listed).
         """
         folder = Path(folder)
         cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
@@ -835,8 +838,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for key in ("target_layer_ids", "mask_token_id"):
             if dflash.get(key, raw.get(key)) is None:
                 raise ValueError(f"{cfg_path}: dflash_config.{key} is missing; a drafter must state it explicitly")
-        config = Qwen3Config.from_dict(raw)
-        config.is_causal = raw.get("is_causal")
+        try:
+            config = drafter_config_from_dict(raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{cfg_path}: {exc}") from None
+        if cls.config_class is not type(config):
+            raise ValueError(f"{cfg_path}: architectures {raw.get('architectures')} is not a {cls.__name__} "
+                             f"(load it with {config.ARCHITECTURE})")
         model = cls(config)
         with safe_open(str(w_path), framework="pt") as fh:
             state = {k: fh.get_tensor(k) for k in fh.keys()}

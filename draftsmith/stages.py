@@ -100,7 +100,9 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                               "activation_checkpointing")},
         "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
                                "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
-                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                               "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
+                               "selector_top_k")},
         "stream": {"output": ("slices", "reuse", "heldout_samples")},
     },
     "train": {
@@ -113,7 +115,9 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                               "activation_checkpointing")},
         "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
                                "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
-                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta")},
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                               "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
+                               "selector_top_k")},
     },
     "export": {"drafter": {"output": ("export_dtype",)}},
     # before regeneration: an upper bound of the features against the free disk (checks only; never reruns)
