@@ -356,8 +356,10 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any = None,
-                past_key_values: Any = None) -> torch.Tensor:
-        """``[b, Q, H] -> [b, Q, H]``; see :meth:`DFlashAttention.forward` for the arguments."""
+                past_key_values: Any = None, block_len: int | None = None) -> torch.Tensor:
+        """``[b, Q, H] -> [b, Q, H]``; see :meth:`DFlashAttention.forward` for the arguments. ``block_len`` (tokens
+        per block of the stream) is not read here: the attention mask holds the block structure (DFlash2's
+        convolutions read it, :mod:`draftsmith.modeling_dflash2`)."""
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), target_hidden, position_embeddings,
                                        attention_mask, past_key_values)
@@ -517,16 +519,19 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     Forward walks the rows in chunks: float32 logits of the chunk, their log-sum-exp, CE and argmax, and the
     gradient of each row's CE with respect to its hidden state (``(softmax - onehot) * dz/dlogit @ W``), which
     is kept (``[N, H]``) so the backward is one scaling. The head is frozen, so no ``[V, H]`` gradient exists.
+    With ``top_k > 0`` it also returns each row's ``top_k`` largest logits and their ids (DFlash2's candidates).
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows):
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0):
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
+        top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
+        top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_rows):
                 y = labels[s:s + chunk_rows]
@@ -542,6 +547,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(z, dim=-1)
                 ce[s:s + chunk_rows] = lse - z.gather(1, y[:, None])[:, 0]
                 pred[s:s + chunk_rows] = z.argmax(-1)
+                if top_k:
+                    top_val[s:s + chunk_rows], top_idx[s:s + chunk_rows] = torch.topk(z, top_k, dim=-1, sorted=False)
                 if need_grad:
                     g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                     g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
@@ -551,13 +558,13 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+        ctx.mark_non_differentiable(pred, top_val, top_idx)
+        return ce, pred, top_val, top_idx
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
+    def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None
+        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
@@ -583,8 +590,21 @@ def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: 
         ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
     """
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    ce, pred, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                                    float(softcap) if softcap else None, rows)
+    return ce, pred
+
+
+def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, top_k: int, *,
+                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_cross_entropy` plus each row's ``top_k`` largest logits, from the same chunks (no second pass
+    through the head): ``(ce [N], pred [N], top_logits [N, top_k] float32, top_ids [N, top_k] int64)``; the
+    top-k are in ``torch.topk(sorted=False)`` order, as the official DFlash2 selector takes them, and carry no
+    gradient."""
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
     return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                          float(softcap) if softcap else None, rows)
+                                          float(softcap) if softcap else None, rows, int(top_k))
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -609,6 +629,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     config_class = DFlashConfig
     _no_split_modules = ["DFlashDecoderLayer"]
+    #: the decoder layer class (DFlash2 subclasses its layers)
+    LAYER_CLASS: type[nn.Module] = DFlashDecoderLayer
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
@@ -620,7 +642,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.block_size = int(draft_value(config, "block_size", 16))
         mask = draft_value(config, "mask_token_id")
         self.mask_token_id = None if mask is None else int(mask)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.LAYER_CLASS(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -634,8 +656,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def forward(self, position_ids: torch.LongTensor, attention_mask: Any = None,
                 noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool = False, **kwargs) -> torch.Tensor:
-        """Draft hidden states of a block.
+                past_key_values: Any = None, use_cache: bool = False, block_len: int | None = None,
+                **kwargs) -> torch.Tensor:
+        """Draft hidden states of a block (decode) or of the blocks of packed rows (training).
 
         Args:
             position_ids: ``[b, C + Q]`` int64 absolute positions of the new context features then the block.
@@ -644,6 +667,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             noise_embedding: ``[b, Q, H]`` target embedding of ``[anchor, mask x (Q - 1)]`` (x input scale).
             target_hidden: ``[b, C, n * H]`` raw target features at the new context positions.
             past_key_values: HF ``Cache`` holding earlier context K/V (crop it back after each step).
+            block_len: the stream is ``Q / block_len`` blocks of ``block_len`` tokens (training); ``None`` = one
+                block of ``Q`` tokens (decode). Passed to the layers (DFlash2's convolutions stay inside a block).
 
         Returns:
             ``[b, Q, H]`` final-normed hidden states (same dtype as ``noise_embedding``).
@@ -657,10 +682,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for layer in self.layers:
             if recompute:
                 hidden_states = torch.utils.checkpoint.checkpoint(
-                    layer, hidden_states, ctx, position_embeddings, attention_mask, past_key_values,
+                    layer, hidden_states, ctx, position_embeddings, attention_mask, past_key_values, block_len,
                     use_reentrant=False)
             else:
-                hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values)
+                hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values,
+                                      block_len)
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
@@ -736,7 +762,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         if masks is None:
             masks = self.attention_masks(batch, backend)
         hidden = self(position_ids=position_ids, attention_mask=masks, noise_embedding=noise,
-                      target_hidden=batch.features)
+                      target_hidden=batch.features, block_len=B)
         return hidden.view(R, A, B, -1)
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
