@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors import safe_open
 
 from draftsmith.drafter_config import (
     DFlash2Config,
@@ -13,7 +18,9 @@ from draftsmith.drafter_config import (
     drafter_config_dict,
     drafter_config_from_dict,
 )
-from tiny import tiny_config
+from draftsmith.modeling import DFlashDraftModel, PackedBatch
+from draftsmith.modeling_dflash2 import DFlash2DraftModel
+from tiny import tiny_config, tiny_target
 
 MASK = 3
 
@@ -70,3 +77,186 @@ def test_drafter_settings_default_to_dflash():
     assert s.drafter.architecture == "dflash"
     assert (s.drafter.conv_kernel_size, s.drafter.conv_group_size) == (2, 64)
     assert (s.drafter.selector_rank, s.drafter.selector_top_k) == (256, 16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# modeling: the official DFlash2DraftModel as the reference
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", initializer_range=0.1)
+
+
+def make_drafter2(target, *, block_size=4, seed=0, num_layers=2, top_k=5):
+    """A random DFlash2 drafter for ``target`` whose convolutions and selector are far from their (identity /
+    near-zero) initialisation, so that every new weight matters in comparisons."""
+    cfg = build_drafter_config(target.config, num_layers=num_layers, block_size=block_size, target_layer_ids=[1, 2],
+                               mask_token_id=MASK, architecture="dflash2", conv_group_size=16, selector_rank=8,
+                               selector_top_k=top_k)
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif "_conv." in name:
+                p.add_(0.3 * torch.randn_like(p))
+            elif "codebook" in name:
+                p.copy_(torch.randn_like(p))
+            elif "hidden_projection" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+def _block(target, anchors, width):
+    E = target.get_input_embeddings().weight.detach()
+    ids = torch.tensor([[a] + [MASK] * (width - 1) for a in anchors])
+    return F.embedding(ids, E)
+
+
+def test_official_dflash2_loads_our_folder_and_proposes_the_same_tokens(official, target, tmp_path):
+    ours = make_drafter2(target)
+    ours.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 5
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.1.attention_conv.base_kernel",
+            "layers.1.mlp_conv.kernel_projection.weight"} <= names
+    ref = official.DFlash2DraftModel.from_pretrained(str(tmp_path)).eval()
+    ref_state = ref.state_dict()
+    for k, v in ours.state_dict().items():  # every weight loaded (the codebooks under nn.Embedding's name)
+        assert torch.equal(ref_state.get(k, ref_state.get(k + ".weight")), v), k
+    anchors = [17, 230, 401]
+    noise = _block(target, anchors, 4)
+    ctx = torch.randn(3, 9, 128, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(13).expand(3, -1)
+    anchor_ids = torch.tensor(anchors)
+    with torch.no_grad():
+        a = ours(position_ids=pos, noise_embedding=noise, target_hidden=ctx)[:, 1:]
+        b = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx)[:, 1:]
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+        greedy = ours.propose(a, anchor_ids, target.lm_head, 0.0)
+        ref_greedy = ref.propose(b, anchor_ids, target.lm_head, 0.0)
+        assert greedy[0].tolist() == ref_greedy[0].tolist() and greedy[2] is None
+        assert torch.equal(greedy[1], ref_greedy[1])
+        # the selector matters here: its path is not the per-position argmax of the logits
+        assert greedy[0].tolist() != ours.compute_logits(a, target.lm_head).argmax(-1).tolist()
+        for seed in range(3):
+            torch.manual_seed(seed)
+            sampled = ours.propose(a, anchor_ids, target.lm_head, 0.8)
+            torch.manual_seed(seed)
+            ref_sampled = ref.propose(b, anchor_ids, target.lm_head, 0.8)
+            assert sampled[0].tolist() == ref_sampled[0].tolist(), seed
+            assert torch.allclose(sampled[2], ref_sampled[2], atol=1e-6)
+
+
+def test_official_dflash2_generate_with_our_drafter_is_lossless(official, target, tmp_path, monkeypatch):
+    monkeypatch.setattr(official, "_cuda_time", time.perf_counter)  # timing only; it assumes CUDA
+    make_drafter2(target, block_size=5).save_pretrained(tmp_path)
+    drafter = official.DFlash2DraftModel.from_pretrained(str(tmp_path)).eval()
+    prompt = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+    out = official.dflash_generate(drafter, target, prompt, 30, None, return_stats=True)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(30):
+            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.output_ids.tolist() == ids.tolist()
+    assert sum(out.acceptance_lengths) == 29
+
+
+def test_our_dflash2_loader_round_trips_and_refuses_the_other_architecture(target, tmp_path):
+    ours = make_drafter2(target)
+    ours.save_pretrained(tmp_path / "two")
+    back = DFlash2DraftModel.from_pretrained(tmp_path / "two")
+    assert type(back.config) is DFlash2Config
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    with pytest.raises(ValueError, match=r"DFlash2DraftModel.*not a DFlashDraftModel"):
+        DFlashDraftModel.from_pretrained(tmp_path / "two")
+
+
+def test_new_modules_start_as_identity_so_dflash2_starts_as_its_dflash_backbone(target):
+    cfg = build_drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+                               mask_token_id=MASK, architecture="dflash2", conv_group_size=16)
+    two = DFlash2DraftModel(cfg).eval()
+    one = DFlashDraftModel(build_drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+                                                mask_token_id=MASK)).eval()
+    one.load_state_dict({k: v for k, v in two.state_dict().items() if k in one.state_dict()})
+    noise = _block(target, [40, 41], 4)
+    ctx = torch.randn(2, 6, 128, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(10).expand(2, -1)
+    with torch.no_grad():
+        assert torch.equal(two(position_ids=pos, noise_embedding=noise, target_hidden=ctx),
+                           one(position_ids=pos, noise_embedding=noise, target_hidden=ctx))
+
+
+def packed_batch(seed=0, lengths=(11, 15, 9), anchors=(2, 9, 12, 20, 24, 27, 33)):
+    """A packed row of three documents with random features and all positions supervised."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(lengths)
+    docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(5, 500, (1, S), generator=g)
+    anchors = torch.tensor([list(anchors)])
+    return PackedBatch(torch.randn(1, S, 128, generator=g), ids, torch.ones(1, S, dtype=torch.bool), docs, pos,
+                       anchors, torch.ones_like(anchors, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_training_blocks_equal_the_decode_step(target, backend):
+    """Each training block's hidden states (convolutions inside the block only) == the decode forward on
+    [doc context < a, block]."""
+    model = make_drafter2(target)
+    E = target.get_input_embeddings().weight.detach()
+    batch = packed_batch()
+    with torch.no_grad():
+        h = model.block_hidden(batch, E, backend=backend)[0]
+        for j, a in enumerate(batch.anchors[0].tolist()):
+            doc = batch.doc_ids[0, a]
+            start = int((batch.doc_ids[0] == doc).nonzero()[0])
+            noise = _block(target, [batch.input_ids[0, a].item()], 4)
+            ref = model(position_ids=torch.arange(a - start + 4)[None], noise_embedding=noise,
+                        target_hidden=batch.features[:, start:a])
+            assert torch.allclose(h[j], ref[0], atol=2e-5, rtol=0), (j, (h[j] - ref[0]).abs().max())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# export
+# ------------------------------------------------------------------------------------------------------------
+
+def test_export_writes_dflash2_that_the_official_class_loads_and_drafts_alike(official, target, tmp_path):
+    """A DFlash2 drafter built by draftsmith, exported (float32) and loaded with the official DFlash2DraftModel:
+    both propose the same draft tokens on the same context, greedy and sampled."""
+    from draftsmith.export import ExportSettings, export_drafter
+
+    target.save_pretrained(tmp_path / "target")
+    make_drafter2(target, block_size=6).save_pretrained(tmp_path / "trained")
+    summary = export_drafter(tmp_path / "trained", tmp_path / "target", tmp_path / "final",
+                             ExportSettings.from_config(drafter={"export_dtype": "float32"}))
+    assert summary["architecture"] == "DFlash2DraftModel" and summary["readback_max_abs_diff"] == 0.0
+    cfg = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 6,
+                                    "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                                    "selector_top_k": 5}
+    ours = DFlash2DraftModel.from_pretrained(tmp_path / "trained", dtype=torch.float32)
+    ref = official.DFlash2DraftModel.from_pretrained(str(tmp_path / "final"), dtype=torch.float32).eval()
+    assert ref.block_size == 6 and ref.candidate_selector.top_k == 5
+    prompt = torch.randint(5, 500, (1, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+        ctx = torch.cat([out.hidden_states[i + 1] for i in (1, 2)], -1)
+        anchor = out.logits[:, -1].argmax(-1)
+        noise = _block(target, anchor.tolist(), 6)
+        pos = torch.arange(21)[None]
+        a = ours(position_ids=pos, noise_embedding=noise, target_hidden=ctx)[:, 1:]
+        b = ref(position_ids=pos, noise_embedding=noise, target_hidden=ctx)[:, 1:]
+        assert (ours.propose(a, anchor, target.lm_head, 0.0)[0].tolist()
+                == ref.propose(b, anchor, target.lm_head, 0.0)[0].tolist())
+        torch.manual_seed(7)
+        mine = ours.propose(a, anchor, target.lm_head, 1.0)[0]
+        torch.manual_seed(7)
+        assert mine.tolist() == ref.propose(b, anchor, target.lm_head, 1.0)[0].tolist()
