@@ -209,7 +209,7 @@ class DFlash2TrainOutput(DFlashTrainOutput):
     """:class:`~draftsmith.modeling.DFlashTrainOutput` plus the selector's statistics (teacher-forced).
 
     Attributes:
-        loss: ``DFlash loss + selector_weight * selector loss``.
+        loss: ``DFlash loss + selector_loss_weight * selector loss``.
         selector_loss: scalar float32, ``sum(CE_sel * w) / sum(w)`` over valid slots.
         selector_ce_sum: ``[B - 1]`` float32 selector CE summed per slot.
         selector_correct: ``[B - 1]`` int64 slots whose best-scored candidate (serving candidates: the gold token
@@ -233,6 +233,8 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, config: DFlash2Config):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
+        #: weight of the selector's loss in :meth:`training_forward` (``train.selector_loss_weight``)
+        self.selector_loss_weight = 1.0
         for layer in self.layers:  # post_init may have drawn the projections: start as the identity
             layer.attention_conv.reset_to_identity()
             layer.mlp_conv.reset_to_identity()
@@ -245,9 +247,9 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
                          gamma: float, use_target_tokens: bool = False, masks: dict | None = None,
-                         backend: str = "auto", logits_chunk_bytes: int = 1 << 30,
-                         selector_weight: float = 1.0) -> DFlash2TrainOutput:
-        """DFlash's loss (:meth:`DFlashDraftModel.training_forward`) plus ``selector_weight`` x the selector's.
+                         backend: str = "auto", logits_chunk_bytes: int = 1 << 30) -> DFlash2TrainOutput:
+        """DFlash's loss (:meth:`DFlashDraftModel.training_forward`) plus :attr:`selector_loss_weight` x the
+        selector's.
 
         Selector loss per valid slot k (label ``y_k``, predecessor ``y_{k-1}``, the anchor token for k = 1):
         candidates = the unary top-k of the slot's logits, ``y_k`` replacing the lowest one when missing;
@@ -295,7 +297,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         scores = self.candidate_selector.score(projected, prev, loss_idx, loss_val)
         sel_ce = torch.logsumexp(scores, -1) - scores[rows, inject]
         sel_loss = (sel_ce * w).sum() / weight_sum.clamp_min(1e-12)
-        total = loss + float(selector_weight) * sel_loss
+        total = loss + float(self.selector_loss_weight) * sel_loss
         with torch.no_grad():
             nslot = B - 1
             serving = self.candidate_selector.score(projected, prev, top_idx, top_val)

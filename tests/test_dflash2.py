@@ -260,3 +260,57 @@ def test_export_writes_dflash2_that_the_official_class_loads_and_drafts_alike(of
         mine = ours.propose(a, anchor, target.lm_head, 1.0)[0]
         torch.manual_seed(7)
         assert mine.tolist() == ref.propose(b, anchor, target.lm_head, 1.0)[0].tolist()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------------------------
+
+def _grads(model, out):
+    model.zero_grad(set_to_none=True)
+    out.loss.backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_selector_loss_trains_the_selector_only_and_the_backbone_sees_the_dflash_loss(target):
+    """Stop-gradient: the backbone's and convolutions' gradients are those of DFlash's loss whatever the selector
+    weight; the selector's come from its own loss only."""
+    model = make_drafter2(target)
+    model.train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch()
+    model.selector_loss_weight = 0.0
+    out0 = model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa")
+    g0 = _grads(model, out0)
+    model.selector_loss_weight = 1.0
+    out1 = model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa")
+    g1 = _grads(model, out1)
+    assert float(out1.loss.detach()) == pytest.approx(float(out0.loss.detach()) + float(out1.selector_loss), rel=1e-6)
+    selector = [n for n in g1 if n.startswith("candidate_selector.")]
+    assert len(selector) == 3
+    for n in g1:
+        if n in selector:
+            assert g0[n] is None or not g0[n].any(), n
+            assert g1[n] is not None and g1[n].abs().sum() > 0, n
+        else:
+            assert torch.equal(g0[n], g1[n]), n
+    assert any("_conv.kernel_projection" in n and g1[n].abs().sum() > 0 for n in g1)  # the convolutions learn
+
+
+def test_selector_loss_with_every_token_a_candidate_and_no_pair_term_is_the_cross_entropy(target):
+    """top_k = V (nothing injected) and zero codebooks: S = the logits, so the selector's CE per slot is DFlash's
+    CE, its accuracy the argmax accuracy, and every label is recalled."""
+    model = make_drafter2(target, top_k=512)
+    with torch.no_grad():
+        model.candidate_selector.predecessor_codebook.zero_()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    with torch.no_grad():
+        out = model.training_forward(packed_batch(), E, Hd, gamma=3.5, backend="sdpa")
+    assert torch.allclose(out.selector_ce_sum, out.ce_sum, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.selector_correct, out.correct) and torch.equal(out.candidate_recall, out.count)
+    # a small top-k misses labels: they are injected into the loss (finite), not counted as recalled
+    small = make_drafter2(target, top_k=2)
+    with torch.no_grad():
+        out2 = small.training_forward(packed_batch(), E, Hd, gamma=3.5, backend="sdpa")
+    assert (out2.candidate_recall < out2.count).any() and torch.isfinite(out2.selector_loss)
+    assert (out2.selector_correct <= out2.candidate_recall).all()

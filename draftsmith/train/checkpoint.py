@@ -36,16 +36,20 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
                     plan_identity: dict | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
-    ``world``), the features' identity and the world size.
+    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), the features' identity and the
+    world size.
 
     Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
     target and tokenizer fingerprints and storage dtype. In stream mode it is :data:`SHARED_FEATURE_KEYS` only, and
     ``plan_identity`` (the ``stream`` keys and a hash of the tokenized rows' lengths: what decides the global plan)
     joins the payload, so every phase of a run has the same fingerprint, whatever its slice holds."""
     keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
+    train = {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS}
+    if "DFlash2DraftModel" not in (drafter_config.get("architectures") or []):
+        train.pop("selector_loss_weight", None)  # no selector to weigh: a DFlash run keeps its fingerprint
     payload = {
         "drafter": drafter_config,
-        "train": {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS},
+        "train": train,
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }

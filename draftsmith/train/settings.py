@@ -41,6 +41,7 @@ class TrainOptions(SectionSettings):
     eval_fraction: float
     attention: str
     compile: bool
+    selector_loss_weight: float  # DFlash2 drafters only
     # runtime keys: how the run goes, not what it trains
     save_every: int
     eval_every: int
