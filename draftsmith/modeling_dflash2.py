@@ -174,8 +174,8 @@ class CandidateSelector(nn.Module):
                             self.successor_codebook[candidates])
         return unary.float() + pair.float()
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The draft path through the top-k candidates, position by position.
 
         Args:
@@ -183,6 +183,7 @@ class CandidateSelector(nn.Module):
             logits: ``[b, P, V]`` their logits (:meth:`DFlashDraftModel.compute_logits`).
             anchor_ids: ``[b]`` the block's first token (the predecessor of slot 1).
             temperature: 0 = argmax of ``S``; > 0 = sample from ``softmax(S / temperature)`` over the candidates.
+            generator: RNG of the samples (default: torch's global one, as the official code draws).
 
         Returns:
             ``(tokens [b, P] int64, candidates [b, P, k] int64, q [b, P, k] float32 or None)``: ``q`` is the
@@ -195,7 +196,7 @@ class CandidateSelector(nn.Module):
             scores = self.score(projected[:, t], predecessor, candidates[:, t], unary[:, t])
             if temperature > 0:
                 q = torch.softmax(scores / temperature, dim=-1)
-                index = torch.multinomial(q, 1)[:, 0]
+                index = torch.multinomial(q, 1, generator=generator)[:, 0]
                 rows.append(q)
             else:
                 index = scores.argmax(-1)
@@ -240,10 +241,11 @@ class DFlash2DraftModel(DFlashDraftModel):
             layer.mlp_conv.reset_to_identity()
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module | torch.Tensor,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                temperature: float, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Draft tokens of one block: :meth:`CandidateSelector.select` on the logits of ``hidden [b, P, H]``."""
         return self.candidate_selector.select(hidden, self.compute_logits(hidden, output_head), anchor_ids,
-                                              temperature)
+                                              temperature, generator)
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
                          gamma: float, use_target_tokens: bool = False, masks: dict | None = None,

@@ -314,3 +314,54 @@ def test_selector_loss_with_every_token_a_candidate_and_no_pair_term_is_the_cros
         out2 = small.training_forward(packed_batch(), E, Hd, gamma=3.5, backend="sdpa")
     assert (out2.candidate_recall < out2.count).any() and torch.isfinite(out2.selector_loss)
     assert (out2.selector_correct <= out2.candidate_recall).all()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# decoding (draftsmith.evaluate)
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_greedy_dflash2_decoding_is_lossless_and_steps_as_the_official_loop(official, kind, tmp_path, monkeypatch):
+    """evaluate's speculative loop with a DFlash2 drafter: the target's own greedy tokens (a hybrid Gated
+    DeltaNet target included); on Qwen3 the same per-step acceptance lengths as the official ``dflash_generate``
+    with the official DFlash2DraftModel loaded from our folder."""
+    from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
+
+    monkeypatch.setattr(official, "_cuda_time", time.perf_counter)
+    tgt = tiny_target(kind, initializer_range=0.1)
+    drafter = make_drafter2(tgt, block_size=5)
+    ids = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+    ref = target_generate(tgt, ids, max_new_tokens=30)
+    ours = speculative_generate(tgt, DFlashProposer(drafter, tgt), ids, max_new_tokens=30)
+    assert ours.tokens == ref.tokens and sum(ours.committed) + 1 == len(ours.tokens)
+    assert max(ours.proposed) == 4  # B - 1 drafts a step (fewer only near the token budget)
+    if kind == "qwen3":
+        drafter.save_pretrained(tmp_path)
+        theirs = official.dflash_generate(official.DFlash2DraftModel.from_pretrained(str(tmp_path)).eval(), tgt, ids,
+                                          30, None, return_stats=True)
+        assert ours.committed == theirs.acceptance_lengths
+
+
+def test_sampled_dflash2_drafts_the_selector_path_with_its_candidate_distribution(target):
+    """Sampling: the proposer's drafts are the selector's sampled path (the evaluation's generator), and its draft
+    distribution is the selector's over the top-k candidates, zero elsewhere (what rejection sampling needs)."""
+    from draftsmith.evaluate import DFlashProposer
+    from draftsmith.evaluate.sampling import SamplingConfig
+
+    drafter = make_drafter2(target)
+    proposer = DFlashProposer(drafter, target)
+    ids = torch.randint(5, 500, (20,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        out = target(ids[None], output_hidden_states=True)
+    ctx = torch.cat([out.hidden_states[i + 1] for i in (1, 2)], -1)[:, :19]
+    proposer.reset(ids[None], ctx)
+    with torch.no_grad():
+        drafts, probs = proposer.propose(ids, 19, 3, SamplingConfig(0.7), torch.Generator().manual_seed(11))
+        hidden = drafter(position_ids=torch.arange(23)[None], noise_embedding=_block(target, [int(ids[19])], 4),
+                         target_hidden=ctx)[:, 1:]
+        path, candidates, q = drafter.propose(hidden, ids[19:20], target.lm_head, 0.7,
+                                              torch.Generator().manual_seed(11))
+    assert drafts.tolist() == path[0].tolist()
+    assert torch.allclose(probs.sum(-1), torch.ones(3)) and ((probs > 0).sum(-1) <= 5).all()
+    assert torch.equal(probs.gather(-1, candidates[0]), q[0])
+    assert (probs.gather(-1, drafts[:, None]) > 0).all()
