@@ -1,18 +1,23 @@
-"""The DFlash drafter's configuration, as transformers splits configuration from modeling.
+"""The drafter's configuration, as transformers splits configuration from modeling.
 
-A drafter is a ``Qwen3Config`` (``model_type: "qwen3"``, ``architectures: ["DFlashDraftModel"]``) with a
-``dflash_config`` (``target_layer_ids``, ``block_size``, ``mask_token_id``, optional ``layer_types`` /
-``sliding_window`` / ``is_causal``): the checkpoint contract of the official z-lab ``dflash`` package, vLLM and
-SGLang. Here: building it from the target's config (:func:`build_drafter_config`), the mask token choice, the loss
-decay, and which layers are causal or sliding. Used by train, export and evaluate; :mod:`draftsmith.modeling` holds
-the model itself and :mod:`draftsmith.target_layers` the rule for the tapped target layers.
+A DFlash drafter's config is a :class:`DFlashConfig`, a ``Qwen3Config`` (``model_type: "qwen3"``) whose DFlash
+fields are attributes: ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_target_layers``,
+``is_causal``. :class:`DFlash2Config` extends it, as transformers configurations extend one another, with the
+DFlash2 fields ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``. Serialised
+(:func:`drafter_config_dict`), the drafter fields go into ``dflash_config`` and ``architectures`` names the model
+class (``DFlashDraftModel`` / ``DFlash2DraftModel``): the checkpoint contract of the official z-lab ``dflash``
+package, vLLM and SGLang. Here too: building it from the target's config (:func:`build_drafter_config`), the mask
+token choice, the loss decay, and which layers are causal or sliding. Used by train, export and evaluate;
+:mod:`draftsmith.modeling` / :mod:`draftsmith.modeling_dflash2` hold the models and
+:mod:`draftsmith.target_layers` the rule for the tapped target layers.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
+from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
@@ -21,6 +26,9 @@ from draftsmith.target import text_config
 log = logging.getLogger("draftsmith.drafter_config")
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_2 = "DFlash2DraftModel"
+#: ``drafter.architecture`` -> the model class name written into ``architectures``
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": ARCHITECTURE_2}
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Weight names of a z-lab DFlash checkpoint besides the per-layer ones.
@@ -122,6 +130,102 @@ def _check_rope(config: Qwen3Config, target_config: Any) -> None:
                          f"compute this RoPE: {type(exc).__name__}: {exc}") from exc
 
 
+@strict
+class DFlashConfig(Qwen3Config):
+    """A DFlash drafter's config: a ``Qwen3Config`` plus the DFlash fields, read as attributes.
+
+    ``dflash_config`` (a dict, as in the z-lab ``config.json``) is a view of the fields: given on construction
+    or assigned, its keys set the fields of the same name, and the keys that are not fields
+    (``output_multiplier``, ``input_embedding_scale``, ``final_logit_softcapping``) are kept beside them; read,
+    it is the fields plus those keys. :meth:`to_dict` writes it in place of the fields.
+
+    Attributes:
+        target_layer_ids: tapped target layers, id i = HF ``output_hidden_states[i + 1]``.
+        mask_token_id: the id whose (target) embedding fills block slots 1..B-1.
+        block_size: B, tokens per draft block (anchor included).
+        num_target_layers: decoder layers of the target.
+        is_causal: ``None`` = per layer (sliding causal, full bidirectional); a bool forces all layers.
+    """
+
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE
+    #: the fields serialised inside ``dflash_config``
+    DRAFT_FIELDS: ClassVar[tuple[str, ...]] = ("target_layer_ids", "mask_token_id", "block_size")
+
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    block_size: int = 16
+    num_target_layers: int | None = None
+    is_causal: bool | None = None
+
+    @property
+    def dflash_config(self) -> dict[str, Any]:
+        """The z-lab ``dflash_config`` dict: the drafter fields plus the other keys it was given."""
+        return {**self.__dict__.get("_dflash_extra", {}), **{name: getattr(self, name) for name in self.DRAFT_FIELDS}}
+
+    @dflash_config.setter
+    def dflash_config(self, value: dict | None) -> None:
+        extra = {}
+        for name, v in (value or {}).items():
+            if name in self.DRAFT_FIELDS:
+                if v is not None:
+                    setattr(self, name, v)
+            else:
+                extra[name] = v
+        self.__dict__["_dflash_extra"] = extra
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.architectures = [self.ARCHITECTURE]
+
+    def to_dict(self) -> dict[str, Any]:
+        """HF's dict with the drafter fields moved into ``dflash_config`` (z-lab layout)."""
+        d = super().to_dict()
+        for name in (*self.DRAFT_FIELDS, "_dflash_extra"):
+            d.pop(name, None)
+        d["dflash_config"] = self.dflash_config
+        d["architectures"] = [self.ARCHITECTURE]
+        return d
+
+
+@strict
+class DFlash2Config(DFlashConfig):
+    """A DFlash2 drafter's config (z-lab ``DFlash2DraftModel``): :class:`DFlashConfig` plus the two new modules.
+
+    Attributes:
+        conv_kernel_size: taps of each grouped dynamic causal convolution (2: ``x_t`` and ``x_{t-1}``).
+        conv_group_size: channels sharing one content-dependent kernel correction; divides ``hidden_size``.
+        selector_rank: rank of the candidate selector's bilinear term.
+        selector_top_k: candidates per block position the selector rescores.
+
+    Raises:
+        ValueError: ``conv_group_size`` does not divide ``hidden_size``, or ``selector_top_k`` exceeds the
+            vocabulary.
+    """
+
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE_2
+    DRAFT_FIELDS: ClassVar[tuple[str, ...]] = DFlashConfig.DRAFT_FIELDS + (
+        "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 64
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            raise ValueError(f"drafter.conv_group_size {self.conv_group_size} does not divide hidden_size "
+                             f"{self.hidden_size} (or drafter.conv_kernel_size {self.conv_kernel_size} < 1)")
+        if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1:
+            raise ValueError(f"drafter.selector_top_k {self.selector_top_k} must be in 1..{self.vocab_size} "
+                             f"(vocab_size) and drafter.selector_rank {self.selector_rank} >= 1")
+
+
+def config_class_for(architectures: list[str] | None) -> type[DFlashConfig]:
+    """:class:`DFlash2Config` when ``architectures`` names ``DFlash2DraftModel``, else :class:`DFlashConfig`."""
+    return DFlash2Config if ARCHITECTURE_2 in (architectures or []) else DFlashConfig
+
+
 def default_loss_gamma(block_size: int) -> float:
     """Decay gamma of the slot weights ``exp(-(k - 1) / gamma)``.
 
@@ -170,24 +274,32 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
                          layer_types: list[str] | None = None, sliding_window: int | None = None,
                          is_causal: bool | None = None, intermediate_size: int | None = None,
                          num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
-                         head_dim: int | None = None, rope_theta: float | None = None) -> Qwen3Config:
-    """A z-lab DFlash drafter config (``Qwen3Config`` + ``dflash_config``) sized from the target's config.
+                         head_dim: int | None = None, rope_theta: float | None = None,
+                         architecture: str = "dflash", conv_kernel_size: int = 2, conv_group_size: int = 64,
+                         selector_rank: int = 256, selector_top_k: int = 16) -> DFlashConfig:
+    """A z-lab drafter config (:class:`DFlashConfig`, or :class:`DFlash2Config` for ``architecture="dflash2"``)
+    sized from the target's config.
 
     Width, norm eps, activation and max positions follow the target (its ``text_config`` for multimodal
     Qwen3.5 checkpoints); heads, head dim and MLP width too unless given. RoPE is the target's full-attention
     RoPE (:func:`drafter_rope_parameters`: theta, type and scaling; ``rope_theta`` replaces the theta), used by
-    every drafter layer. ``target_layer_ids`` and ``mask_token_id`` are always written explicitly.
+    every drafter layer. ``target_layer_ids`` and ``mask_token_id`` are always written explicitly. The
+    ``conv_*`` / ``selector_*`` arguments are read for ``dflash2`` only.
 
     Args:
         target_config: the target's HF config.
         vocab_size: rows of the target's embedding (default: the config's ``vocab_size``).
         layer_types: per drafter layer ``full_attention`` / ``sliding_attention`` (default all full).
         is_causal: ``None`` = per layer (sliding causal, full bidirectional); a bool forces all layers.
+        architecture: ``dflash`` or ``dflash2`` (``drafter.architecture``).
 
     Raises:
-        ValueError: inconsistent layer types / sliding window, ids out of range, or a target RoPE the drafter cannot
-            represent (the message names the target config key).
+        ValueError: an unknown architecture, inconsistent layer types / sliding window, ids out of range, DFlash2
+            sizes that do not fit (:class:`DFlash2Config`), or a target RoPE the drafter cannot represent (the
+            message names the target config key).
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"drafter.architecture {architecture!r} is not one of {sorted(ARCHITECTURES)}")
     cfg = text_config(target_config)
     num_target_layers = int(cfg.num_hidden_layers)
     for i in target_layer_ids:
@@ -207,7 +319,12 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
     hd = int(head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     rope_parameters = drafter_rope_parameters(target_config, rope_theta)
     inter = int(intermediate_size or cfg.intermediate_size)
-    config = Qwen3Config(
+    extra = {}
+    if architecture == "dflash2":
+        extra = {"conv_kernel_size": int(conv_kernel_size), "conv_group_size": int(conv_group_size),
+                 "selector_rank": int(selector_rank), "selector_top_k": int(selector_top_k)}
+    cls = DFlash2Config if architecture == "dflash2" else DFlashConfig
+    config = cls(
         vocab_size=int(vocab_size or cfg.vocab_size), hidden_size=int(cfg.hidden_size), intermediate_size=inter,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
         hidden_act=getattr(cfg, "hidden_act", "silu"),
@@ -216,17 +333,24 @@ def build_drafter_config(target_config: Any, *, num_layers: int, block_size: int
         rope_parameters=rope_parameters, attention_bias=False,
         use_sliding_window=any_sliding, sliding_window=int(sliding_window) if any_sliding else None,
         max_window_layers=num_layers, layer_types=layer_types,
+        target_layer_ids=[int(i) for i in target_layer_ids], mask_token_id=int(mask_token_id),
+        block_size=int(block_size), num_target_layers=num_target_layers, is_causal=is_causal, **extra,
     )
-    config.architectures = [ARCHITECTURE]
-    config.is_causal = is_causal
-    config.num_target_layers = num_target_layers
-    config.dflash_config = {"target_layer_ids": [int(i) for i in target_layer_ids],
-                            "mask_token_id": int(mask_token_id), "block_size": int(block_size)}
     _check_rope(config, target_config)
     return config
 
 
-def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
+def drafter_config_from_dict(raw: dict[str, Any]) -> DFlashConfig:
+    """The config of a ``config.json`` dict: :class:`DFlash2Config` when its ``architectures`` names
+    ``DFlash2DraftModel``, else :class:`DFlashConfig` (the ``dflash_config`` keys become fields).
+
+    Raises:
+        ValueError: invalid DFlash2 sizes (:class:`DFlash2Config`).
+    """
+    return config_class_for(raw.get("architectures")).from_dict(raw)
+
+
+def drafter_config_dict(config: DFlashConfig) -> dict[str, Any]:
     """The full ``config.json`` dict of a drafter, in the z-lab format, every field explicit.
 
     Besides HF's own serialisation (``rope_parameters``, transformers 5) this writes the RoPE in the legacy form,
@@ -236,25 +360,23 @@ def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
     for mixed drafters unless the config forces one) and ``num_target_layers``.
 
     Raises:
-        ValueError: ``dflash_config`` lacks ``target_layer_ids``, ``mask_token_id`` or ``block_size``.
+        ValueError: the config lacks ``target_layer_ids``, ``mask_token_id`` or ``block_size``.
     """
     d = config.to_dict()
-    dflash = dict(getattr(config, "dflash_config", None) or {})
+    dflash = d["dflash_config"]
     for key in ("target_layer_ids", "mask_token_id", "block_size"):
         if dflash.get(key) is None:
             raise ValueError(f"drafter config has no dflash_config.{key}; refusing to write an implicit value")
-    d["architectures"] = [ARCHITECTURE]
     d["model_type"] = "qwen3"
     rope = dict(d.get("rope_parameters") or {})
     d["rope_theta"] = float(rope.pop("rope_theta"))
     d["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     layer_types = list(config.layer_types)
-    is_causal = getattr(config, "is_causal", None)
+    is_causal = config.is_causal
     if is_causal is None and len(set(layer_types)) == 1:
         is_causal = layer_types[0] == SLIDING
     d["is_causal"] = is_causal
     d["num_target_layers"] = int(config.num_target_layers)
-    d["dflash_config"] = dflash
     for key in ("id2label", "label2id", "_name_or_path", "transformers_version", "output_attentions",
                 "output_hidden_states", "return_dict", "chunk_size_feed_forward", "problem_type"):
         d.pop(key, None)
@@ -262,7 +384,11 @@ def drafter_config_dict(config: Qwen3Config) -> dict[str, Any]:
 
 
 def draft_value(config: Any, name: str, default: Any = None) -> Any:
-    """``config.dflash_config[name]``, else ``config.<name>``, else ``default`` (z-lab lookup order)."""
+    """A drafter setting: the field of a :class:`DFlashConfig`; for other configs (the official package's)
+    ``config.dflash_config[name]``, else ``config.<name>``; else ``default`` (z-lab lookup order)."""
+    if isinstance(config, DFlashConfig) and name in config.DRAFT_FIELDS:
+        value = getattr(config, name)
+        return default if value is None else value
     dflash = getattr(config, "dflash_config", None) or {}
     if name in dflash and dflash[name] is not None:
         return dflash[name]

@@ -1,9 +1,10 @@
-"""export: the trained drafter as a z-lab DFlash folder (``results/drafter/final/``).
+"""export: the trained drafter as a z-lab DFlash / DFlash2 folder (``results/drafter/final/``).
 
-The folder holds ``config.json`` (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
-``dflash_config: {target_layer_ids, mask_token_id, block_size}``, ``num_target_layers``, ``layer_types``,
-explicit ``is_causal``) and ``model.safetensors`` with the z-lab weight names and no embedding / LM head. It loads
-unchanged in the official ``dflash`` package (tested), vLLM and SGLang.
+The folder holds ``config.json`` (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]`` or
+``["DFlash2DraftModel"]``, ``dflash_config: {target_layer_ids, mask_token_id, block_size}`` plus, for DFlash2,
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``; ``num_target_layers``,
+``layer_types``, explicit ``is_causal``) and ``model.safetensors`` with the z-lab weight names and no embedding /
+LM head. It loads unchanged in the official ``dflash`` package (tested), vLLM and SGLang.
 
 Export refuses a drafter whose config does not state ``target_layer_ids`` and ``mask_token_id`` (guessing them at
 serving time is a known silent failure, SGLang #37475), one that does not fit the target (width, layer count,
@@ -23,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.io import read_json
-from draftsmith.modeling import DFlashDraftModel
+from draftsmith.modeling_dflash2 import model_class_for
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import DTYPES, EMBED_KEYS, text_config, weight_files
 
@@ -109,7 +110,8 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
             ``float32``).
 
     Returns:
-        Summary: parameters, bytes, dtype, target layer ids, mask token id, block size, max abs difference
+        Summary: architecture (``DFlashDraftModel`` / ``DFlash2DraftModel``), parameters, bytes, dtype, target
+        layer ids, mask token id, block size, max abs difference
         between the written weights and the trained ones cast to ``dtype`` (0.0).
 
     Raises:
@@ -121,8 +123,9 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
     cfg_path = trained_dir / "config.json"
     raw = read_json(cfg_path)
     check_against_target(raw, target_dir, str(cfg_path))
+    model_class = model_class_for(raw.get("architectures"))
     try:
-        model = DFlashDraftModel.from_pretrained(trained_dir, dtype=torch.float32)
+        model = model_class.from_pretrained(trained_dir, dtype=torch.float32)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     state = model.trainable_state_dict()
@@ -130,7 +133,7 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
     if bad:
         raise ExportError(f"{trained_dir / 'model.safetensors'}: non-finite values in {bad[:8]}")
     model.save_pretrained(out_dir, dtype=DTYPES[dtype])
-    back = DFlashDraftModel.from_pretrained(out_dir)
+    back = model_class.from_pretrained(out_dir)
     diff = max((back.trainable_state_dict()[k].float() - v.to(DTYPES[dtype]).float()).abs().max().item()
                for k, v in state.items())
     if diff != 0.0 or not math.isfinite(diff):
@@ -140,7 +143,8 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
         raise ExportError(f"{out_dir}/config.json: read-back RoPE {back.config.rope_parameters} differs from the "
                           f"trained {model.config.rope_parameters}")
     summary = {
-        "parameters": sum(v.numel() for v in state.values()), "dtype": dtype,
+        "architecture": back.config.ARCHITECTURE, "parameters": sum(v.numel() for v in state.values()),
+        "dtype": dtype,
         "bytes": (out_dir / "model.safetensors").stat().st_size,
         "target_layer_ids": back.target_layer_ids, "mask_token_id": back.mask_token_id,
         "block_size": back.block_size, "layers": back.config.num_hidden_layers,

@@ -51,8 +51,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.drafter_config import (
+    DFlashConfig,
     draft_value,
     drafter_config_dict,
+    drafter_config_from_dict,
     layer_is_causal,
     layer_window,
 )
@@ -355,8 +357,10 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, target_hidden: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any = None,
-                past_key_values: Any = None) -> torch.Tensor:
-        """``[b, Q, H] -> [b, Q, H]``; see :meth:`DFlashAttention.forward` for the arguments."""
+                past_key_values: Any = None, block_len: int | None = None) -> torch.Tensor:
+        """``[b, Q, H] -> [b, Q, H]``; see :meth:`DFlashAttention.forward` for the arguments. ``block_len`` (tokens
+        per block of the stream) is not read here: the attention mask holds the block structure (DFlash2's
+        convolutions read it, :mod:`draftsmith.modeling_dflash2`)."""
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), target_hidden, position_embeddings,
                                        attention_mask, past_key_values)
@@ -519,16 +523,19 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     Forward walks the rows in chunks: float32 logits of the chunk, their log-sum-exp, CE and argmax, and the
     gradient of each row's CE with respect to its hidden state (``(softmax - onehot) * dz/dlogit @ W``), which
     is kept (``[N, H]``) so the backward is one scaling. The head is frozen, so no ``[V, H]`` gradient exists.
+    With ``top_k > 0`` it also returns each row's ``top_k`` largest logits and their ids (DFlash2's candidates).
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows):
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0):
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         pred = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
+        top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
+        top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_rows):
                 y = labels[s:s + chunk_rows]
@@ -544,6 +551,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(z, dim=-1)
                 ce[s:s + chunk_rows] = lse - z.gather(1, y[:, None])[:, 0]
                 pred[s:s + chunk_rows] = z.argmax(-1)
+                if top_k:
+                    top_val[s:s + chunk_rows], top_idx[s:s + chunk_rows] = torch.topk(z, top_k, dim=-1, sorted=False)
                 if need_grad:
                     g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
                     g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
@@ -553,13 +562,13 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+        ctx.mark_non_differentiable(pred, top_val, top_idx)
+        return ce, pred, top_val, top_idx
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
+    def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None
+        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
@@ -585,8 +594,21 @@ def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: 
         ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
     """
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    ce, pred, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                                    float(softcap) if softcap else None, rows)
+    return ce, pred
+
+
+def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, top_k: int, *,
+                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_cross_entropy` plus each row's ``top_k`` largest logits, from the same chunks (no second pass
+    through the head): ``(ce [N], pred [N], top_logits [N, top_k] float32, top_ids [N, top_k] int64)``; the
+    top-k are in ``torch.topk(sorted=False)`` order, as the official DFlash2 selector takes them, and carry no
+    gradient."""
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
     return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                          float(softcap) if softcap else None, rows)
+                                          float(softcap) if softcap else None, rows, int(top_k))
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -606,13 +628,15 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         block_size: B, tokens per draft block (anchor included).
         mask_token_id: id whose (target) embedding fills slots 1..B-1.
         target_layer_ids: tapped target layers, id i = HF ``output_hidden_states[i + 1]``.
-        config: the ``Qwen3Config`` with ``dflash_config``.
+        config: the :class:`~draftsmith.drafter_config.DFlashConfig`.
     """
 
-    config_class = Qwen3Config
+    config_class = DFlashConfig
     _no_split_modules = ["DFlashDecoderLayer"]
+    #: the decoder layer class (DFlash2 subclasses its layers)
+    LAYER_CLASS: type[nn.Module] = DFlashDecoderLayer
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DFlashConfig):
         super().__init__(config)
         layer_ids = draft_value(config, "target_layer_ids")
         if layer_ids is None:
@@ -622,7 +646,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.block_size = int(draft_value(config, "block_size", 16))
         mask = draft_value(config, "mask_token_id")
         self.mask_token_id = None if mask is None else int(mask)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.LAYER_CLASS(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -636,8 +660,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def forward(self, position_ids: torch.LongTensor, attention_mask: Any = None,
                 noise_embedding: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool = False, **kwargs) -> torch.Tensor:
-        """Draft hidden states of a block.
+                past_key_values: Any = None, use_cache: bool = False, block_len: int | None = None,
+                **kwargs) -> torch.Tensor:
+        """Draft hidden states of a block (decode) or of the blocks of packed rows (training).
 
         Args:
             position_ids: ``[b, C + Q]`` int64 absolute positions of the new context features then the block.
@@ -646,6 +671,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             noise_embedding: ``[b, Q, H]`` target embedding of ``[anchor, mask x (Q - 1)]`` (x input scale).
             target_hidden: ``[b, C, n * H]`` raw target features at the new context positions.
             past_key_values: HF ``Cache`` holding earlier context K/V (crop it back after each step).
+            block_len: the stream is ``Q / block_len`` blocks of ``block_len`` tokens (training); ``None`` = one
+                block of ``Q`` tokens (decode). Passed to the layers (DFlash2's convolutions stay inside a block).
 
         Returns:
             ``[b, Q, H]`` final-normed hidden states (same dtype as ``noise_embedding``).
@@ -659,10 +686,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for layer in self.layers:
             if recompute:
                 hidden_states = torch.utils.checkpoint.checkpoint(
-                    layer, hidden_states, ctx, position_embeddings, attention_mask, past_key_values,
+                    layer, hidden_states, ctx, position_embeddings, attention_mask, past_key_values, block_len,
                     use_reentrant=False)
             else:
-                hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values)
+                hidden_states = layer(hidden_states, ctx, position_embeddings, attention_mask, past_key_values,
+                                      block_len)
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
@@ -738,7 +766,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         if masks is None:
             masks = self.attention_masks(batch, backend)
         hidden = self(position_ids=position_ids, attention_mask=masks, noise_embedding=noise,
-                      target_hidden=batch.features)
+                      target_hidden=batch.features, block_len=B)
         return hidden.view(R, A, B, -1)
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
@@ -828,8 +856,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
         Raises:
             FileNotFoundError: a file is missing.
-            ValueError: the config is not a DFlash drafter config or lacks ``target_layer_ids`` /
-                ``mask_token_id``; the weights miss a tensor, have an extra one or a wrong shape (names listed).
+            ValueError: the config is not a drafter config of this class (``architectures``) or lacks
+                ``target_layer_ids`` / ``mask_token_id``; the weights miss a tensor, have an extra one or a wrong
+                shape (names listed).
         """
         folder = Path(folder)
         cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
@@ -843,8 +872,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for key in ("target_layer_ids", "mask_token_id"):
             if dflash.get(key, raw.get(key)) is None:
                 raise ValueError(f"{cfg_path}: dflash_config.{key} is missing; a drafter must state it explicitly")
-        config = Qwen3Config.from_dict(raw)
-        config.is_causal = raw.get("is_causal")
+        try:
+            config = drafter_config_from_dict(raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{cfg_path}: {exc}") from None
+        if cls.config_class is not type(config):
+            raise ValueError(f"{cfg_path}: architectures {raw.get('architectures')} is not a {cls.__name__} "
+                             f"(load it with {config.ARCHITECTURE})")
         model = cls(config)
         with safe_open(str(w_path), framework="pt") as fh:
             state = {k: fh.get_tensor(k) for k in fh.keys()}

@@ -1187,6 +1187,36 @@ def test_evaluate_stage_with_the_official_drafter_class(stage_inputs, official, 
     assert two["run"]["block_size"] == BLOCK and two["run"]["target_layer_ids"] == [1, 2]
 
 
+def test_evaluate_stage_decodes_a_dflash2_drafter_in_both_implementations(stage_inputs, official, tmp_path):
+    """evaluate decodes an exported DFlash2 drafter with its candidate selector, losslessly, with per-position
+    acceptance; the report names the architecture; the official class reports the same figures."""
+    from draftsmith.modeling_dflash2 import DFlash2DraftModel
+
+    tgt = tiny_target("llama", max_position_embeddings=256)
+    cfg = build_drafter_config(tgt.config, num_layers=1, block_size=BLOCK, target_layer_ids=[1, 2],
+                               mask_token_id=MASK, architecture="dflash2", conv_group_size=16, selector_rank=8,
+                               selector_top_k=4)
+    torch.manual_seed(2)
+    drafter = DFlash2DraftModel(cfg)
+    with torch.no_grad():  # away from the identity / near-zero initialisation: every module drafts
+        for name, param in drafter.named_parameters():
+            if "_conv." in name or "candidate_selector" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    drafter.save_pretrained(tmp_path / "drafter2")
+    inputs = dict(stage_inputs, drafter=str(tmp_path / "drafter2"))
+    one = run_evaluate(**_stage_kwargs(inputs, tmp_path / "ours"))
+    assert one["run"]["drafter_architecture"] == "DFlash2DraftModel"
+    assert (tmp_path / "ours" / "report.md").read_text().startswith(
+        "# draftsmith evaluation: speculative decoding with the DFlash2 drafter")
+    for s in one["sets"].values():
+        assert s["lossless"]["dflash"]["lossless"] and len(s["dflash"]["per_position"]) == BLOCK - 1
+        assert s["target_only"]["tokens"] == s["dflash"]["tokens"]
+    two = run_evaluate(**_stage_kwargs(inputs, tmp_path / "official"), drafter_implementation="dflash")
+    two["run"].pop("drafter_implementation")
+    one["run"].pop("drafter_implementation")
+    assert _differences(_without_timings(two), _without_timings(one)) == []
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_static_drafter_drafts_what_the_dynamic_cache_drafts(kind):
     """The static drafter (fixed K/V buffers, context rows written in chunks of B, padded rows overwritten by the

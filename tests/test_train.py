@@ -515,6 +515,29 @@ def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_
         train(changed / "index.json", target, out, settings(cfg), threads=1)
 
 
+def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path):
+    """drafter.architecture dflash2: the same trainer trains the backbone, the convolutions and the selector (every
+    new module leaves its initialisation), reports the selector's held-out metrics, and exports a folder the
+    official DFlash2DraftModel loads."""
+    from draftsmith.export import ExportSettings, export_drafter
+
+    drafter = dict(TINY_DRAFTER, architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
+    cfg = dict(TINY_TRAIN, max_steps=6, eval_fraction=0.25)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=1)
+    assert state["architecture"] == "DFlash2DraftModel" and math.isfinite(state["heldout"]["loss"])
+    heldout = state["heldout"]
+    assert len(heldout["selector_accuracy_per_position"]) == 3 and heldout["selector_tau_expected"] >= 1.0
+    assert all(0.0 <= r <= 1.0 for r in heldout["candidate_recall_per_position"])
+    w = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    assert w["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0  # zero at initialisation
+    assert w["layers.0.mlp_conv.base_kernel"][:, 1].abs().sum() > 0  # the second tap: zero at initialisation
+    export_drafter(tmp_path / "trained", qwen3_setup["target_dir"], tmp_path / "final",
+                   ExportSettings.from_config(drafter={"export_dtype": "float32"}))
+    ref = official.DFlash2DraftModel.from_pretrained(str(tmp_path / "final")).eval()
+    assert torch.equal(ref.candidate_selector.predecessor_codebook.weight,
+                       w["candidate_selector.predecessor_codebook"])
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     """The rule's shape: torchrun with 2 CPU processes (gloo) running ``python -m draftsmith.train``."""

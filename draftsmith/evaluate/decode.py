@@ -1,4 +1,4 @@
-"""Target-only decoding and speculative decoding (DFlash drafter or prompt lookup), batch size 1.
+"""Target-only decoding and speculative decoding (DFlash / DFlash2 drafter or prompt lookup), batch size 1.
 
 The speculative loop follows the official z-lab ``dflash_generate`` (``dflash/model.py``, dflash
 0.1.0) step for step, so its acceptance lengths are the official figure (tested equal):
@@ -9,6 +9,9 @@ The speculative loop follows the official z-lab ``dflash_generate`` (``dflash/mo
   block = [token at start, mask x (B - 1)]; the drafter sees the target features of the committed
   positions it has not seen yet (its K/V cache keeps the older ones and is cropped back to ``start``
   after drafting), and drafts B - 1 tokens;
+* a DFlash2 drafter drafts the path its candidate selector picks through each slot's top-k (greedy: the best
+  path; sampling: drawn from ``softmax(S / T)`` over the candidates, that distribution, zero elsewhere, the draft
+  distribution rejection sampling uses), as the official ``dflash_generate`` does;
 * one target forward verifies the block; greedy: the longest prefix equal to the target's argmax is
   accepted, plus the target's own next token (bonus / correction); sampling: rejection sampling;
 * the committed count of the step (accepted + 1, capped by max_new_tokens and the first stop token)
@@ -40,6 +43,7 @@ from draftsmith.evaluate.sampling import (
     select_tokens,
 )
 from draftsmith.hybrid_cache import cache_kwargs
+from draftsmith.modeling_dflash2 import DFlash2DraftModel
 from draftsmith.target import capture_layers, without_cudnn_attention
 
 
@@ -143,13 +147,14 @@ class Proposer:
 
 
 class DFlashProposer(Proposer):
-    """The DFlash drafter as a proposer (block diffusion: one drafter forward drafts B - 1 tokens).
+    """The DFlash or DFlash2 drafter as a proposer (block diffusion: one drafter forward drafts B - 1 tokens).
 
     Args:
-        drafter: a ``DFlashDraftModel`` (draftsmith.modeling or the official ``dflash.model``):
+        drafter: a ``DFlashDraftModel`` or ``DFlash2DraftModel`` (draftsmith's or the official ``dflash.model``):
             ``forward(position_ids, noise_embedding, target_hidden, past_key_values, use_cache) ->
             [1, Q, H]``, ``compute_logits(hidden, head)``, ``block_size``, ``mask_token_id``,
-            ``target_layer_ids``, ``config``.
+            ``target_layer_ids``, ``config``; DFlash2 also ``candidate_selector`` and
+            ``propose(hidden, anchor_ids, head, temperature)``.
         target: the target (its input embedding embeds the block, its LM head gives draft logits).
         block_size: override of the drafter's block size B (verify width).
 
@@ -180,6 +185,8 @@ class DFlashProposer(Proposer):
         self.head = output_head(target)
         self.embed_scale = float(dflash_value(drafter.config, "input_embedding_scale", 1.0))
         self.dtype = next(drafter.parameters()).dtype
+        #: DFlash2: drafts are the candidate selector's path (:meth:`_select`)
+        self.selector = hasattr(drafter, "candidate_selector")
         self.cache = None
         self.context = None
         #: a :class:`~draftsmith.evaluate.static.StaticDrafter` (fixed K/V buffers, CUDA-graph steps) or None
@@ -204,6 +211,8 @@ class DFlashProposer(Proposer):
     def propose(self, tokens, start, num_drafts, sampling, generator):
         verify = num_drafts + 1
         with without_cudnn_attention():  # the drafter's key length grows every step: no per-shape cuDNN plans
+            if self.selector:
+                return self._select(tokens, start, verify, sampling, generator)
             if self.static is not None:
                 logits = self.static.logits(self.context, tokens[start], start, verify)
             else:
@@ -213,8 +222,28 @@ class DFlashProposer(Proposer):
         probs = sampling_probs(logits, sampling)
         return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
 
+    def _select(self, tokens, start, verify, sampling, generator):
+        """DFlash2: the selector's path ``[verify - 1]`` and, sampling, its distribution ``[verify - 1, V]`` (the
+        candidates' probabilities scattered into the vocabulary; tokens outside the top-k have 0)."""
+        hidden = self._dynamic_hidden(tokens, start, verify)
+        anchor = tokens[start:start + 1]
+        temperature = 0.0 if sampling.greedy else float(sampling.temperature)
+        if isinstance(self.drafter, DFlash2DraftModel):  # draftsmith's: draws with the evaluation's generator
+            drafts, candidates, q = self.drafter.propose(hidden, anchor, self.head, temperature, generator)
+        else:  # the official class draws from torch's global RNG
+            drafts, candidates, q = self.drafter.propose(hidden, anchor, self.head, temperature)
+        if q is None:
+            return drafts[0], None
+        probs = torch.zeros((q.shape[1], self.embed_weight.shape[0]), dtype=q.dtype, device=q.device)
+        return drafts[0], probs.scatter_(-1, candidates[0], q[0])
+
     def _dynamic_logits(self, tokens, start, verify):
         """Draft logits ``[verify - 1, V]`` on the growing ``DynamicCache`` (cropped back to the context after)."""
+        return self.drafter.compute_logits(self._dynamic_hidden(tokens, start, verify), self.head)[0]  # [k, V]
+
+    def _dynamic_hidden(self, tokens, start, verify):
+        """Draft hidden states ``[1, verify - 1, H]`` on the growing ``DynamicCache`` (cropped back to the context
+        after)."""
         block = torch.full((1, verify), self.mask_token_id, dtype=torch.long, device=tokens.device)
         block[0, 0] = tokens[start]
         noise = F.embedding(block, self.embed_weight) * self.embed_scale
@@ -225,7 +254,7 @@ class DFlashProposer(Proposer):
         hidden = hidden[:, 1:, :]
         remove = self.cache.get_seq_length() - start  # keep only the context K/V (official _crop_to)
         self.cache.crop(-remove)
-        return self.drafter.compute_logits(hidden, self.head)[0]  # [k, V]
+        return hidden
 
     def commit(self, features):
         self.context = features

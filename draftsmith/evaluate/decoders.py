@@ -29,7 +29,7 @@ from draftsmith.evaluate.decode import (
     speculative_generate,
     target_generate,
 )
-from draftsmith.evaluate.drafter import check_pair, drafter_config, load_drafter
+from draftsmith.evaluate.drafter import check_pair, drafter_architecture, drafter_config, load_drafter
 from draftsmith.evaluate.prompts import (
     SKIP_TEMPLATE_ERROR,
     BenchmarkSet,
@@ -96,6 +96,7 @@ class Decoders:
     block_size: int  # the verify width B (evaluate.block_size, else the drafter's)
     layer_ids: list[int]
     mask_token_id: int | None
+    architecture: str  # the drafter's class: DFlashDraftModel or DFlash2DraftModel
     loader: object = None  # () -> (target, DFlashProposer, static or None)
     target: nn.Module | None = None
     dflash: DFlashProposer | None = None
@@ -194,7 +195,8 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
                          "name no eos_token_id and the chat template writes no end-of-turn token")
 
     cfg_path = Path(drafter_dir) / "config.json"
-    drafter_cfg = types.SimpleNamespace(**drafter_config(drafter_dir))
+    raw_drafter_cfg = drafter_config(drafter_dir)
+    drafter_cfg = types.SimpleNamespace(**raw_drafter_cfg)
     block_size = int(options.block_size or draft_value(drafter_cfg, "block_size", 16))
     layer_ids = [int(i) for i in draft_value(drafter_cfg, "target_layer_ids", [])]
     mask = draft_value(drafter_cfg, "mask_token_id")
@@ -222,7 +224,8 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
                     stops=stops, lookup=lookup, sampling=sampling, seed=int(options.seed),
                     rollback=options.rollback, device=device, dtype=dtype,
                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions, block_size=block_size,
-                    layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask), loader=load_models)
+                    layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask),
+                    architecture=drafter_architecture(raw_drafter_cfg), loader=load_models)
 
 
 def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashProposer, lookup: PromptLookupProposer,

@@ -14,26 +14,30 @@ from draftsmith.io import read_json
 
 def load_drafter(folder: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype,
                  implementation: str = "draftsmith") -> nn.Module:
-    """Load an exported DFlash drafter folder (z-lab format: config.json + model.safetensors).
+    """Load an exported DFlash or DFlash2 drafter folder (z-lab format: config.json + model.safetensors), as the
+    class its ``architectures`` names.
 
     Args:
-        implementation: ``draftsmith`` (``draftsmith.modeling.DFlashDraftModel``) or ``dflash`` (the
-            official z-lab package, if installed); both have the same inference interface.
+        implementation: ``draftsmith`` (``draftsmith.modeling.DFlashDraftModel`` /
+            ``draftsmith.modeling_dflash2.DFlash2DraftModel``) or ``dflash`` (the official z-lab package, if
+            installed); both have the same inference interface.
 
     Raises:
         FileNotFoundError: missing folder / files.
-        ValueError: a DFlash-2 checkpoint (candidate selector; not supported), or an unknown implementation.
+        ValueError: an unknown implementation.
     """
     folder = Path(folder)
-    drafter_config(folder)  # the folder's checks, before loading weights
+    raw = drafter_config(folder)  # the folder's checks, before loading weights
+    two = drafter_architecture(raw) == "DFlash2DraftModel"
     if implementation == "draftsmith":
-        from draftsmith.modeling import DFlashDraftModel
+        from draftsmith.modeling_dflash2 import model_class_for
 
-        return DFlashDraftModel.from_pretrained(folder, dtype=dtype, device=device).eval()
+        return model_class_for(raw.get("architectures")).from_pretrained(folder, dtype=dtype, device=device).eval()
     if implementation == "dflash":
-        from dflash.model import DFlashDraftModel as Official
+        from dflash import model as official
 
-        return Official.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        cls = official.DFlash2DraftModel if two else official.DFlashDraftModel
+        return cls.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     raise ValueError(f"unknown drafter implementation {implementation!r} (draftsmith, dflash)")
 
 
@@ -42,15 +46,22 @@ def drafter_config(folder: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no ``config.json`` (naming the path).
-        ValueError: a DFlash-2 checkpoint (candidate selector; not supported).
+        ValueError: ``architectures`` names neither ``DFlashDraftModel`` nor ``DFlash2DraftModel``.
     """
     cfg_path = Path(folder) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} does not exist: not an exported drafter folder")
     raw = read_json(cfg_path)
-    if "DFlash2DraftModel" in (raw.get("architectures") or []):
-        raise ValueError(f"{cfg_path}: DFlash2DraftModel checkpoints (candidate selector) are not supported")
+    names = raw.get("architectures") or ["DFlashDraftModel"]
+    if not {"DFlashDraftModel", "DFlash2DraftModel"} & set(names):
+        raise ValueError(f"{cfg_path}: architectures {names} is neither DFlashDraftModel nor DFlash2DraftModel")
     return raw
+
+
+def drafter_architecture(raw: dict) -> str:
+    """``DFlash2DraftModel`` or ``DFlashDraftModel`` (the default of configs that name none), from a drafter
+    ``config.json`` dict."""
+    return "DFlash2DraftModel" if "DFlash2DraftModel" in (raw.get("architectures") or []) else "DFlashDraftModel"
 
 
 def check_pair(drafter: nn.Module, target: nn.Module) -> None:

@@ -263,7 +263,7 @@ def run_metadata(decoders: Decoders, target_dir: str, drafter_dir: str, drafter_
     sampling = decoders.sampling
     return {
         "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
-        "drafter_implementation": drafter_implementation,
+        "drafter_implementation": drafter_implementation, "drafter_architecture": decoders.architecture,
         "block_size": decoders.block_size, "target_layer_ids": decoders.layer_ids,
         "mask_token_id": decoders.mask_token_id, "device": _device_name(decoders.device),
         "dtype": str(decoders.dtype).replace("torch.", ""),
@@ -331,12 +331,18 @@ def _table(header: list[str], rows: Iterable[list]) -> str:
     return "\n".join(lines)
 
 
+def _drafter_name(run: dict) -> str:
+    """``DFlash2`` or ``DFlash``: the drafter's architecture as the report names it."""
+    return "DFlash2" if run.get("drafter_architecture") == "DFlash2DraftModel" else "DFlash"
+
+
 def render_markdown(report: dict) -> str:
     """report.md: setup, one summary table over the sets, per-position and histogram tables."""
     run = report["run"]
-    lines = ["# draftsmith evaluation: speculative decoding with the DFlash drafter", ""]
+    architecture = run.get("drafter_architecture", "DFlashDraftModel")
+    lines = [f"# draftsmith evaluation: speculative decoding with the {_drafter_name(run)} drafter", ""]
     lines.append(f"- target: `{run['target']}`  ")
-    lines.append(f"- drafter: `{run['drafter']}` (block size {run['block_size']}, target layer ids "
+    lines.append(f"- drafter: `{run['drafter']}` ({architecture}, block size {run['block_size']}, target layer ids "
                  f"{run['target_layer_ids']}, mask token {run['mask_token_id']})  ")
     lines.append(f"- device: {run['device']}, dtype {run['dtype']}, sampling: {run['sampling_text']}  ")
     lines.append(f"- chat template kwargs: `{run['chat_template_kwargs']}`; stop tokens {run['stop_token_ids']}  ")
@@ -473,7 +479,7 @@ def tau_figure(report: dict):
     p = [report["sets"][n]["prompt_lookup"]["tau"] or 0.0 for n in names]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names) + 2), 3.8))
     xs = range(len(names))
-    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label="DFlash drafter")
+    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label=f"{_drafter_name(report['run'])} drafter")
     bars_p = ax.bar([x + 0.2 for x in xs], p, 0.4, label="prompt lookup (reference)")
     for bars, key in ((bars_d, "dflash"), (bars_p, "prompt_lookup")):
         for bar, n in zip(bars, names):

@@ -366,13 +366,16 @@ class StaticDrafter:
     @staticmethod
     def supported(drafter: nn.Module) -> tuple[bool, str]:
         """``(True, "")`` for a draftsmith ``DFlashDraftModel`` whose layers all attend fully, else the reason."""
-        from draftsmith.modeling import DFlashDraftModel
+        from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel
 
         if not isinstance(drafter, DFlashDraftModel):
             return False, f"{type(drafter).__module__}.{type(drafter).__name__} is not draftsmith's DFlashDraftModel"
         for name in ("forward", "compute_logits"):  # the static step runs the layers itself
             if getattr(type(drafter), name) is not getattr(DFlashDraftModel, name):
                 return False, f"{type(drafter).__name__} overrides {name}"
+        if hasattr(drafter, "candidate_selector") or any(type(layer) is not DFlashDecoderLayer
+                                                         for layer in drafter.layers):
+            return False, f"{type(drafter).__name__} is not a DFlash drafter (DFlash2: convolutions, selector)"
         for i, layer in enumerate(drafter.layers):
             if layer.self_attn.is_causal or layer.self_attn.sliding_window is not None:
                 return False, f"drafter layer {i} is causal or sliding-window"

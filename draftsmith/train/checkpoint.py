@@ -45,7 +45,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
                     plan_identity: dict | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
-    ``world``), the features' identity and the world size.
+    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), the features' identity and the
+    world size.
 
     Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
     target and tokenizer fingerprints, storage dtype and content: the digest of its chunk files' sha256
@@ -59,9 +60,12 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
         ValueError: offline, a chunk of the index without a sha256.
     """
     keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
+    train = {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS}
+    if "DFlash2DraftModel" not in (drafter_config.get("architectures") or []):
+        train.pop("selector_loss_weight", None)  # no selector to weigh: a DFlash run keeps its fingerprint
     payload = {
         "drafter": drafter_config,
-        "train": {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS},
+        "train": train,
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }

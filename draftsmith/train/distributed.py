@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from draftsmith.modeling import DFlashDraftModel
+from draftsmith.modeling_dflash2 import DFlash2DraftModel
 from draftsmith.train.settings import TrainOptions
 
 
@@ -105,7 +106,8 @@ def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.
 
     DDP whenever a process group exists: :func:`setup_distributed` makes one for WORLD_SIZE > 1; bench_train's
     ``--ddp-overhead`` makes a one-process group to measure DDP's own memory and speed cost on one GPU. Sets
-    ``train.activation_checkpointing`` on the drafter; with ``train.compile`` on a GPU compiles each layer in place
+    ``train.activation_checkpointing`` (and, on a DFlash2 drafter, ``train.selector_loss_weight``) on the drafter;
+    with ``train.compile`` on a GPU compiles each layer in place
     (state-dict names unchanged).
     """
     on_gpu = device.type == "cuda"
@@ -117,6 +119,8 @@ def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.
         step_model = torch.nn.parallel.DistributedDataParallel(
             step_model, device_ids=[device.index] if on_gpu else None, gradient_as_bucket_view=True)
     model.activation_checkpointing = bool(settings.activation_checkpointing)
+    if isinstance(model, DFlash2DraftModel):
+        model.selector_loss_weight = float(settings.selector_loss_weight)
     if settings.compile and on_gpu:
         if ddp:
             whole_layer_graphs_under_ddp()

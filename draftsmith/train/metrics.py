@@ -33,9 +33,10 @@ def expected_acceptance_length(acc: list[float]) -> float:
 
 class Metrics:
     """Sums of :class:`draftsmith.modeling.DFlashTrainOutput` fields over batches (and ranks), float64 on
-    ``device``: ``nslot`` = block size - 1 predicted positions per block."""
+    ``device``: ``nslot`` = block size - 1 predicted positions per block; ``selector``: also the DFlash2
+    selector's (:class:`draftsmith.modeling_dflash2.DFlash2TrainOutput`)."""
 
-    def __init__(self, nslot: int, device: torch.device):
+    def __init__(self, nslot: int, device: torch.device, selector: bool = False):
         self.t = {"loss_w": torch.zeros((), dtype=torch.float64, device=device),
                   "weight": torch.zeros((), dtype=torch.float64, device=device),
                   "ce": torch.zeros(nslot, dtype=torch.float64, device=device),
@@ -43,6 +44,10 @@ class Metrics:
                   "count": torch.zeros(nslot, dtype=torch.float64, device=device),
                   "accept": torch.zeros((), dtype=torch.float64, device=device),
                   "blocks": torch.zeros((), dtype=torch.float64, device=device)}
+        self.selector = selector
+        if selector:
+            for key in ("selector_ce", "selector_correct", "candidate_recall"):
+                self.t[key] = torch.zeros(nslot, dtype=torch.float64, device=device)
 
     def add(self, out) -> None:
         self.t["loss_w"] += out.weighted_ce.detach().double()
@@ -52,6 +57,10 @@ class Metrics:
         self.t["count"] += out.count.double()
         self.t["accept"] += out.accept_sum.double()
         self.t["blocks"] += out.full_blocks.double()
+        if self.selector:
+            self.t["selector_ce"] += out.selector_ce_sum.double()
+            self.t["selector_correct"] += out.selector_correct.double()
+            self.t["candidate_recall"] += out.candidate_recall.double()
 
     def all_reduce(self) -> None:
         if dist.is_initialized():
@@ -62,6 +71,13 @@ class Metrics:
         t = {k: v.cpu() for k, v in self.t.items()}
         count = t["count"].clamp_min(1)
         acc = (t["correct"] / count).tolist()
+        selector = {}
+        if self.selector:  # teacher-forced: the gold predecessor, the serving candidates
+            sel_acc = (t["selector_correct"] / count).tolist()
+            selector = {"selector_ce_per_position": (t["selector_ce"] / count).tolist(),
+                        "selector_accuracy_per_position": sel_acc,
+                        "candidate_recall_per_position": (t["candidate_recall"] / count).tolist(),
+                        "selector_tau_expected": expected_acceptance_length(sel_acc)}
         return {
             "loss": float(t["loss_w"] / t["weight"].clamp_min(1e-12)),
             "ce_per_position": (t["ce"] / count).tolist(),
@@ -70,6 +86,7 @@ class Metrics:
             "tau_expected": expected_acceptance_length(acc),
             "tau_blocks": float(1 + t["accept"] / t["blocks"].clamp_min(1)),
             "full_blocks": int(t["blocks"]),
+            **selector,
         }
 
 
@@ -82,7 +99,7 @@ def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use
     the embedding's dtype)."""
     was_training = model.training
     model.eval()
-    metrics = Metrics(model.block_size - 1, device)
+    metrics = Metrics(model.block_size - 1, device, selector=hasattr(model, "candidate_selector"))
     with torch.no_grad():
         for batch in batches:
             batch = batch.to(device, non_blocking=True).dequantize(feature_dtype or embed.dtype)
@@ -235,3 +252,10 @@ def log_heldout(writer, metrics: dict, step: int) -> None:
     log.info("step %d held-out: loss %.4f, tau_expected %.3f, tau_blocks %.3f, acc %s", step, metrics["loss"],
              metrics["tau_expected"], metrics["tau_blocks"],
              " ".join(f"{a:.2f}" for a in metrics["accuracy_per_position"]))
+    if "selector_tau_expected" in metrics:  # DFlash2
+        if writer is not None:
+            writer.add_scalar("eval/selector_tau_expected", metrics["selector_tau_expected"], step)
+        log.info("step %d held-out selector (teacher-forced): tau_expected %.3f, acc %s, candidate recall %s", step,
+                 metrics["selector_tau_expected"],
+                 " ".join(f"{a:.2f}" for a in metrics["selector_accuracy_per_position"]),
+                 " ".join(f"{a:.2f}" for a in metrics["candidate_recall_per_position"]))

@@ -21,7 +21,8 @@ log = logging.getLogger("draftsmith.train")
 
 def build_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, drafter: DrafterOptions,
                        vocab_size: int):
-    """The drafter's ``Qwen3Config`` from the target config, the drafter settings and the features' layer ids
+    """The drafter's config (:class:`~draftsmith.drafter_config.DFlashConfig`, or ``DFlash2Config`` for
+    ``drafter.architecture: dflash2``) from the target config, the drafter settings and the features' layer ids
     (``index``: the features' index, or their :class:`~draftsmith.train.plan.FeatureMeta`).
 
     The mask token is ``drafter.mask_token_id``, else one the target's tokenizer offers
@@ -55,7 +56,10 @@ def build_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, draf
         layer_types=None if drafter.layer_types is None else list(drafter.layer_types),
         sliding_window=drafter.sliding_window, is_causal=drafter.is_causal,
         intermediate_size=drafter.intermediate_size, num_attention_heads=drafter.num_attention_heads,
-        num_key_value_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim, rope_theta=drafter.rope_theta)
+        num_key_value_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim, rope_theta=drafter.rope_theta,
+        architecture=drafter.architecture, conv_kernel_size=drafter.conv_kernel_size,
+        conv_group_size=drafter.conv_group_size, selector_rank=drafter.selector_rank,
+        selector_top_k=drafter.selector_top_k)
 
 
 def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool

@@ -41,6 +41,7 @@ class TrainOptions(SectionSettings):
     eval_fraction: float
     attention: str
     compile: bool
+    selector_loss_weight: float  # DFlash2 drafters only
     # runtime keys: how the run goes, not what it trains
     save_every: int
     eval_every: int
@@ -55,7 +56,7 @@ class TrainOptions(SectionSettings):
 
 @dataclass(frozen=True)
 class DrafterOptions(SectionSettings):
-    """The ``drafter`` section: the drafter's shape, its tapped target layers and its mask token."""
+    """The ``drafter`` section: the drafter's architecture and shape, its tapped target layers and its mask token."""
 
     SECTION: ClassVar[str] = "drafter"
     num_layers: int
@@ -71,6 +72,11 @@ class DrafterOptions(SectionSettings):
     num_key_value_heads: int | None
     head_dim: int | None
     rope_theta: float | None
+    architecture: str  # dflash | dflash2
+    conv_kernel_size: int  # the conv_* / selector_* keys: dflash2 only
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 @dataclass(frozen=True)

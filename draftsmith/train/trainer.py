@@ -26,7 +26,7 @@ from draftsmith.drafter_config import default_loss_gamma, drafter_config_dict
 from draftsmith.features import FeatureIndex, verify_chunk_sha256
 from draftsmith.flops import step_flops
 from draftsmith.io import write_json
-from draftsmith.modeling import DFlashDraftModel
+from draftsmith.modeling_dflash2 import DFlash2DraftModel, model_class_for
 from draftsmith.progress import progress
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_weight
@@ -170,12 +170,13 @@ class Trainer:
         tied = head is embed
         self.embed = embed.to(device=device, dtype=self.feature_dtype)
         self.head = self.embed if tied else head.to(device=device, dtype=self.feature_dtype)
-        self.block = self.config.dflash_config["block_size"]
+        self.block = self.config.block_size
         self.gamma = float(cfg.loss_gamma or default_loss_gamma(self.block))
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialised where it trains: a large drafter built on one CPU thread is slow
-            self.model = DFlashDraftModel(self.config)
+            self.model = model_class_for(self.config.architectures)(self.config)
         self.model.train()
+        self.selector = isinstance(self.model, DFlash2DraftModel)  # DFlash2: the selector's metrics too
         self.optimizer, self.params = make_optimizer(self.model, cfg, self.on_gpu)
         self.fingerprint, self.ckpt_dir = "", self.out_dir / "checkpoints"
         self.history: list[dict] = []
@@ -231,8 +232,9 @@ class Trainer:
         # the third step of this run (the optimizer state exists, DDP has rebuilt its buckets) by memory phase
         self.memory = StepMemory(self.device) if self.on_gpu else None
         self.memory_step = start_step + 2
-        log.info("drafter: %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels "
-                 "%s; %d steps (%s, warmup %d), %d process(es) on %s", self.config.num_hidden_layers,
+        log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels "
+                 "%s; %d steps (%s, warmup %d), %d process(es) on %s", self.config.ARCHITECTURE,
+                 self.config.num_hidden_layers,
                  self.config.hidden_size, n_params, n_params / 1e6, self.block, self.gamma,
                  "target tokens" if data.use_target_tokens else "data tokens", self.total_steps, steps_note,
                  self.warmup, ranks.world, self.device)
@@ -403,7 +405,7 @@ class Trainer:
                 lr = cfg.lr * lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                metrics = Metrics(block - 1, device)
+                metrics = Metrics(block - 1, device, selector=self.selector)
                 phases = self.memory if step == self.memory_step else None  # one step's memory by phase (GPU)
                 mark = phases.mark if phases is not None else lambda phase: None
                 if phases is not None:
@@ -488,7 +490,8 @@ class Trainer:
             "samples": {"total": data.num_samples, "train": len(data.train_ids),
                         "heldout": len(data.heldout_ids), "train_truncated": data.truncated},
             "rows_skipped_at_epoch_ends": skipped, "tokens_per_batch": int(self.cfg.tokens_per_batch),
-            "block_size": self.block, "gamma": self.gamma, "labels": "target" if data.use_target_tokens else "data",
+            "architecture": self.config.ARCHITECTURE, "block_size": self.block, "gamma": self.gamma,
+            "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
             "memory_by_phase_gib": (earlier["memory_by_phase_gib"] if earlier
