@@ -36,6 +36,7 @@ from draftsmith.features import (
     subset_label,
     write_chunk,
 )
+from draftsmith.gpu import GpuOptions
 from draftsmith.io import progress, read_json, sha256_file, target_fingerprint, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import (
@@ -267,6 +268,7 @@ class ExtractShardSettings(StageSettings):
     STAGE: ClassVar[str] = "extract_shard"
     extract: ShardExtractOptions
     target: ShardTargetOptions
+    gpu: GpuOptions
 
 
 @dataclass(frozen=True)
