@@ -277,9 +277,10 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
     lease = acquire(n)
     waited = time.monotonic() - t0
     _HELD.append(lease)
+    empty_pool = _no_pool_reason() if n > 0 and not lease.devices else None  # before the export below
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(lease.devices)
     if n > 0:
-        reason = unusable_reason(lease.devices)
+        reason = empty_pool or unusable_reason(lease.devices)
         if reason is not None and not cpu_fallback:
             lease.release()
             raise GpuUnavailableError(
