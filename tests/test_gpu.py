@@ -384,3 +384,78 @@ def test_devices_torch_cannot_see_are_a_reason(monkeypatch):
     assert gpu.unusable_reason(["0", "7"]) == ("CUDA_VISIBLE_DEVICES=0,7 but torch sees 1 CUDA device(s) (ids the "
                                                "driver does not know, or a driver that does not start)")
     assert gpu.unusable_reason(["3"]) is None
+
+
+# Every GPU rule's script run as Snakemake runs it (a stand-in for the `snakemake` object: the schema's defaults, the
+# rule's params, inputs that do not exist): with CUDA_VISIBLE_DEVICES=0 and this CPU torch it stops at the lease,
+# naming the torch build, before reading anything; with the rule's gpus 0, or gpu.cpu_fallback, it gets past the
+# lease (and then fails on its missing inputs).
+RULE_SCRIPTS = r"""
+import json, os, runpy, sys
+from types import SimpleNamespace as NS
+
+import yaml
+
+from draftsmith import gpu
+from draftsmith.config import schema_defaults
+from draftsmith.stages import rule_params
+
+schema = yaml.safe_load(open("schemas/config.schema.yaml"))
+cases, tmp = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for rule, n, fallback in cases:
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # a lease of 0 GPUs exported ""
+    config = {section: schema_defaults(section) for section in schema["properties"]}
+    config["gpu"]["cpu_fallback"] = fallback
+    missing = f"{tmp}/missing"
+    files = NS(index=missing, target=missing, train=missing, plan=missing, conversations=missing, drafter=missing,
+               eval=missing, tokenized=missing, trainer_state=missing, state=f"{tmp}/out/trained/state.json",
+               marker=f"{tmp}/out/phases/phase-0.json")
+    files.__dict__.update({"0": missing})
+    snakemake = NS(log=[f"{tmp}/{rule}.log"], config=config, resources=NS(gpu=n), threads=1,
+                   params=NS(settings=rule_params(config, rule), sources=[]), wildcards=NS(shard="0", phase="0"),
+                   input=NS(**{k: v for k, v in vars(files).items() if k not in ("state", "marker")}),
+                   output=[f"{tmp}/out/{rule}"])
+    if rule == "train":
+        snakemake.output = NS(state=files.state)
+    if rule == "train_phase":
+        snakemake.output = NS(marker=files.marker)
+    if rule == "evaluate":
+        snakemake.output = {k: f"{tmp}/out/{k}" for k in ("json", "md", "tau", "positions", "histogram")}
+    try:
+        runpy.run_path(f"scripts/{rule}.py", init_globals={"snakemake": snakemake})
+        results[f"{rule} {n} {fallback}"] = "ran"
+    except gpu.GpuUnavailableError as exc:
+        results[f"{rule} {n} {fallback}"] = str(exc)
+    except BaseException as exc:
+        results[f"{rule} {n} {fallback}"] = type(exc).__name__
+    for lease in gpu._HELD:
+        lease.release()
+    gpu._HELD.clear()
+print(json.dumps(results))
+"""
+
+GPU_RULES = ("regenerate_shard", "extract_shard", "extract_slice", "extract_heldout", "train", "train_phase",
+             "evaluate")
+
+
+def test_every_gpu_rule_with_a_cpu_torch_stops_unless_the_config_asks_for_the_cpu(tmp_path):
+    import torch
+
+    cases = [[rule, 1, False] for rule in GPU_RULES]
+    cases += [["regenerate_shard", 0, False], ["evaluate", 0, False], ["extract_shard", 1, True]]
+    env = dict(_env(tmp_path, "0"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([PY, "-c", RULE_SCRIPTS, json.dumps(cases), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    jobs = {"regenerate_shard": "regenerate shard 0", "extract_shard": "extract_shard 0",
+            "extract_slice": "extract_slice 0/0", "extract_heldout": "extract_heldout", "train": "train",
+            "train_phase": "train_phase 0", "evaluate": "evaluate"}
+    for rule, job in jobs.items():
+        assert results[f"{rule} 1 False"].startswith(
+            f"{job} asks for 1 GPU(s) but can use none: torch {torch.__version__} is built without CUDA "
+            "(torch.version.cuda is None) although CUDA_VISIBLE_DEVICES=0"), (rule, results)
+    # the CPU on purpose: past the lease, stopped by the missing inputs
+    for case in ("regenerate_shard 0 False", "evaluate 0 False", "extract_shard 1 True"):
+        assert "GPU" not in results[case] and results[case] != "ran", (case, results[case])
