@@ -290,6 +290,8 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
             logger.warning("no usable GPU (%s): this GPU job runs on the CPU (gpu.cpu_fallback)", reason)
         else:
             logger.info("leased GPU(s) %s after waiting %.1f s", ",".join(lease.devices), waited)
+    else:
+        logger.info("no GPU asked for (gpus: 0): this job runs on the CPU")
     if record is not None and n > 0:
         name, record = job or os.path.basename(sys.argv[0]), os.path.abspath(record)
         record_lease(record, "leased", name, lease.devices, waited)
@@ -397,8 +399,8 @@ def end_children(grace_s: float | None = None) -> list[int]:
     (default :data:`END_GRACE_S`); reap the children. Returns the pids that were running. Runs at exit and on
     SIGTERM / SIGINT once :func:`spawn` was called."""
     grace_s = END_GRACE_S if grace_s is None else grace_s
-    procs = [p for p in _CHILDREN if p.poll() is None]
-    others = sorted({d for p in _CHILDREN for d in descendants(p.pid)})
+    procs = [p for p in _CHILDREN if p.poll() is None]  # not reaped: their pids are still theirs
+    others = sorted({d for p in procs for d in descendants(p.pid)})
     running = [p.pid for p in procs] + others
     if not running:
         return []
