@@ -14,6 +14,23 @@ node-local pool of lock files instead:
   current process for in-process leases), so the lease lives exactly as long as the job's processes
   and the kernel frees it the moment they exit, killed or not.
 
+A job's own processes (torchrun and its trainers, evaluate's decoding workers) are started with :func:`spawn`, so
+that none outlives the job and none runs on a device the job no longer holds:
+
+* each child gets the job's lock fds (``pass_fds``): it holds the lease too, and the devices stay leased until the
+  last holder exits (an orphaned child keeps its devices, so the next job can never be given them);
+* each child runs in its own session (process group); at exit, and on SIGTERM / SIGINT (handlers :func:`spawn`
+  installs), the job ends every child and every descendant it can find (``/proc``): SIGTERM, then SIGKILL after
+  :data:`END_GRACE_S` seconds (:func:`end_children`);
+* a job killed with SIGKILL runs no handler: on Linux each child asked the kernel for SIGKILL when the job dies
+  (``prctl(PR_SET_PDEATHSIG)`` through ctypes, before ``exec``), and torchrun's trainers ask the same of torchrun
+  (:func:`die_with_parent`, which ``python -m draftsmith.train`` calls under torchrun: torchrun starts them in
+  sessions of their own, without the lock fds). ``PR_SET_PDEATHSIG`` fires when the *thread* that started the
+  child exits: :func:`spawn` is called from the main thread. Elsewhere than Linux only the handlers apply.
+
+GPU rules that get no usable device stop, naming why (:func:`check_devices`), unless the rule asks for none
+(``gpus: 0``) or the config allows the CPU (``gpu.cpu_fallback``, the CPU default's setting).
+
 Two ways to use it::
 
     python -m draftsmith.gpu --gpus 2 -- torchrun --nproc-per-node 2 -m draftsmith.train ...
@@ -21,21 +38,27 @@ Two ways to use it::
     from draftsmith.gpu import lease_gpus
     devices = lease_gpus(1)   # before torch initialises CUDA; sets CUDA_VISIBLE_DEVICES
 
-On a machine without GPUs the pool is empty: the lease logs a warning and the job runs on the CPU
-(``CUDA_VISIBLE_DEVICES=""``).
+With ``python -m draftsmith.gpu`` a machine without GPUs gives an empty pool: the command runs on the CPU
+(``CUDA_VISIBLE_DEVICES=""``) after a warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import fcntl
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from draftsmith.settings import SectionSettings
 
 log = logging.getLogger("draftsmith.gpu")
 
@@ -186,34 +209,254 @@ def record_lease(path: str | os.PathLike, event: str, job: str, devices: list[st
         os.close(fd)
 
 
-def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None = None,
-               record: str | os.PathLike | None = None) -> list[str]:
-    """Lease ``n`` GPUs for the rest of this process and export ``CUDA_VISIBLE_DEVICES``.
+@dataclass(frozen=True)
+class GpuOptions(SectionSettings):
+    """The ``gpu`` section, which every GPU rule reads: ``cpu_fallback`` (run on the CPU, with a warning, when no
+    GPU is usable, instead of stopping; :func:`lease_gpus`)."""
 
-    Call before anything initialises CUDA. Returns the device ids (``[]`` on a CPU-only machine,
-    after logging a warning: the job then runs on the CPU). With ``record`` (the workflow passes
-    :data:`LEASE_LOG`), the lease and its release at process exit are appended there under ``job``'s name
-    (:func:`record_lease`; a killed process leaves no release line).
+    SECTION: ClassVar[str] = "gpu"
+    cpu_fallback: bool
+
+
+class GpuUnavailableError(RuntimeError):
+    """A job asks for GPUs and gets none it can use (no device in the pool, torch built without CUDA, devices
+    torch cannot see), and the config does not allow the CPU."""
+
+
+def _no_pool_reason() -> str:
+    """Why :func:`device_pool` is empty, in words."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return f"CUDA_VISIBLE_DEVICES is {env!r}, which names no device"
+    if shutil.which("nvidia-smi") is None:
+        return "CUDA_VISIBLE_DEVICES is not set and there is no nvidia-smi on the PATH (no NVIDIA driver)"
+    return "CUDA_VISIBLE_DEVICES is not set and nvidia-smi -L lists no GPU"
+
+
+def unusable_reason(devices: list[str]) -> str | None:
+    """Why torch cannot run on ``devices`` (leased ids, already exported as ``CUDA_VISIBLE_DEVICES``), or None
+    when it can: torch built without CUDA, or fewer devices visible to torch than leased (ids the driver does not
+    know, or a driver that does not start). Imports torch; counts devices (``torch.cuda.device_count``) without
+    creating a CUDA context, so CUDA still starts later on exactly these devices."""
+    if not devices:
+        return _no_pool_reason()
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None) although "
+                f"CUDA_VISIBLE_DEVICES={','.join(devices)}: install a CUDA build of torch")
+    seen = torch.cuda.device_count()
+    if seen < len(devices):
+        return (f"CUDA_VISIBLE_DEVICES={','.join(devices)} but torch sees {seen} CUDA device(s) "
+                f"(ids the driver does not know, or a driver that does not start)")
+    return None
+
+
+def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None = None,
+               record: str | os.PathLike | None = None, cpu_fallback: bool = False) -> list[str]:
+    """Lease ``n`` GPUs for the rest of this process and export ``CUDA_VISIBLE_DEVICES``; stop when the job
+    cannot use them.
+
+    Call before anything initialises CUDA. Returns the device ids; ``[]`` for ``n == 0`` (the config asks for the
+    CPU: ``CUDA_VISIBLE_DEVICES=""``). With ``record`` (the workflow passes :data:`LEASE_LOG`), the lease and its
+    release at process exit are appended there under ``job``'s name (:func:`record_lease`; a killed process
+    leaves no release line). Processes the job starts with :func:`spawn` hold the lease too.
+
+    Args:
+        cpu_fallback: ``gpu.cpu_fallback``: with no usable GPU, log a warning with the reason and run on the CPU
+            (devices leased are kept, unused) instead of stopping.
+
+    Raises:
+        GpuUnavailableError: ``n > 0``, no usable GPU (:func:`unusable_reason` says why: an empty pool, torch built
+            without CUDA, devices torch cannot see) and not ``cpu_fallback``; the message names the reason and
+            the two ways to run on the CPU on purpose.
+        GpuLeaseError: ``n`` exceeds the pool.
     """
     logger = logger or log
     t0 = time.monotonic()
     lease = acquire(n)
     waited = time.monotonic() - t0
     _HELD.append(lease)
+    empty_pool = _no_pool_reason() if n > 0 and not lease.devices else None  # before the export below
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(lease.devices)
-    if n > 0 and not lease.devices:
-        logger.warning("no GPU found (CUDA_VISIBLE_DEVICES unset and no nvidia-smi devices): "
-                       "this GPU job runs on the CPU")
+    if n > 0:
+        reason = empty_pool or unusable_reason(lease.devices)
+        if reason is not None and not cpu_fallback:
+            lease.release()
+            raise GpuUnavailableError(
+                f"{job or os.path.basename(sys.argv[0])} asks for {n} GPU(s) but can use none: {reason}. Run on "
+                "the CPU on purpose with the rule's gpus: 0, or gpu.cpu_fallback: true (the CPU default's)")
+        if reason is not None:
+            logger.warning("no usable GPU (%s): this GPU job runs on the CPU (gpu.cpu_fallback)", reason)
+        else:
+            logger.info("leased GPU(s) %s after waiting %.1f s", ",".join(lease.devices), waited)
     else:
-        logger.info("leased GPU(s) %s after waiting %.1f s", ",".join(lease.devices) or "none", waited)
+        logger.info("no GPU asked for (gpus: 0): this job runs on the CPU")
     if record is not None and n > 0:
-        import atexit
-
         name, record = job or os.path.basename(sys.argv[0]), os.path.abspath(record)
         record_lease(record, "leased", name, lease.devices, waited)
         held_from = time.monotonic()
         atexit.register(lambda: record_lease(record, "released", name, lease.devices, time.monotonic() - held_from))
     return lease.devices
+
+
+# -- the job's processes: they hold its lease and end with it (module docstring) ---------------------------------
+
+#: Seconds between the SIGTERM and the SIGKILL with which a job ends its processes.
+END_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_CHILDREN: list[subprocess.Popen] = []
+_HANDLERS: list[int] = []  # signals whose handler is installed
+
+
+def _prctl():
+    """libc's ``prctl`` through ctypes on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux ``prctl(PR_SET_PDEATHSIG)``);
+    when the parent is already gone (this process was reparented before the request), send it now. ``python -m
+    draftsmith.train`` calls it under torchrun, whose trainers would otherwise outlive a killed torchrun. Returns
+    False where the kernel offers no such request (not Linux)."""
+    prctl = _prctl()
+    parent = os.getppid()
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, their children, ...), read from ``/proc`` (Linux; ``[]``
+    elsewhere). Processes already reparented away from the tree are not found: :func:`die_with_parent` ends
+    those."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and ')'
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        if os.path.isdir("/proc/self"):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _signal_all(procs: list[subprocess.Popen], others: list[int], sig: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)  # its session's process group (it leads it: start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for pid in others:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def end_children(grace_s: float | None = None) -> list[int]:
+    """End every process this job started with :func:`spawn` and every descendant of theirs: SIGTERM to each
+    child's process group and each descendant, then SIGKILL to whatever still runs after ``grace_s`` seconds
+    (default :data:`END_GRACE_S`); reap the children. Returns the pids that were running. Runs at exit and on
+    SIGTERM / SIGINT once :func:`spawn` was called."""
+    grace_s = END_GRACE_S if grace_s is None else grace_s
+    procs = [p for p in _CHILDREN if p.poll() is None]  # not reaped: their pids are still theirs
+    others = sorted({d for p in procs for d in descendants(p.pid)})
+    running = [p.pid for p in procs] + others
+    if not running:
+        return []
+    log.warning("ending this job's processes %s (SIGTERM, SIGKILL after %.0f s)", running, grace_s)
+    _signal_all(procs, others, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in procs) and not any(_alive(pid) for pid in others):
+            break
+        time.sleep(0.05)
+    else:
+        _signal_all(procs, [pid for pid in others if _alive(pid)], signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.error("process %d did not exit after SIGKILL", proc.pid)
+    return running
+
+
+def _on_signal(signum: int, frame) -> None:
+    end_children()
+    raise SystemExit(128 + signum)  # unwinds the job (atexit runs: the lease log's release line)
+
+
+def _install_handlers() -> None:
+    if _HANDLERS:
+        return
+    atexit.register(end_children)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal)
+            _HANDLERS.append(sig)
+    else:
+        _HANDLERS.append(0)
+
+
+def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """Start ``cmd`` (``subprocess.Popen(cmd, **popen_kwargs)``) as a process of this job, one that cannot outlive
+    it: it inherits the lock fds of this process's leases (it holds the lease too), runs in a session of its own,
+    gets SIGKILL from the kernel if this process dies (Linux ``PR_SET_PDEATHSIG``, set before ``exec``; call from
+    the main thread, as that signal follows the thread that started it), and is ended with its descendants at
+    exit and on SIGTERM / SIGINT (:func:`end_children`; handlers installed on the first call)."""
+    _install_handlers()
+    fds = tuple(fd for lease in _HELD for fd in lease.fds) + tuple(popen_kwargs.pop("pass_fds", ()))
+    prctl, parent = _prctl(), os.getpid()
+
+    def in_child() -> None:  # after fork, before exec
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the job died in between: the request above came too late
+            os._exit(1)
+
+    proc = subprocess.Popen(cmd, pass_fds=fds, start_new_session=True, preexec_fn=in_child, **popen_kwargs)
+    _CHILDREN.append(proc)
+    return proc
 
 
 def capture_graph(device, run, failures: dict, key, what: str, reset=lambda: None,
@@ -269,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m draftsmith.gpu", description=main.__doc__)
     parser.add_argument("--gpus", type=int, required=True, help="devices to lease")
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait at most")
+    parser.add_argument("--cpu-fallback", action="store_true",
+                        help="with no GPU in the pool, run CMD on the CPU (a warning) instead of stopping")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -283,7 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(lease.devices),
                DRAFTSMITH_GPU_LEASE=",".join(lease.devices) or "cpu")
     if args.gpus > 0 and not lease.devices:
-        log.warning("no GPU found: running %s on the CPU", cmd[0])
+        if not args.cpu_fallback:
+            print(f"draftsmith.gpu: {cmd[0]} asks for {args.gpus} GPU(s) but the pool has none: "
+                  f"{_no_pool_reason()} (--cpu-fallback runs it on the CPU)", file=sys.stderr)
+            return 2
+        log.warning("no GPU found (%s): running %s on the CPU", _no_pool_reason(), cmd[0])
     else:
         log.info("leased GPU(s) %s for %s", env["CUDA_VISIBLE_DEVICES"] or "none", cmd[0])
     sys.stdout.flush()

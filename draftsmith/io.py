@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -190,6 +192,54 @@ def json_list(value: Any, field: str) -> list | None:
     if not isinstance(value, list):
         raise ValueError(f"field {field}: expected a JSON list, got {type(value).__name__}")
     return value
+
+
+class FolderLockedError(RuntimeError):
+    """Another live process writes the folder (:func:`lock_folder`); the message names its pid and host."""
+
+
+#: Folder locks this process holds (path -> fd): kept open for the life of the process.
+_FOLDER_LOCKS: dict[str, int] = {}
+
+
+def lock_folder(folder: str | os.PathLike, *, name: str = "writer.lock", what: str = "folder") -> Path:
+    """Make this process the only writer of ``folder``: ``<folder>/<name>`` (created with the folder), ``flock``-ed
+    exclusively without waiting, and rewritten to hold this process's pid, host and start time as JSON. The lock
+    lasts as long as this process: the kernel drops it when the process exits, killed or not (the file stays; the
+    next writer rewrites it). Locking a folder this process already holds does nothing. On a network file system
+    the lock is as good as its ``flock`` (NFS v4: held across hosts). Returns the lock file's path.
+
+    Raises:
+        FolderLockedError: another process holds the lock; the message names ``what``, the folder, the holder's
+            pid and host (as it wrote them) and the lock file.
+    """
+    folder = Path(folder)
+    key = str(folder.resolve())
+    path = folder / name
+    if key in _FOLDER_LOCKS:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        raise FolderLockedError(
+            f"{what} {folder} is written by another run: pid {holder.get('pid', '?')} on host "
+            f"{holder.get('host', '?')} holds {path}. Two writers would mix their files: wait for it or end it "
+            "(the lock goes with its process)") from None
+    from datetime import datetime, timezone
+
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    _FOLDER_LOCKS[key] = fd
+    return path
 
 
 def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:

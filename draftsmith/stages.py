@@ -42,6 +42,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                        "runtime": ("engine", "batch_size", "memory_gib", "fuse", "chunk_size", "gpus")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "tokenize": {"output": ("chat_template_kwargs", "max_length")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     # the assembler: checks it was given every shard (what it writes is the shards' rows, whatever their number)
     "regenerate": {"regenerate": {"runtime": ("shards",)}},
@@ -64,6 +65,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     "merge": {"merge": {"runtime": ("verify_sha256",)}},
     # stream mode (stream.slices > 1, docs/stream.md): the global plan, each slice's extraction and merge, a phase
@@ -84,11 +86,13 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     "extract_slice": {
         "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     "merge_slice": {"merge": {"runtime": ("verify_sha256",)}},
     "train_phase": {
@@ -105,6 +109,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                                "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
                                "selector_top_k")},
         "stream": {"output": ("slices", "reuse", "heldout_samples")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     "train": {
         "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
@@ -119,6 +124,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                                "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
                                "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
                                "selector_top_k")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
     "export": {"drafter": {"output": ("export_dtype",)}},
     # before regeneration: an upper bound of the features against the free disk (checks only; never reruns)
@@ -138,6 +144,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                      "runtime": ("gpus", "rollback", "static_cache", "progress_interval",
                                  "checkpoint_interval")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        "gpu": {"runtime": ("cpu_fallback",)},
     },
 }
 

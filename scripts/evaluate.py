@@ -8,14 +8,15 @@ from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 
 log = setup_logging(snakemake.log[0])
-lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG)
 torch.set_num_threads(snakemake.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# the stage after the lease and after HF_HUB_OFFLINE, which huggingface_hub reads when it is imported
+# the stage after HF_HUB_OFFLINE, which huggingface_hub reads when it is imported; the lease before CUDA starts
 from draftsmith.evaluate import EvaluateSettings, run_evaluate  # noqa: E402
 
 settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)
+lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG,
+           cpu_fallback=settings.gpu.cpu_fallback)
 
 report = run_evaluate(
     target_dir=snakemake.input.target,

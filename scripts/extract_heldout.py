@@ -12,14 +12,16 @@ from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import read_json, setup_logging
 
 log = setup_logging(snakemake.log[0])
-lease_gpus(int(snakemake.resources.gpu), logger=log, job="extract_heldout", record=LEASE_LOG)
 
-# torch and the stage only after the lease: CUDA must start on the leased GPU
+# torch is imported before the lease, CUDA starts after it, on the leased GPU only
 import torch  # noqa: E402
 
 from draftsmith.extract import ExtractHeldoutSettings, extract_shard  # noqa: E402
 from draftsmith.merge import MergeSettings, merge_features  # noqa: E402
 
+settings = ExtractHeldoutSettings.from_rule(snakemake.params.settings, snakemake.config)
+lease_gpus(int(snakemake.resources.gpu), logger=log, job="extract_heldout", record=LEASE_LOG,
+           cpu_fallback=settings.gpu.cpu_fallback)
 torch.set_num_threads(int(snakemake.threads))
 out = Path(snakemake.output[0])
 if not read_json(snakemake.input.plan)["shards"][0]["rows"]:
@@ -32,7 +34,7 @@ else:
         target_dir=snakemake.input.target,
         manifest_path=out / "shard-0" / "manifest.json",
         shard=0,
-        settings=ExtractHeldoutSettings.from_rule(snakemake.params.settings, snakemake.config),
+        settings=settings,
         staging_dir=out.parent / ".staging" / "heldout" / "shard-0",
         device="cuda" if torch.cuda.is_available() else "cpu",
     )

@@ -8,17 +8,15 @@ from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 
 log = setup_logging(snakemake.log[0])
-lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",
-           record=LEASE_LOG)  # sets CUDA_VISIBLE_DEVICES
-
-# torch and the stage after the lease, so that CUDA starts on the leased GPU only
+# torch is imported before the lease, CUDA starts after it, on the leased GPU only
 import torch  # noqa: E402
-
-torch.set_num_threads(int(snakemake.threads))
 
 from draftsmith.extract.shard import ExtractShardSettings, extract_shard  # noqa: E402
 
 settings = ExtractShardSettings.from_rule(snakemake.params.settings, snakemake.config)
+lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_shard {snakemake.wildcards.shard}",
+           record=LEASE_LOG, cpu_fallback=settings.gpu.cpu_fallback)  # sets CUDA_VISIBLE_DEVICES
+torch.set_num_threads(int(snakemake.threads))
 extract_shard(
     plan_path=snakemake.input.plan,
     tokenized_path=snakemake.input.train,

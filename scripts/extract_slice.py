@@ -12,15 +12,16 @@ from draftsmith.io import setup_logging
 
 log = setup_logging(snakemake.log[0])
 phase, shard = int(snakemake.wildcards.phase), int(snakemake.wildcards.shard)
-lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_slice {phase}/{shard}", record=LEASE_LOG)
 
-# torch and the stage only after the lease: CUDA must start on the leased GPU
+# torch is imported before the lease, CUDA starts after it, on the leased GPU only
 import torch  # noqa: E402
 
 from draftsmith.extract import ExtractSliceSettings, extract_shard  # noqa: E402
 
-torch.set_num_threads(int(snakemake.threads))
 settings = ExtractSliceSettings.from_rule(snakemake.params.settings, snakemake.config)
+lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"extract_slice {phase}/{shard}", record=LEASE_LOG,
+           cpu_fallback=settings.gpu.cpu_fallback)
+torch.set_num_threads(int(snakemake.threads))
 out = Path(snakemake.output[0])
 extract_shard(
     plan_path=snakemake.input.plan,

@@ -29,4 +29,4 @@ else:
     args = ["--index", snakemake.input.index]
 run_trainer([*args, "--target", snakemake.input.target, "--out", str(out_dir), "--args",
              json.dumps(settings.to_dict())], gpus=int(snakemake.resources.gpu), threads=snakemake.threads, log=log,
-            job="train")
+            job="train", cpu_fallback=settings.gpu.cpu_fallback)

@@ -28,4 +28,4 @@ for name in ("heldout", "previous"):  # previous: a list from an input function,
         args += [f"--{name}", str(value if isinstance(value, str) else value[0])]
 run_trainer([*args, "--target", snakemake.input.target, "--out", str(marker.parent.parent), "--args",
              json.dumps(settings.to_dict())], gpus=int(snakemake.resources.gpu), threads=snakemake.threads, log=log,
-            job=f"train_phase {phase}")
+            job=f"train_phase {phase}", cpu_fallback=settings.gpu.cpu_fallback)

@@ -559,6 +559,42 @@ def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     assert cfg["dflash_config"] == {"target_layer_ids": [1, 2], "mask_token_id": MASK, "block_size": 4}
 
 
+HOLDER = r"""
+import sys
+from draftsmith.io import lock_folder
+lock_folder(sys.argv[1], what="the checkpoint folder")
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_writer_to_a_checkpoint_folder_is_refused(tmp_path):
+    """While a run holds <out>/checkpoints (writer.lock, flock'ed, with its pid and host), python -m draftsmith.train
+    into the same folder stops before it reads or writes anything, naming the holder; once the holder is gone the
+    folder is free at once (the next run gets past the lock to its inputs)."""
+    import socket
+
+    ckpt = tmp_path / "out" / "checkpoints"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    record = json.loads((ckpt / "writer.lock").read_text())
+    assert record["pid"] == holder.pid and record["host"] == socket.gethostname()
+    cmd = [sys.executable, "-m", "draftsmith.train", "--index", str(tmp_path / "missing-index.json"), "--target",
+           str(tmp_path / "no-target"), "--out", str(tmp_path / "out"), "--args", "{}"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 1
+    assert (f"the checkpoint folder {ckpt} is written by another run: pid {holder.pid} on host "
+            f"{socket.gethostname()} holds {ckpt / 'writer.lock'}") in second.stderr
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["checkpoints", "writer.lock"]
+    holder.communicate("\n", timeout=30)
+    after = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert after.returncode != 0 and "written by another run" not in after.stderr
+    assert "missing-index.json" in after.stderr  # it got past the lock to its inputs
+    assert json.loads((ckpt / "writer.lock").read_text())["pid"] != holder.pid  # the new run's record
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_torchrun_ddp_nccl_two_gpus(qwen3_setup, tmp_path):
     """The rule's shape on two GPUs: NCCL bound to each rank's GPU, gradients as views into DDP's buckets; both

@@ -153,6 +153,7 @@ def tiny_config(target: Path, sources: dict[str, Path]) -> dict:
              "humaneval": "eval", "mtbench": "eval"}
     return {
         "target": {"model": str(target), "dtype": "float32"},
+        "gpu": {"cpu_fallback": True},  # as config.yaml: GPU rules run on the CPU here
         "data": {"seed": 0, "eval_fraction": 0.25,
                  "sources": [{"name": n, "path": str(p), "adapter": n, "split": split[n]} for n, p in sources.items()]},
         "tokenize": {"max_length": 192, "chat_template_kwargs": {}},

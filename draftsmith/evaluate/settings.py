@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from draftsmith.config import REMOVED_STOP_TOKENS
+from draftsmith.gpu import GpuOptions
 from draftsmith.settings import SectionSettings, StageSettings
 
 
@@ -65,3 +66,4 @@ class EvaluateSettings(StageSettings):
     STAGE: ClassVar[str] = "evaluate"
     evaluate: EvaluateOptions
     target: TargetOptions
+    gpu: GpuOptions

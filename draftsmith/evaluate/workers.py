@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from draftsmith.evaluate.decoders import EvaluateInputs
 from draftsmith.evaluate.settings import EvaluateSettings
+from draftsmith.gpu import spawn
 from draftsmith.io import write_json
 
 log = logging.getLogger("draftsmith.evaluate")
@@ -48,7 +48,8 @@ def worker_of(conversation_id: str, workers: int) -> int:
 def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings, partial: Path,
                 device: torch.device | str | None, which: list[int]) -> None:
     """Start decoding processes ``which`` of ``workers`` (``python -m draftsmith.evaluate.worker``), worker ``w``
-    on GPU ``w`` of ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all; their log lines go to this job's
+    on GPU ``w`` of ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all (:func:`draftsmith.gpu.spawn`: they
+    hold the job's lease and end with the job); their log lines go to this job's
     log file. They read what to do from ``partial/worker-args.json``: ``inputs``, ``settings`` (as JSON), the
     number of workers, the log file, the device kind and their CPU threads.
 
@@ -74,8 +75,8 @@ def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings
         env = dict(os.environ)
         if cuda:
             env["CUDA_VISIBLE_DEVICES"] = gpus[w]
-        procs.append(subprocess.Popen([sys.executable, "-m", "draftsmith.evaluate.worker", "--worker", str(w),
-                                       "--args", str(args_file)], env=env))
+        procs.append(spawn([sys.executable, "-m", "draftsmith.evaluate.worker", "--worker", str(w),
+                            "--args", str(args_file)], env=env))
     log.info("evaluate: %d decoding workers started (%s)%s", len(which),
              ", ".join(f"worker {w} on GPU {gpus[w]}" if cuda else f"worker {w} on the CPU" for w in which),
              f"; {workers - len(which)} of {workers} had every conversation saved" if len(which) < workers else "")

@@ -36,6 +36,7 @@ from draftsmith.features import (
     subset_label,
     write_chunk,
 )
+from draftsmith.gpu import GpuOptions
 from draftsmith.io import read_json, sha256_file, target_fingerprint, write_json
 from draftsmith.progress import progress
 from draftsmith.settings import SectionSettings, StageSettings
@@ -268,6 +269,7 @@ class ExtractShardSettings(StageSettings):
     STAGE: ClassVar[str] = "extract_shard"
     extract: ShardExtractOptions
     target: ShardTargetOptions
+    gpu: GpuOptions
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from draftsmith.gpu import GpuOptions
 from draftsmith.settings import SectionSettings, StageSettings
 
 #: ``regenerate.engine`` values (:func:`draftsmith.regenerate.static.resolve_engine` says what ``auto`` means)
@@ -110,6 +111,7 @@ class RegenerateShardSettings(StageSettings):
     regenerate: RegenerateOptions
     target: TargetOptions
     tokenize: TokenizeOptions
+    gpu: GpuOptions
 
     @property
     def max_prompt_tokens(self) -> int | None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
+from draftsmith.gpu import die_with_parent
+from draftsmith.io import FolderLockedError, lock_folder
 from draftsmith.train.phases import phase_record, train_final, train_phase
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
 from draftsmith.train.trainer import NonFiniteError, train
@@ -31,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     ``--args`` is JSON ``{"train": {...}, "drafter": {...}}`` (phase: also ``"stream"``; missing keys take the
     defaults).
 
-    Exits 1 when a step's loss or gradient norm is not finite (the error names the step and its rows; the newest
-    checkpoint is kept: :meth:`~draftsmith.train.trainer.Trainer.check_finite`).
+    Under torchrun each process asks to die with torchrun (:func:`draftsmith.gpu.die_with_parent`: torchrun starts
+    it in a session of its own, out of the job's reach). Rank 0 locks ``<out>/checkpoints`` for the run
+    (:func:`draftsmith.io.lock_folder`: ``checkpoints/writer.lock`` with its pid and host) before anything is read
+    or written, so a second run into the same folder stops, naming the first.
+
+    Returns 1 (the message on stderr) when another live run writes ``<out>/checkpoints``, and when a step's loss or
+    gradient norm is not finite (the error names the step and its rows; the newest checkpoint is kept:
+    :meth:`~draftsmith.train.trainer.Trainer.check_finite`).
     """
     import argparse
 
@@ -60,8 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--index is needed to train (offline or a phase), and not read by --final")
     if stream and args.tokenized is None:
         parser.error("stream mode (--phase / --final) needs --tokenized")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: end with it
+        die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(None, level=logging.INFO if rank == 0 else logging.WARNING)  # the rule tees output to its log
+    if rank == 0:
+        try:
+            lock_folder(os.path.join(args.out, "checkpoints"), what="the checkpoint folder")
+        except FolderLockedError as exc:
+            print(f"python -m draftsmith.train: {exc}", file=sys.stderr, flush=True)
+            return 1
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     sections = json.loads(args.args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from draftsmith.gpu import GpuOptions
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import STAGE_KEYS
 
@@ -86,6 +87,7 @@ class TrainSettings(StageSettings):
     STAGE: ClassVar[str] = "train"
     train: TrainOptions
     drafter: DrafterOptions
+    gpu: GpuOptions
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class TrainPhaseSettings(StageSettings):
     train: TrainOptions
     drafter: DrafterOptions
     stream: StreamOptions
+    gpu: GpuOptions
 
 
 #: The ``train`` keys that leave the training trajectory alone (save / eval / log cadence, loader, memory-saving
