@@ -951,14 +951,16 @@ def test_step_gradient_does_not_depend_on_the_split(tmp_path, monkeypatch):
 
 
 def test_a_nan_in_the_features_stops_training_naming_the_step_and_rows(qwen3_setup, tmp_path):
-    """A NaN written into one merged chunk after merge (extraction and merge refuse them; the chunk checksum check
-    is off by default): ``python -m draftsmith.train`` stops at the step that reads it, names the step, the
+    """A NaN in one merged chunk (extraction and merge refuse them; here one written into a chunk whose sha256 the
+    index then records, as a NaN that reached merge would be): ``python -m draftsmith.train`` stops at the step that reads it, names the step, the
     tokenized row and its chunk, exits 1, and leaves the checkpoints of the steps before it as they were (no
     checkpoint of the NaN step, no ``trained/``)."""
     import shutil
 
     from safetensors import safe_open
 
+    from draftsmith.features import write_index
+    from draftsmith.io import sha256_file
     from draftsmith.train import plan_data, verify_checkpoint
 
     features = tmp_path / "features"
@@ -976,6 +978,9 @@ def test_a_nan_in_the_features_stops_training_naming_the_step_and_rows(qwen3_set
     tensors = load_file(str(chunk))
     tensors["hidden_states"][ref.start, 0] = float("nan")  # the sample's first token: every block of it attends to it
     save_file(tensors, str(chunk), metadata=metadata)
+    meta = json.loads(index_path.read_text())  # its sha256 recorded, as if merge had written it: a fresh start
+    meta["chunks"][ref.chunk]["sha256"] = sha256_file(chunk)  # verifies the chunks, and would refuse it otherwise
+    write_index(index_path, meta)
 
     out = tmp_path / "out"
     args = {"train": cfg, "drafter": TINY_DRAFTER, "target": {}}
