@@ -952,9 +952,9 @@ def test_step_gradient_does_not_depend_on_the_split(tmp_path, monkeypatch):
 
 def test_a_nan_in_the_features_stops_training_naming_the_step_and_rows(qwen3_setup, tmp_path):
     """A NaN in one merged chunk (extraction and merge refuse them; here one written into a chunk whose sha256 the
-    index then records, as a NaN that reached merge would be): ``python -m draftsmith.train`` stops at the step that reads it, names the step, the
-    tokenized row and its chunk, exits 1, and leaves the checkpoints of the steps before it as they were (no
-    checkpoint of the NaN step, no ``trained/``)."""
+    index then records, as a NaN that reached merge would be): ``python -m draftsmith.train`` stops at the step
+    that reads it, names the step, the tokenized row and its chunk, exits 1, and leaves the checkpoints of the
+    steps before it as they were (no checkpoint of the NaN step, no ``trained/``)."""
     import shutil
 
     from safetensors import safe_open
