@@ -211,6 +211,8 @@ class DFlash2TrainOutput(DFlashTrainOutput):
 
     Attributes:
         loss: ``DFlash loss + selector_loss_weight * selector loss``.
+        weighted_ce: ``sum(CE * w) + selector_loss_weight * sum(CE_sel * w)`` (differentiable; the trainer divides
+            it by the whole optimizer step's loss weight).
         selector_loss: scalar float32, ``sum(CE_sel * w) / sum(w)`` over valid slots.
         selector_ce_sum: ``[B - 1]`` float32 selector CE summed per slot.
         selector_correct: ``[B - 1]`` int64 slots whose best-scored candidate (serving candidates: the gold token
@@ -300,6 +302,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel_ce = torch.logsumexp(scores, -1) - scores[rows, inject]
         sel_loss = (sel_ce * w).sum() / weight_sum.clamp_min(1e-12)
         total = loss + float(self.selector_loss_weight) * sel_loss
+        # the step-normalised form the trainer backpropagates (sum, not mean: see DFlashTrainOutput.weighted_ce)
+        weighted_ce = (ce * w).sum() + float(self.selector_loss_weight) * (sel_ce * w).sum()
         with torch.no_grad():
             nslot = B - 1
             serving = self.candidate_selector.score(projected, prev, top_idx, top_val)
@@ -312,7 +316,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             full = valid.all(-1)
             prefix = hit_grid.view(valid.shape).long().cumprod(-1).sum(-1)
             return DFlash2TrainOutput(
-                total, weight_sum, per_slot(ce.detach(), torch.float32), per_slot(hit, torch.long),
+                total, weighted_ce, weight_sum, per_slot(ce.detach(), torch.float32), per_slot(hit, torch.long),
                 torch.bincount(slot, minlength=nslot), prefix[full].sum(), full.sum(),
                 selector_loss=sel_loss.detach(), selector_ce_sum=per_slot(sel_ce.detach(), torch.float32),
                 selector_correct=per_slot(sel_hit, torch.long), candidate_recall=per_slot(recalled, torch.long))

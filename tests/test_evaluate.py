@@ -1340,7 +1340,8 @@ def test_every_plot_shows_its_sample_sizes():
                                                "acceptance_histogram": [steps - 3, 2, 1], "steps": steps},
                 "prompt_lookup": {"tau": 1.5, "speedup": 1.1}}
 
-    report = {"sets": {"heldout": set_entry(12, 340), "mtbench": set_entry(2, 57)}}
+    report = {"run": {"drafter_architecture": "DFlashDraftModel"},
+              "sets": {"heldout": set_entry(12, 340), "mtbench": set_entry(2, 57)}}
     for build in (tau_figure, per_position_figure, histogram_figure):
         fig = build(report)
         texts = " | ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))

@@ -43,7 +43,7 @@ KINDS = ["llama", "qwen3_5", "qwen3_next"]
 def with_defaults(config: dict) -> dict:
     """``config`` as the workflow's validated config holds it: every key of the extraction rules' sections, schema
     defaults where not given."""
-    sections = set(config) | {"extract", "drafter", "target", "train", "stream"}
+    sections = set(config) | {"extract", "drafter", "target", "train", "stream", "gpu"}
     return {section: {**schema_defaults(section), **config.get(section, {})} for section in sections}
 
 
@@ -570,7 +570,8 @@ def test_rule_scripts_run_with_a_snakemake_object(tmp_path, targets, monkeypatch
                    "padding_mask": True}
     target_cfg = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": False}
     config = with_defaults({"extract": {**extract_cfg, "fuse": "auto"}, "target": target_cfg,
-                            "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None}})
+                            "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None},
+                            "gpu": {"cpu_fallback": True}})  # no GPU here: the CPU on purpose, as config.yaml says
     root_handlers = logging.getLogger().handlers[:]
     try:
         runpy.run_path(str(REPO / "scripts/extract_plan.py"), init_globals={"snakemake": SimpleNamespace(

@@ -550,7 +550,7 @@ def test_settings_hold_exactly_the_rules_keys():
     from draftsmith.regenerate.settings import RegenerateSettings
     from draftsmith.stages import STAGE_KEYS, rule_params
 
-    config = {section: schema_defaults(section) for section in ("regenerate", "target", "tokenize")}
+    config = {section: schema_defaults(section) for section in ("regenerate", "target", "tokenize", "gpu")}
     for cls in (RegenerateShardSettings, RegenerateSettings):
         keys = {section: set(kinds.get("output", ()) + kinds.get("runtime", ()))
                 for section, kinds in STAGE_KEYS[cls.STAGE].items()}
