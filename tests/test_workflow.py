@@ -365,6 +365,7 @@ def _changed_value(section: str, key: str, value, node: dict, config: dict):
         ("assets", "index_url"): "https://pypi.example.org/simple",
         ("tokenize", "chat_template_kwargs"): {"enable_thinking": False},
         ("drafter", "target_layer_ids"): [0],
+        ("drafter", "num_target_features"): None,  # 1 -> null: the same one tap, now from num_layers
         ("drafter", "layer_types"): ["full_attention"] * int(config["drafter"]["num_layers"]),
         ("evaluate", "stop_tokens"): ["</s>"],
         ("evaluate", "only"): list(config["evaluate"]["sets"])[:1],

@@ -157,7 +157,7 @@ def tiny_config(target: Path, sources: dict[str, Path]) -> dict:
         "data": {"seed": 0, "eval_fraction": 0.25,
                  "sources": [{"name": n, "path": str(p), "adapter": n, "split": split[n]} for n, p in sources.items()]},
         "tokenize": {"max_length": 192, "chat_template_kwargs": {}},
-        "drafter": {"num_layers": 1, "block_size": 4},
+        "drafter": {"num_layers": 1, "num_target_features": 1, "block_size": 4},
         "extract": {"shards": SHARDS, "token_budget": 2048, "chunk_tokens": 1024},
         "merge": {"verify_sha256": True},
         "train": {"gpus": 1, "max_steps": 6, "tokens_per_batch": 1024, "num_anchors": 16, "save_every": 3,
