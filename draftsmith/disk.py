@@ -20,9 +20,11 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from draftsmith.features import DTYPE_BYTES, STORAGE_DTYPES
+from draftsmith.settings import SectionSettings
+from draftsmith.target_layers import num_tapped_layers
 
 GB = 1e9
 FP8 = "float8_e4m3fn"
@@ -325,3 +327,32 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
         min_slices=_min_slices(features, num_samples, room, headroom, slices_on_disk),
         fp8_bytes_per_token=bytes_per_token(num_layers, hidden_size, FP8, target_token), fp8_feature_bytes=fp8,
         fp8_min_slices=_min_slices(fp8, num_samples, room, headroom, slices_on_disk))
+
+
+@dataclass(frozen=True)
+class PlanDrafterOptions(SectionSettings):
+    """The ``drafter`` keys that decide the tapped layers (:func:`draftsmith.extract.resolve_layer_ids`), and those
+    that size the drafter's checkpoints for the disk reserve (:class:`DrafterSize`); read by extract_plan,
+    stream_plan and extract_slice.
+
+    ``num_target_features`` holds the effective count: with neither it nor ``target_layer_ids`` set,
+    :meth:`from_mapping` takes it from ``drafter.num_layers`` (:func:`draftsmith.target_layers.num_tapped_layers`),
+    the value the workflow passes as the rule's param (:mod:`draftsmith.stages`).
+    """
+
+    SECTION: ClassVar[str] = "drafter"
+    target_layer_ids: tuple[int, ...] | None
+    num_target_features: int | None
+    num_layers: int
+    intermediate_size: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    export_dtype: str
+
+    @classmethod
+    def from_mapping(cls, values: Any = None, **overrides: Any) -> PlanDrafterOptions:
+        given = {**(values or {}), **overrides}
+        if given.get("target_layer_ids") is None and given.get("num_target_features") is None:
+            given["num_target_features"] = num_tapped_layers(None, None, given.get("num_layers"))
+        return super().from_mapping(given)

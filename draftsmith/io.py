@@ -50,6 +50,18 @@ class DiskFullError(OSError):
     """A write that ran out of disk (``ENOSPC``): the message names the file and the free bytes left."""
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a folder (its entries: a rename into it survives a crash); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _decode_errors() -> tuple[type[BaseException], ...]:
     """The exception types of the libraries that read our inputs (imported here only when they are there)."""
     kinds: list[type[BaseException]] = [OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError]

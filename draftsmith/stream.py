@@ -27,12 +27,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from draftsmith.batch_plan import StreamPlan, heldout_subset, split_samples
-from draftsmith.disk import DiskSpaceError, DrafterSize, bytes_per_token, disk_fit, free_disk_bytes, reserve_bytes
+from draftsmith.disk import (
+    DiskSpaceError,
+    DrafterSize,
+    PlanDrafterOptions,
+    bytes_per_token,
+    disk_fit,
+    free_disk_bytes,
+    reserve_bytes,
+)
 from draftsmith.features import shard_plan
 from draftsmith.io import CURATED_PARQUET, reading, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import num_phases
-from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids
+from draftsmith.target_layers import tapped_layer_ids
 from draftsmith.tokenized import read_tokenized
 
 log = logging.getLogger("draftsmith.stream")
@@ -82,29 +90,6 @@ class PlanExtractOptions(SectionSettings):
     storage_dtype: str
     store_target_tokens: bool
     disk_headroom: float
-
-
-@dataclass(frozen=True)
-class PlanDrafterOptions(SectionSettings):
-    """The ``drafter`` keys: the tapped layers (``num_target_features`` defaults to ``num_layers``, as
-    :mod:`draftsmith.target_layers` says) and the drafter's size (for the checkpoint reserve)."""
-
-    SECTION: ClassVar[str] = "drafter"
-    target_layer_ids: tuple[int, ...] | None
-    num_target_features: int | None
-    num_layers: int
-    intermediate_size: int | None
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    export_dtype: str
-
-    @classmethod
-    def from_mapping(cls, values: Any = None, **overrides: Any) -> PlanDrafterOptions:
-        given = {**(values or {}), **overrides}
-        if given.get("target_layer_ids") is None and given.get("num_target_features") is None:
-            given["num_target_features"] = num_tapped_layers(None, None, given.get("num_layers"))
-        return super().from_mapping(given)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from draftsmith.disk import projected_bytes
 from draftsmith.features import PROGRESS_FORMAT
-from draftsmith.io import read_json
+from draftsmith.io import fsync_dir, read_json
 
 log = logging.getLogger("draftsmith.extract")
 
@@ -60,18 +60,6 @@ def open_staging(staging: Path, out: Path) -> Path:
     return staging
 
 
-def _fsync_dir(path: Path) -> None:
-    """fsync a folder's entries (a rename into it survives a crash); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(staging: Path, out: Path) -> None:
     """Rename the finished ``staging`` folder onto ``out`` (absent or an empty folder), durably.
 
@@ -82,7 +70,7 @@ def publish(staging: Path, out: Path) -> None:
     if out.exists() and not _is_empty_dir(out):
         raise RuntimeError(f"cannot rename the finished shard {staging} onto {out}: {out} holds files")
     os.replace(staging, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     log.info("renamed the finished shard %s -> %s", staging, out)
     for parent in (staging.parent, staging.parent.parent):  # the phase's staging folder, then .staging, once empty
         if parent.name.startswith(".staging") or parent.parent.name.startswith(".staging"):

@@ -13,9 +13,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from draftsmith.disk import DrafterSize, bytes_per_token, disk_fit, free_disk_bytes, reserve_bytes
+from draftsmith.disk import (
+    DrafterSize,
+    PlanDrafterOptions,
+    bytes_per_token,
+    disk_fit,
+    free_disk_bytes,
+    reserve_bytes,
+)
 from draftsmith.features import shard_plan, storage_torch_dtype
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import target_dims
@@ -41,34 +48,6 @@ class PlanExtractOptions(SectionSettings):
 
     def __post_init__(self) -> None:
         storage_torch_dtype(self.storage_dtype)  # refuses an unknown name
-
-
-@dataclass(frozen=True)
-class PlanDrafterOptions(SectionSettings):
-    """The ``drafter`` keys that decide the tapped layers (:func:`resolve_layer_ids`), and those that size the
-    drafter's checkpoints for the disk reserve (:class:`draftsmith.disk.DrafterSize`).
-
-    ``num_target_features`` holds the effective count: with neither it nor ``target_layer_ids`` set,
-    :meth:`from_mapping` takes it from ``drafter.num_layers`` (:func:`draftsmith.target_layers.num_tapped_layers`),
-    the value the workflow passes as the rule's param (:mod:`draftsmith.stages`).
-    """
-
-    SECTION: ClassVar[str] = "drafter"
-    target_layer_ids: tuple[int, ...] | None
-    num_target_features: int | None
-    num_layers: int
-    intermediate_size: int | None
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    export_dtype: str
-
-    @classmethod
-    def from_mapping(cls, values: Any = None, **overrides: Any) -> PlanDrafterOptions:
-        given = {**(values or {}), **overrides}
-        if given.get("target_layer_ids") is None and given.get("num_target_features") is None:
-            given["num_target_features"] = num_tapped_layers(None, None, given.get("num_layers"))
-        return super().from_mapping(given)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.features import index_content_sha256
-from draftsmith.io import DiskFullError, disk_full, is_disk_full, read_json, sha256_file, write_json
+from draftsmith.io import DiskFullError, disk_full, fsync_dir, is_disk_full, read_json, sha256_file, write_json
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
 
@@ -94,18 +94,6 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
         _, pid, name = key.split(".", 2)
         state.setdefault(int(pid), {})[name] = t
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder (its entries: a rename into it survives a crash); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: torch.optim.Optimizer,
