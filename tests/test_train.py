@@ -865,16 +865,22 @@ SPLIT_DOC_TOKENS = 32  # every document: two fill a 64-token row exactly, four a
 
 def _capture_step_gradient(path: Path):
     """Patch ``clip_grad_norm_`` (the trainer calls it right after the step's backward passes and, under DDP, the
-    gradient all-reduce) to save the gradients it sees to ``path``."""
+    gradient all-reduce) to save the gradients it sees to ``path`` (safetensors, ``g0``, ``g1``, ... in order)."""
     clip = torch.nn.utils.clip_grad_norm_
 
     def capture(params, *args, **kwargs):
         params = list(params)
-        if not path.exists():
-            torch.save([p.grad.detach().clone() for p in params], path)
+        if not Path(path).exists():
+            save_file({f"g{i}": p.grad.detach().clone().contiguous() for i, p in enumerate(params)}, str(path))
         return clip(params, *args, **kwargs)
 
     return capture
+
+
+def _load_gradients(path: Path) -> list[torch.Tensor]:
+    """The gradients :func:`_capture_step_gradient` saved, in parameter order."""
+    tensors = load_file(str(path))
+    return [tensors[f"g{i}"] for i in range(len(tensors))]
 
 
 def _split_worker(rank: int, world: int, index: str, target_dir: str, out: str, cfg: dict, grads: str):
@@ -882,7 +888,8 @@ def _split_worker(rank: int, world: int, index: str, target_dir: str, out: str, 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    torch.nn.utils.clip_grad_norm_ = _capture_step_gradient(Path(grads) if rank == 0 else Path(out) / "grads.pt")
+    mine = Path(grads) if rank == 0 else Path(out) / "grads.safetensors"
+    torch.nn.utils.clip_grad_norm_ = _capture_step_gradient(mine)
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
     try:
         train(index, target_dir, Path(out) / "run", settings(cfg), threads=1)
@@ -931,17 +938,17 @@ def test_step_gradient_does_not_depend_on_the_split(tmp_path, monkeypatch):
     assert weights[1] > 10 * weights[0] > 0  # the rows' loss weights are far apart: the split matters
 
     def run_one_process(name: str, cfg: dict) -> list[torch.Tensor]:
-        grads = tmp_path / f"{name}.pt"
+        grads = tmp_path / f"{name}.safetensors"
         monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", _capture_step_gradient(grads))
         train(index_path, target_dir, tmp_path / name, settings(cfg), threads=1)
-        return torch.load(grads)
+        return _load_gradients(grads)
 
     reference = run_one_process("one", one)
     got = {"grad_accum 2": run_one_process("accum", accum)}
     (tmp_path / "ranks").mkdir()
     mp.spawn(_split_worker, args=(2, str(index_path), str(target_dir), str(tmp_path / "ranks"), ranks,
-                                  str(tmp_path / "ranks.pt")), nprocs=2, join=True)
-    got["2 gloo ranks"] = torch.load(tmp_path / "ranks.pt")
+                                  str(tmp_path / "ranks.safetensors")), nprocs=2, join=True)
+    got["2 gloo ranks"] = _load_gradients(tmp_path / "ranks.safetensors")
     ref_norm = torch.cat([g.flatten() for g in reference]).norm()
     assert ref_norm > 0
     for name, grads in got.items():
