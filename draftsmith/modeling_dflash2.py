@@ -38,15 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafter_config import DFlash2Config, draft_value
-from draftsmith.modeling import (
-    DFlashDecoderLayer,
-    DFlashDraftModel,
-    DFlashTrainOutput,
-    PackedBatch,
-    block_targets,
-    head_cross_entropy_topk,
-    slot_weights,
-)
+from draftsmith.drafter_loss import head_cross_entropy_topk, slot_weights
+from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel, DFlashTrainOutput, PackedBatch, block_targets
 
 
 def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, static: torch.Tensor, group_size: int

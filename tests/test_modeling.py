@@ -27,6 +27,7 @@ from draftsmith.drafter_config import (
     default_loss_gamma,
     resolve_mask_token_id,
 )
+from draftsmith.drafter_loss import head_cross_entropy, slot_weights
 from draftsmith.flops import attended_pairs, step_flops, training_flops
 from draftsmith.modeling import (
     DFlashDraftModel,
@@ -34,9 +35,7 @@ from draftsmith.modeling import (
     block_targets,
     dflash_block_mask,
     dflash_mask_mod,
-    head_cross_entropy,
     sample_anchors,
-    slot_weights,
 )
 from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.target_layers import default_target_layer_ids

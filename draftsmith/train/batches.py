@@ -18,8 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from draftsmith.drafter_loss import slot_weights
 from draftsmith.features import FeatureIndex
-from draftsmith.modeling import PackedBatch, block_targets, sample_anchors, slot_weights
+from draftsmith.modeling import PackedBatch, block_targets, sample_anchors
 from draftsmith.train.settings import TrainOptions
 
 
@@ -132,7 +133,7 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
 
 def loss_weight(batch: PackedBatch, block_size: int, gamma: float) -> float:
     """The loss weight of a batch, ``sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)`` over its blocks' slots
-    k = 1..B-1 (:func:`~draftsmith.modeling.block_targets`, :func:`~draftsmith.modeling.slot_weights`): what
+    k = 1..B-1 (:func:`~draftsmith.modeling.block_targets`, :func:`~draftsmith.drafter_loss.slot_weights`): what
     :meth:`~draftsmith.modeling.DFlashDraftModel.training_forward` returns as ``weight_sum``, computed without the
     model (float64, from the token ids, loss mask, documents and anchors only), so the trainer knows an optimizer
     step's total weight before its first backward."""

@@ -1,0 +1,111 @@
+"""The drafter's training loss pieces: cross entropy through the target's frozen LM head in chunks (the ``[N, V]``
+float32 logits of every supervised slot never held at once) and the per-slot decay weights of the DFlash loss.
+
+Shared by :class:`draftsmith.modeling.DFlashDraftModel`, :class:`draftsmith.modeling_dflash2.DFlash2DraftModel`
+and the trainer's step weights (:func:`draftsmith.train.batches.loss_weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Per-row cross entropy through a frozen LM head, ``[N, V]`` logits never held at once.
+
+    Forward walks the rows in chunks: float32 logits of the chunk, their log-sum-exp, CE and argmax, and the
+    gradient of each row's CE with respect to its hidden state (``(softmax - onehot) * dz/dlogit @ W``), which
+    is kept (``[N, H]``) so the backward is one scaling. The head is frozen, so no ``[V, H]`` gradient exists.
+    With ``top_k > 0`` it also returns each row's ``top_k`` largest logits and their ids (DFlash2's candidates).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0):
+        compute = head_weight.dtype
+        n = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
+        top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
+        top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk_rows):
+                y = labels[s:s + chunk_rows]
+                z = F.linear(hidden[s:s + chunk_rows].to(compute), head_weight).float()
+                dz = None  # d logit / d (h @ W.T), when not 1
+                if multiplier != 1.0:
+                    z.mul_(multiplier)
+                    dz = multiplier
+                if softcap:
+                    z = torch.tanh(z.div_(softcap))
+                    dz = (1.0 - z * z) * multiplier
+                    z.mul_(softcap)
+                lse = torch.logsumexp(z, dim=-1)
+                ce[s:s + chunk_rows] = lse - z.gather(1, y[:, None])[:, 0]
+                pred[s:s + chunk_rows] = z.argmax(-1)
+                if top_k:
+                    top_val[s:s + chunk_rows], top_idx[s:s + chunk_rows] = torch.topk(z, top_k, dim=-1, sorted=False)
+                if need_grad:
+                    g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+                    if dz is not None:
+                        g.mul_(dz)
+                    grad[s:s + chunk_rows] = g.to(compute) @ head_weight
+        if need_grad:
+            ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(pred, top_val, top_idx)
+        return ce, pred, top_val, top_idx
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
+        (grad,) = ctx.saved_tensors
+        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None
+
+
+def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
+                       multiplier: float = 1.0, softcap: float | None = None,
+                       chunk_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy of ``logits = softcap(multiplier * hidden @ head_weight.T)`` against ``labels``, chunked.
+
+    The dominant memory of DFlash training at a large vocabulary is the float32 logits of every supervised
+    slot (``N x V``: 60 GB for 60K slots at V = 248,320). This computes the same per-row CE in chunks of about
+    ``chunk_bytes`` of float32 logits and never materialises them all; the head is frozen (no gradient). On
+    float32 inputs the result and the gradient equal ``F.cross_entropy(reduction="none")`` of the full logits up
+    to summation order (tested). Logits are computed in ``head_weight``'s dtype, then promoted to float32, as
+    the unchunked path does under bf16 autocast. Softcap and multiplier follow ``dflash_config``
+    (``final_logit_softcapping``: ``c * tanh(z / c)``).
+
+    Args:
+        hidden: ``[N, H]`` drafter hidden states (differentiable).
+        head_weight: ``[V, H]`` the target's LM head (frozen).
+        labels: ``[N]`` int64 token ids.
+        chunk_bytes: float32 logits per chunk.
+
+    Returns:
+        ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
+    """
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    ce, pred, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                                    float(softcap) if softcap else None, rows)
+    return ce, pred
+
+
+def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, top_k: int, *,
+                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_cross_entropy` plus each row's ``top_k`` largest logits, from the same chunks (no second pass
+    through the head): ``(ce [N], pred [N], top_logits [N, top_k] float32, top_ids [N, top_k] int64)``; the
+    top-k are in ``torch.topk(sorted=False)`` order, as the official DFlash2 selector takes them, and carry no
+    gradient."""
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                          float(softcap) if softcap else None, rows, int(top_k))
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """``[B - 1]`` float32 decay weights ``exp(-(k - 1) / gamma)`` for slots k = 1..B-1 (SpecForge DFlash loss)."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
