@@ -10,6 +10,10 @@
 #   docs/gpu-proof/run.sh setup WHEELS           install WHEELS into /tmp/site
 #   docs/gpu-proof/run.sh start STASH [CONFIG..]  start the whole DAG from an empty folder, in its own session
 #                                                 (CONFIG: more config files merged over gpu-proof.yaml)
+#       CURATED=DIR docs/gpu-proof/run.sh start STASH   the same from results/curated/{train,eval}.parquet +
+#                                                 report.json made on a CPU machine (snakemake
+#                                                 results/curated/train.parquet results/curated/eval.parquet
+#                                                 --configfile config/gpu-proof.yaml), so the source wheels stay home
 #   docs/gpu-proof/run.sh wait SECONDS OUT        wait for it (at most SECONDS), then pack logs, benchmarks and
 #                                                 results into OUT/gpu-proof.tgz
 set -euo pipefail
@@ -27,9 +31,17 @@ start)
   shift 2
   rm -rf results logs benchmarks .snakemake "$HOME/dag.rc"
   [ "${KEEP_RESOURCES:-0}" = 1 ] || rm -rf resources   # the proof run fetches and materialises too
+  allowed=()
+  if [ -n "${CURATED:-}" ]; then  # every rule but the dataset fetches and curate, which ran on a CPU machine
+    mkdir -p results/curated && cp "$CURATED"/* results/curated/
+    allowed=(--allowed-rules fetch_target materialize_target disk_plan regenerate_shard regenerate tokenize \
+        extract_plan extract_shard merge stream_plan extract_heldout extract_slice merge_slice train_phase train \
+        export evaluate all)
+  fi
   date +%s > "$HOME/dag.start"
   setsid nohup bash -c 'python3 -m snakemake --cores all --resources gpu=1 --configfile config/gpu-proof.yaml "$@" \
-      --scheduler greedy > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' bash "$@" < /dev/null > /dev/null 2>&1 &
+      --scheduler greedy > "$HOME/dag.log" 2>&1; echo $? > "$HOME/dag.rc"' bash "$@" "${allowed[@]}" \
+      < /dev/null > /dev/null 2>&1 &
   echo "started at $(date)"
   ;;
 wait)

@@ -34,7 +34,7 @@ torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
 bench-fp8)
   mkdir -p "$2/fp8"
   timeout 560 python3 bench/bench_train.py --ddp 1 --storage bfloat16,float8_e4m3fn --shape qwen3.5-27b \
-      --config config/gpu-node.yaml --ddp-epochs 0 --ddp-steps 30 --ddp-log-every 1 --ddp-tokens 120000 \
+      --config config/gpu-node.yaml --ddp-epochs 0 --ddp-steps "${STEPS:-30}" --ddp-log-every 1 --ddp-tokens 120000 \
       --out "$2/fp8" > "$2/fp8/bench.log" 2>&1 || echo "bench rc $?"
   tail -6 "$2/fp8/bench.log"
   ;;
