@@ -51,7 +51,7 @@ wait)
   grep -E "^\S+ \S+ draftsmith\S* INFO (regenerate|train|evaluate|extract shard)" "$HOME/dag.log" | tail -4 || true
   tail -5 "$HOME/dag.log"
   cp "$HOME/dag.log" logs/ 2>/dev/null || true
-  [ -f results/regenerated/train.parquet ] && python3 -c "import json, sys; from draftsmith.regenerate import \
+  [ -f results/regenerated/train.parquet ] && python3 -c "import json, sys; from draftsmith.regenerate.report import \
 read_report; json.dump(read_report(sys.argv[1]), open(sys.argv[2], 'w'), indent=1)" \
       results/regenerated/train.parquet logs/regenerate_report.json || true
   tar czf "$3/gpu-proof.tgz" --ignore-failed-read logs benchmarks results/eval results/curated/report.json \
