@@ -4,8 +4,9 @@ heartbeat.
 A tqdm bar only prints when it is updated, so a stage whose unit of work (a batch of conversations, a prompt
 decoded three ways) takes minutes would stay silent that long. :class:`LogProgress` prints one line every
 ``interval`` seconds whatever happens, with the stage's finished units (``n``), the work done inside the unit in
-flight (:meth:`LogProgress.advance`: tokens generated, decoded, extracted) with its rate, and an ETA from all the
-work done so far, the in-flight fraction included (:meth:`LogProgress.set_partial`).
+flight (:meth:`LogProgress.advance`: tokens generated, decoded, extracted) with its rate, the rate of units over the
+window since the previous line, and an ETA from all the work done so far, the in-flight fraction included
+(:meth:`LogProgress.set_partial`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class _LogStream:
         self.logger = logger
 
     def write(self, text: str) -> None:
-        text = text.strip("\r\n ")
+        text = text.replace("\x1b[A", "").strip("\r\n ")  # tqdm moves the cursor up when two bars are open
         if text:
             self.logger.info(text)
 
@@ -48,12 +49,17 @@ class LogProgress(tqdm):
     ``advance(tokens=k)`` adds to a named count shown with its rate since the start (``12.3k tok, 41.0 tok/s``), and
     ``set_partial(f)`` says which fraction (0 <= f < 1, in units of the bar) of the next units is done, so the ETA
     moves before the first unit finishes. ETA = (total - done) x elapsed / (done - initial), done = n + partial.
+    The rate is that of the window since the previous line (units done in it / its seconds), or the mean since the
+    start when the window finished nothing: tqdm's own smoothed rate only moves when ``update`` prints, which the
+    heartbeat's lines pre-empt, so it went stale (a trainer at 9 steps/s was shown at 47).
     """
 
     def __init__(self, *args, interval: float = 30.0, **kwargs):
         self.counts: dict[str, float] = {}
         self.partial = 0.0
         self.interval = float(interval)
+        self._window: tuple[float, float] | None = None  # (time, done) at the previous line
+        self._window_rate: float | None = None
         self._stop = threading.Event()
         super().__init__(*args, mininterval=interval, maxinterval=max(interval * 4, 10.0), **kwargs)
         self._heartbeat = None
@@ -83,13 +89,26 @@ class LogProgress(tqdm):
             return d
         elapsed = d["elapsed"]
         done = self.n + self.partial - self.initial
-        if self.total and done > 0 and elapsed > 0:
-            d["remaining"] = self.format_interval(max(self.total - self.n - self.partial, 0) * elapsed / done)
-            if self.partial:
-                d["rate"] = done / elapsed
+        if done > 0 and elapsed > 0:
+            d["rate"] = self._window_rate or done / elapsed
+            if self.total:
+                d["remaining"] = self.format_interval(max(self.total - self.n - self.partial, 0) * elapsed / done)
         d["work"] = "".join(f", {_count(k)} {name}, {_count(k / elapsed) if elapsed else '?'} {name}/s"
                             for name, k in self.counts.items())
         return d
+
+    def display(self, *args, **kwargs):
+        """Print a line (tqdm's ``display``), first measuring the rate over the window since the previous line."""
+        if hasattr(self, "_window"):  # not tqdm's own disabled bar
+            now, done = self._time(), self.n + self.partial
+            then, done_then = self._window or (getattr(self, "start_t", now), self.initial)
+            if now > then and done > done_then:
+                self._window_rate = (done - done_then) / (now - then)
+                self._window = (now, done)
+            else:  # nothing finished since the previous line: the mean, and the window stays open
+                self._window_rate = None
+                self._window = (then, done_then)
+        return super().display(*args, **kwargs)
 
     def _beat(self) -> None:
         """Print the last known counts when no line was printed for ``interval`` seconds."""
