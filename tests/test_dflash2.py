@@ -365,3 +365,59 @@ def test_sampled_dflash2_drafts_the_selector_path_with_its_candidate_distributio
     assert torch.allclose(probs.sum(-1), torch.ones(3)) and ((probs > 0).sum(-1) <= 5).all()
     assert torch.equal(probs.gather(-1, candidates[0]), q[0])
     assert (probs.gather(-1, drafts[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_static_dflash2_drafter_drafts_what_the_dynamic_cache_drafts(target, temperature):
+    """The static drafter (fixed K/V buffers; CUDA graphs on a GPU) with a DFlash2 drafter: at every step, whatever
+    number of positions was committed in between, the same selector path and, sampling, the same candidate
+    distribution as the dynamic cache, over a prompt longer than two blocks, full and shorter blocks."""
+    from draftsmith.evaluate import DFlashProposer
+    from draftsmith.evaluate.sampling import SamplingConfig
+    from draftsmith.evaluate.static import StaticDrafter, StaticTarget
+
+    drafter = make_drafter2(target, block_size=5)
+    assert StaticDrafter.supported(drafter) == (True, "")
+    ids = torch.randint(5, 500, (1, 13), generator=torch.Generator().manual_seed(4))
+    full = torch.cat([ids[0], torch.randint(5, 500, (30,), generator=torch.Generator().manual_seed(5))])
+    _, feats = StaticTarget(target, full.numel() + 1, layer_ids=[1, 2], cuda_graphs=False).prefill(full[None])
+    dyn, sta = DFlashProposer(drafter, target), DFlashProposer(drafter, target)
+    assert sta.use_static(64, cuda_graphs=False)
+    start = ids.shape[1]
+    for proposer in (dyn, sta):
+        proposer.reset(ids, feats[:, :start])
+    sampling = SamplingConfig(temperature)
+    for committed, drafts in ((1, 4), (3, 4), (5, 4), (2, 2), (4, 3), (1, 4)):
+        got = {}
+        for name, proposer in (("dynamic", dyn), ("static", sta)):
+            with torch.inference_mode():
+                got[name] = proposer.propose(full, start, drafts, sampling, torch.Generator().manual_seed(start))
+        assert torch.equal(got["dynamic"][0], got["static"][0]), (temperature, start)
+        assert got["static"][0].shape == (drafts,)
+        if temperature:
+            torch.testing.assert_close(got["static"][1], got["dynamic"][1], rtol=0, atol=1e-5)
+        else:
+            assert got["static"][1] is None and got["dynamic"][1] is None
+        start += committed
+        for proposer in (dyn, sta):
+            proposer.commit(feats[:, start - committed:start])
+
+
+def test_static_dflash2_decoding_is_lossless_and_steps_as_the_dynamic_path():
+    """End to end on the static target: greedy DFlash2 decoding with the static drafter commits the same tokens in
+    the same steps as with the dynamic-cache drafter, and equals target-only decoding."""
+    from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt = tiny_target("qwen3", initializer_range=0.1)
+    static = StaticTarget(tgt, 16 + 30 + 5 + 1, layer_ids=[1, 2], cuda_graphs=False, verify_width=5)
+    for seed in (1, 2):
+        ids = torch.randint(5, 500, (1, 16), generator=torch.Generator().manual_seed(seed))
+        ref = target_generate(tgt, ids, max_new_tokens=30)
+        dyn = speculative_generate(tgt, DFlashProposer(make_drafter2(tgt, block_size=5, seed=seed), tgt), ids,
+                                   max_new_tokens=30, static=static)
+        fast = DFlashProposer(make_drafter2(tgt, block_size=5, seed=seed), tgt)
+        assert fast.use_static(static.max_length, cuda_graphs=False)
+        sta = speculative_generate(tgt, fast, ids, max_new_tokens=30, static=static)
+        assert sta.tokens == dyn.tokens == ref.tokens
+        assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)

@@ -225,13 +225,23 @@ class DFlashProposer(Proposer):
     def _select(self, tokens, start, verify, sampling, generator):
         """DFlash2: the selector's path ``[verify - 1]`` and, sampling, its distribution ``[verify - 1, V]`` (the
         candidates' probabilities scattered into the vocabulary; tokens outside the top-k have 0)."""
-        hidden = self._dynamic_hidden(tokens, start, verify)
         anchor = tokens[start:start + 1]
         temperature = 0.0 if sampling.greedy else float(sampling.temperature)
+        if self.static is not None:  # draftsmith's DFlash2DraftModel on fixed buffers (CUDA graphs on a GPU)
+            hidden, logits = self.static.step(self.context, tokens[start], start, verify)
+            drafts, candidates, q = self.drafter.candidate_selector.select(hidden, logits[None], anchor, temperature,
+                                                                           generator)
+            return self._drafts(drafts, candidates, q)
+        hidden = self._dynamic_hidden(tokens, start, verify)
         if isinstance(self.drafter, DFlash2DraftModel):  # draftsmith's: draws with the evaluation's generator
             drafts, candidates, q = self.drafter.propose(hidden, anchor, self.head, temperature, generator)
         else:  # the official class draws from torch's global RNG
             drafts, candidates, q = self.drafter.propose(hidden, anchor, self.head, temperature)
+        return self._drafts(drafts, candidates, q)
+
+    def _drafts(self, drafts, candidates, q):
+        """The selector's path ``drafts [1, P]`` as the proposer's ``(tokens [P], probs [P, V] or None)``: ``q [1, P,
+        k]`` over ``candidates [1, P, k]`` scattered into the vocabulary."""
         if q is None:
             return drafts[0], None
         probs = torch.zeros((q.shape[1], self.embed_weight.shape[0]), dtype=q.dtype, device=q.device)

@@ -312,7 +312,8 @@ class StaticTarget:
 
 
 class StaticDrafter:
-    """The DFlash drafter's context K/V in fixed buffers, each drafting step of one width replayed as a CUDA graph.
+    """The DFlash or DFlash2 drafter's context K/V in fixed buffers, each drafting step of one width replayed as a
+    CUDA graph.
 
     A drafting step (:meth:`draftsmith.evaluate.decode.DFlashProposer.propose`) feeds the target features of the
     positions committed since the last step (``n <= B`` of them; the prompt's in chunks of ``B``) and a block
@@ -324,8 +325,10 @@ class StaticDrafter:
     past that are never visible: the next step's context rows overwrite them before they could be. Same keys,
     values and positions as the dynamic path, so the same drafts (tested in float32 on the CPU without graphs).
 
-    Only draftsmith's :class:`~draftsmith.modeling.DFlashDraftModel` with full (non-causal, non-sliding) layers
-    qualifies (:meth:`supported`); other drafters (the official package's model) draft on the dynamic path.
+    Draftsmith's :class:`~draftsmith.modeling.DFlashDraftModel` and
+    :class:`~draftsmith.modeling_dflash2.DFlash2DraftModel` with full (non-causal, non-sliding) layers qualify
+    (:meth:`supported`); other drafters (the official package's models) draft on the dynamic path. A DFlash2
+    drafter's step also returns the hidden states its candidate selector rescores with (:meth:`step`).
 
     Args:
         drafter: the drafter (eval mode, on its device and dtype).
@@ -365,18 +368,23 @@ class StaticDrafter:
 
     @staticmethod
     def supported(drafter: nn.Module) -> tuple[bool, str]:
-        """``(True, "")`` for a draftsmith ``DFlashDraftModel`` whose layers all attend fully, else the reason."""
+        """``(True, "")`` for draftsmith's ``DFlashDraftModel`` or ``DFlash2DraftModel`` whose layers all attend
+        fully, else the reason."""
         from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel
+        from draftsmith.modeling_dflash2 import DFlash2DecoderLayer, DFlash2DraftModel
 
         if not isinstance(drafter, DFlashDraftModel):
             return False, f"{type(drafter).__module__}.{type(drafter).__name__} is not draftsmith's DFlashDraftModel"
         for name in ("forward", "compute_logits"):  # the static step runs the layers itself
             if getattr(type(drafter), name) is not getattr(DFlashDraftModel, name):
                 return False, f"{type(drafter).__name__} overrides {name}"
-        if hasattr(drafter, "candidate_selector") or any(type(layer) is not DFlashDecoderLayer
-                                                         for layer in drafter.layers):
-            return False, f"{type(drafter).__name__} is not a DFlash drafter (DFlash2: convolutions, selector)"
+        two = isinstance(drafter, DFlash2DraftModel)
+        if hasattr(drafter, "candidate_selector") and not two:
+            return False, f"{type(drafter).__name__} has a candidate selector but is not draftsmith's DFlash2DraftModel"
+        layer_class = DFlash2DecoderLayer if two else DFlashDecoderLayer
         for i, layer in enumerate(drafter.layers):
+            if type(layer) is not layer_class:
+                return False, f"drafter layer {i} is a {type(layer).__name__}, not a {layer_class.__name__}"
             if layer.self_attn.is_causal or layer.self_attn.sliding_window is not None:
                 return False, f"drafter layer {i} is causal or sliding-window"
         if drafter.mask_token_id is None:
@@ -384,8 +392,11 @@ class StaticDrafter:
         return True, ""
 
     # -- one step, from the buffers ----------------------------------------------------------------------------
-    def _step(self, width: int) -> torch.Tensor:
-        """Logits ``[width - 1, V]`` of the block at ``start_buf`` after writing the context rows at ``c0_buf``."""
+    def _step(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states ``[1, width - 1, H]`` (after the final norm) and logits ``[width - 1, V]`` of the block's
+        slots 1..width-1 at ``start_buf``, after writing the context rows at ``c0_buf``. A DFlash2 layer's
+        convolution pairs (:class:`~draftsmith.modeling_dflash2.GroupedDynamicCausalConv`) run over the block's
+        ``width`` tokens, as its forward does on one block."""
         from draftsmith.modeling import apply_rotary
 
         d, B = self.drafter, self.block_size
@@ -402,7 +413,10 @@ class StaticDrafter:
             ~visible, torch.finfo(self.dtype).min)[None, None, None, :]
         for layer, kbuf, vbuf in zip(d.layers, self.keys, self.values):
             attn = layer.self_attn
+            attention_conv, mlp_conv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)
             x = layer.input_layernorm(hidden)
+            if attention_conv is not None:
+                x, kernel = attention_conv.prepare(x)
             q = attn.q_norm(attn.q_proj(x).view(1, width, -1, attn.head_dim)).transpose(1, 2)
             k = torch.cat([attn.k_proj(ctx), attn.k_proj(x)], dim=1)
             v = torch.cat([attn.v_proj(ctx), attn.v_proj(x)], dim=1)
@@ -418,12 +432,18 @@ class StaticDrafter:
                 groups = attn.num_heads // attn.num_kv_heads
                 keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q.to(self.dtype), keys, values, attn_mask=mask, scale=attn.scaling)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, width, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = d.norm(hidden)
-        return d.compute_logits(hidden[:, 1:], self.head)[0]
+            out = attn.o_proj(out.transpose(1, 2).reshape(1, width, -1))
+            hidden = hidden + (out if attention_conv is None else attention_conv.finish(out, kernel))
+            x = layer.post_attention_layernorm(hidden)
+            if mlp_conv is None:
+                hidden = hidden + layer.mlp(x)
+            else:
+                x, kernel = mlp_conv.prepare(x)
+                hidden = hidden + mlp_conv.finish(layer.mlp(x), kernel)
+        hidden = d.norm(hidden)[:, 1:]
+        return hidden, d.compute_logits(hidden, self.head)[0]
 
-    def _run(self, width: int) -> torch.Tensor:
+    def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cuda_graphs and width not in self.graph_failures:
             graph = self._graphs.get(width) or self._capture(width)
             if graph is not None:
@@ -438,17 +458,18 @@ class StaticDrafter:
                                  f"the {width}-token drafting step", logger=log)
         if captured is None:
             return None
-        graph, logits = captured
-        self._graphs[width] = (graph, logits)
+        graph, outputs = captured
+        self._graphs[width] = (graph, outputs)
         return self._graphs[width]
 
     # -- the proposer's call ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int) -> torch.Tensor:
-        """Draft logits ``[width - 1, V]`` for the block ``[anchor, mask x (width - 1)]`` at ``start``, after the
-        context features ``context [1, n, n_taps * H]`` of positions ``start - n .. start - 1`` (those committed
-        since the last step, or the whole prompt at the first). The returned tensor is overwritten by the next
-        step: copy what must outlive it.
+    def step(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft hidden states ``[1, width - 1, H]`` and logits ``[width - 1, V]`` for the block
+        ``[anchor, mask x (width - 1)]`` at ``start``, after the context features ``context [1, n, n_taps * H]`` of
+        positions ``start - n .. start - 1`` (those committed since the last step, or the whole prompt at the
+        first). The returned tensors are overwritten by the next step: copy what must outlive it.
 
         Raises:
             ValueError: a block past the buffers or wider than the block size.
@@ -467,3 +488,7 @@ class StaticDrafter:
             self.start_buf.fill_(start - n + c + rows)  # < start: a block that the next chunk overwrites
             out = self._run(width)
         return out
+
+    def logits(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """The draft logits ``[width - 1, V]`` of :meth:`step`."""
+        return self.step(context, anchor, start, width)[1]
