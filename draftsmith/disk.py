@@ -96,6 +96,8 @@ class DrafterSize:
         num_taps: the tapped target layers (``len(target_layer_ids)``): the width of the ``fc`` input.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: the ``drafter`` keys.
         export_dtype: ``drafter.export_dtype`` (:data:`EXPORT_DTYPE_BYTES`).
+        architecture: ``drafter.architecture`` (``dflash`` or ``dflash2``).
+        conv_kernel_size, conv_group_size, selector_rank: the DFlash2 keys (read for ``dflash2`` only).
     """
 
     num_layers: int
@@ -105,6 +107,10 @@ class DrafterSize:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     export_dtype: str = "bfloat16"
+    architecture: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 64
+    selector_rank: int = 256
 
     @classmethod
     def from_settings(cls, drafter: Any, num_taps: int) -> DrafterSize:
@@ -112,7 +118,9 @@ class DrafterSize:
         return cls(num_layers=int(drafter.num_layers), num_taps=int(num_taps),
                    intermediate_size=drafter.intermediate_size, num_attention_heads=drafter.num_attention_heads,
                    num_key_value_heads=drafter.num_key_value_heads, head_dim=drafter.head_dim,
-                   export_dtype=drafter.export_dtype)
+                   export_dtype=drafter.export_dtype, architecture=drafter.architecture,
+                   conv_kernel_size=int(drafter.conv_kernel_size), conv_group_size=int(drafter.conv_group_size),
+                   selector_rank=int(drafter.selector_rank))
 
 
 def _text_config(target: Any, trust_remote_code: bool) -> Any:
@@ -131,7 +139,10 @@ def drafter_parameters(target: Any, size: DrafterSize, *, trust_remote_code: boo
     Per layer: ``q_proj``/``o_proj`` ``H x heads x head_dim`` each, ``k_proj``/``v_proj`` ``H x kv_heads x
     head_dim`` each, ``q_norm``/``k_norm`` ``head_dim`` each, the MLP ``3 x H x intermediate`` and two norms of
     ``H``; then ``fc`` ``num_taps x H x H``, ``hidden_norm`` and ``norm`` ``H`` each (no biases; the embedding and
-    the head are the target's, not the drafter's).
+    the head are the target's, not the drafter's). DFlash2 (:mod:`draftsmith.modeling_dflash2`) adds per layer two
+    convolution pairs of ``2 x K x H`` static kernels and an ``H x 2K(H / group)`` kernel projection each, and the
+    candidate selector: two ``vocab x rank`` codebooks and an ``H x rank`` projection (at a 27B target's 248K
+    vocabulary and rank 256, 127M parameters: the largest DFlash2 addition).
 
     Args:
         target: a target model folder, its config.json, or a loaded HF config (its ``text_config`` when multimodal).
@@ -145,7 +156,12 @@ def drafter_parameters(target: Any, size: DrafterSize, *, trust_remote_code: boo
     inter = int(size.intermediate_size or cfg.intermediate_size)
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim
     layer = attention + 3 * hidden * inter + 2 * hidden
-    return size.num_layers * layer + size.num_taps * hidden * hidden + 2 * hidden
+    selector = 0
+    if size.architecture == "dflash2":
+        k, groups = int(size.conv_kernel_size), hidden // int(size.conv_group_size)
+        layer += 2 * (2 * k * hidden + hidden * 2 * k * groups)  # attention_conv and mlp_conv
+        selector = 2 * int(cfg.vocab_size) * int(size.selector_rank) + hidden * int(size.selector_rank)
+    return size.num_layers * layer + size.num_taps * hidden * hidden + 2 * hidden + selector
 
 
 def reserve_bytes(target: Any, size: DrafterSize, *, keep_checkpoints: int, reserve_gb: float | None = None,
@@ -349,6 +365,10 @@ class PlanDrafterOptions(SectionSettings):
     num_key_value_heads: int | None
     head_dim: int | None
     export_dtype: str
+    architecture: str
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
 
     @classmethod
     def from_mapping(cls, values: Any = None, **overrides: Any) -> PlanDrafterOptions:

@@ -25,7 +25,14 @@ def training_flops(config: Qwen3Config, *, ctx_tokens: int, block_tokens: int, h
     * fc: ``4 * ctx_tokens * n * H * H`` (forward + weight grad; its input, the target features, needs no grad);
     * LM head (frozen: forward + input grad only): ``4 * head_tokens * H * V``;
     * attention: ``4 * heads * hd * attended_pairs`` forward (QK and PV), x 3 with backward
-      (``attended_pairs`` = visible (query, key) pairs summed over queries, per layer total).
+      (``attended_pairs`` = visible (query, key) pairs summed over queries, per layer total);
+    * DFlash2 (a config with ``conv_group_size``, :mod:`draftsmith.modeling_dflash2`): each layer's two convolution
+      pairs add their kernel projections, ``H x 2K(H / group)`` each, to ``P_layer`` (the convolutions themselves
+      are elementwise: not counted); the selector (``selector``) adds its hidden projection on the supervised
+      slots, ``4 * head_tokens * H * rank`` (forward + weight grad: it reads detached hidden states), and the
+      bilinear scores of the top-k, ``8 * head_tokens * k * rank`` (the loss's forward and backward, and the
+      serving candidates' scores of the step's selector accuracy)
+      (its codebook rows are gathered, not multiplied).
 
     Args:
         config: the drafter's config (``hidden_size``, ``head_dim``, heads, ``intermediate_size``, layers,
@@ -34,19 +41,25 @@ def training_flops(config: Qwen3Config, *, ctx_tokens: int, block_tokens: int, h
         included: they are computed); head_tokens: supervised slots (the LM head runs on those only).
 
     Returns:
-        dict of FLOPs per part (``layers``, ``fc``, ``lm_head``, ``attention``) and ``total``.
+        dict of FLOPs per part (``layers``, ``fc``, ``lm_head``, ``attention``; DFlash2: ``selector``) and
+        ``total``.
     """
     H, hd, V = config.hidden_size, config.head_dim, config.vocab_size
     L = config.num_hidden_layers
     n_feat = len(draft_value(config, "target_layer_ids"))
     per_layer = (H * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
                  + 3 * H * config.intermediate_size)
+    group = getattr(config, "conv_group_size", None)
+    if group:  # DFlash2: two convolution pairs a layer, each with an H x 2K(H / group) kernel projection
+        per_layer += 2 * H * 2 * config.conv_kernel_size * (H // group)
     out = {
         "layers": 6.0 * block_tokens * per_layer * L + 6.0 * ctx_tokens * 2 * H * config.num_key_value_heads * hd * L,
         "fc": 4.0 * ctx_tokens * n_feat * H * H,
         "lm_head": 4.0 * head_tokens * H * V,
         "attention": 3.0 * 4.0 * config.num_attention_heads * hd * attended_pairs,
     }
+    if group:
+        out["selector"] = (4.0 * H + 8.0 * config.selector_top_k) * head_tokens * config.selector_rank
     out["total"] = sum(out.values())
     return out
 

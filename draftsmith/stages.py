@@ -56,7 +56,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         # drafter's size only sizes the disk reserve for checkpoints (runtime)
         "drafter": {"output": ("target_layer_ids", "num_target_features"),
                     "runtime": ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                "head_dim", "export_dtype")},
+                                "head_dim", "export_dtype", "architecture", "conv_kernel_size", "conv_group_size",
+                                "selector_rank")},
         "train": {"runtime": ("keep_checkpoints",)},
         "stream": {"runtime": ("reserve_gb",)},
         "target": {"output": ("trust_remote_code",)},
@@ -79,7 +80,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         # the tapped layers (output); the drafter's size only sizes the disk reserve for checkpoints (runtime)
         "drafter": {"output": ("target_layer_ids", "num_target_features"),
                     "runtime": ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                "head_dim", "export_dtype")},
+                                "head_dim", "export_dtype", "architecture", "conv_kernel_size", "conv_group_size",
+                                "selector_rank")},
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_heldout": {
@@ -133,7 +135,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "tokenize": {"runtime": ("max_length", "chat_template_kwargs")},
         "extract": {"runtime": ("storage_dtype", "store_target_tokens", "disk_headroom")},
         "drafter": {"runtime": ("target_layer_ids", "num_target_features", "num_layers", "intermediate_size",
-                                "num_attention_heads", "num_key_value_heads", "head_dim", "export_dtype")},
+                                "num_attention_heads", "num_key_value_heads", "head_dim", "export_dtype",
+                                "architecture", "conv_kernel_size", "conv_group_size", "selector_rank")},
         "train": {"runtime": ("keep_checkpoints",)},
         "stream": {"runtime": ("slices", "slices_on_disk", "reserve_gb")},
         "target": {"runtime": ("trust_remote_code",)},

@@ -255,6 +255,10 @@ class DiskDrafterOptions(SectionSettings):
     num_key_value_heads: int | None
     head_dim: int | None
     export_dtype: str
+    architecture: str
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from draftsmith.drafter_config import (
     drafter_config_dict,
     drafter_config_from_dict,
 )
-from draftsmith.modeling import DFlashDraftModel, PackedBatch
+from draftsmith.modeling import DFlashDraftModel, PackedBatch, block_targets
 from draftsmith.modeling_dflash2 import DFlash2DraftModel
 from tiny import tiny_config, tiny_target
 
@@ -421,3 +421,27 @@ def test_static_dflash2_decoding_is_lossless_and_steps_as_the_dynamic_path():
         sta = speculative_generate(tgt, fast, ids, max_new_tokens=30, static=static)
         assert sta.tokens == dyn.tokens == ref.tokens
         assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)
+
+
+def test_dflash2_training_flops_match_the_flop_counter(target):
+    """training_flops (the trainer's MFU) counts a DFlash2 step's matmuls as torch's FlopCounterMode does: the
+    backbone's, the convolutions' kernel projections and the selector's hidden projection (mm) and its bilinear
+    scores of the top-k (bmm; the attention's is SDPA, counted apart)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from draftsmith.flops import training_flops
+
+    model = make_drafter2(target).train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch()
+    _, valid = block_targets(batch, 4, False)
+    want = training_flops(model.config, ctx_tokens=batch.input_ids.shape[1], block_tokens=batch.anchors.shape[1] * 4,
+                          head_tokens=int(valid.sum()), attended_pairs=0)
+    with FlopCounterMode(display=False) as counter:
+        out = model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa")
+        out.loss.backward()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    mm = sum(v for k, v in counts.items() if k.endswith(".mm") or k.endswith(".addmm"))
+    bmm = sum(v for k, v in counts.items() if k.endswith(".bmm"))
+    assert want["selector"] > 0
+    assert want["total"] == mm + bmm, counts

@@ -13,6 +13,7 @@ from transformers import Qwen3_5Config
 from draftsmith import disk
 from draftsmith.drafter_config import build_drafter_config
 from draftsmith.modeling import DFlashDraftModel
+from draftsmith.modeling_dflash2 import DFlash2DraftModel
 from tiny import tiny_config
 
 # (target kind, target overrides, drafter keys, tapped layers)
@@ -25,12 +26,18 @@ CASES = {
          "intermediate_size": 96}, [0, 1, 2, 3]),
     "qwen3 target with its own head dim, KV heads from the target": (
         "qwen3", {}, {"num_layers": 2, "num_attention_heads": 2, "intermediate_size": 40}, [1, 3]),
+    "DFlash2: convolutions and the candidate selector": (
+        "qwen3", {}, {"num_layers": 2, "architecture": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16,
+                      "selector_rank": 8}, [1, 3]),
+    "DFlash2 on a hybrid target, default kernel": (
+        "qwen3_5", {}, {"num_layers": 1, "architecture": "dflash2", "conv_group_size": 8, "selector_rank": 4}, [0, 3]),
 }
 
 
 def _model_parameters(target_config, keys: dict, taps: list[int]) -> int:
     config = build_drafter_config(target_config, block_size=16, target_layer_ids=taps, mask_token_id=0, **keys)
-    return sum(p.numel() for p in DFlashDraftModel(config).parameters())
+    model_class = DFlash2DraftModel if keys.get("architecture") == "dflash2" else DFlashDraftModel
+    return sum(p.numel() for p in model_class(config).parameters())
 
 
 @pytest.mark.parametrize("case", list(CASES))
