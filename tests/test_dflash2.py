@@ -445,3 +445,26 @@ def test_dflash2_training_flops_match_the_flop_counter(target):
     bmm = sum(v for k, v in counts.items() if k.endswith(".bmm"))
     assert want["selector"] > 0
     assert want["total"] == mm + bmm, counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_dflash2_drafter_with_cuda_graphs_decodes_as_the_dynamic_path():
+    """On a GPU (float32, so no near ties): DFlash2 decoding with the static drafter's steps replayed as CUDA graphs
+    (the selector after them) commits the same tokens in the same steps as the dynamic-cache drafter, equal to
+    target-only decoding, and no width fell back to eager drafting."""
+    from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt = tiny_target("qwen3", initializer_range=0.1).cuda()
+    static = StaticTarget(tgt, 16 + 30 + 5 + 1, layer_ids=[1, 2], cuda_graphs=True, verify_width=5)
+    for seed in (1, 2):
+        ids = torch.randint(5, 500, (1, 16), generator=torch.Generator().manual_seed(seed)).cuda()
+        ref = target_generate(tgt, ids, max_new_tokens=30)
+        drafter = make_drafter2(tgt, block_size=5, seed=seed).cuda()
+        dyn = speculative_generate(tgt, DFlashProposer(drafter, tgt), ids, max_new_tokens=30, static=static)
+        fast = DFlashProposer(drafter, tgt)
+        assert fast.use_static(static.max_length, cuda_graphs=True)
+        sta = speculative_generate(tgt, fast, ids, max_new_tokens=30, static=static)
+        assert sta.tokens == dyn.tokens == ref.tokens
+        assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)
+        assert fast.static.graph_failures == {} and fast.static._graphs, fast.static.graph_failures
