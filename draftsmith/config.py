@@ -262,7 +262,8 @@ def check_eval_sets(evaluate_cfg: dict, sources: list[dict]) -> None:
         elif source != HELDOUT and source not in split:
             close = difflib.get_close_matches(str(source), usable, n=1)
             errors.append(f"{where} is no data source" + (f" (did you mean {close[0]!r}?)" if close else "")
-                          + f"; sets can use {usable}")
+                          + f"; sets can use {usable}; to leave the set out, name the sets to run in "
+                          f"evaluate.only or set evaluate.sets.{name}: null")
         elif source != HELDOUT and split[source] == "train":
             errors.append(f"{where} has split: train, so the eval split holds none of its rows (set its split to "
                           "eval or both)")

@@ -253,7 +253,8 @@ def unusable_reason(devices: list[str]) -> str | None:
 
 
 def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None = None,
-               record: str | os.PathLike | None = None, cpu_fallback: bool = False) -> list[str]:
+               record: str | os.PathLike | None = None, cpu_fallback: bool = False,
+               gpus_key: str | None = None) -> list[str]:
     """Lease ``n`` GPUs for the rest of this process and export ``CUDA_VISIBLE_DEVICES``; stop when the job
     cannot use them.
 
@@ -265,11 +266,13 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
     Args:
         cpu_fallback: ``gpu.cpu_fallback``: with no usable GPU, log a warning with the reason and run on the CPU
             (devices leased are kept, unused) instead of stopping.
+        gpus_key: the config key that sets ``n`` (``train.gpus``), named by the error as a way to the CPU; ``None``
+            for jobs that always ask for one GPU (extraction), whose error names ``gpu.cpu_fallback`` only.
 
     Raises:
         GpuUnavailableError: ``n > 0``, no usable GPU (:func:`unusable_reason` says why: an empty pool, torch built
             without CUDA, devices torch cannot see) and not ``cpu_fallback``; the message names the reason and
-            the two ways to run on the CPU on purpose.
+            the ways to run on the CPU on purpose.
         GpuLeaseError: ``n`` exceeds the pool.
     """
     logger = logger or log
@@ -283,9 +286,11 @@ def lease_gpus(n: int, *, logger: logging.Logger | None = None, job: str | None 
         reason = empty_pool or unusable_reason(lease.devices)
         if reason is not None and not cpu_fallback:
             lease.release()
-            raise GpuUnavailableError(
-                f"{job or os.path.basename(sys.argv[0])} asks for {n} GPU(s) but can use none: {reason}. Run on "
-                "the CPU on purpose with the rule's gpus: 0, or gpu.cpu_fallback: true (the CPU default's)")
+            name = job or os.path.basename(sys.argv[0])
+            ways = (f"{gpus_key}: 0, or gpu.cpu_fallback: true (the CPU default's)" if gpus_key else
+                    f"gpu.cpu_fallback: true (the CPU default's; {name} always asks for one GPU)")
+            raise GpuUnavailableError(f"{name} asks for {n} GPU(s) but can use none: {reason}. Run on the CPU on "
+                                      f"purpose with {ways}")
         if reason is not None:
             logger.warning("no usable GPU (%s): this GPU job runs on the CPU (gpu.cpu_fallback)", reason)
         else:

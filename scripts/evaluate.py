@@ -16,7 +16,7 @@ from draftsmith.evaluate import EvaluateSettings, run_evaluate  # noqa: E402
 
 settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)
 lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG,
-           cpu_fallback=settings.gpu.cpu_fallback)
+           cpu_fallback=settings.gpu.cpu_fallback, gpus_key="evaluate.gpus")
 
 report = run_evaluate(
     target_dir=snakemake.input.target,

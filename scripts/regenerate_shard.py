@@ -16,7 +16,7 @@ log = setup_logging(snakemake.log[0])
 settings = RegenerateShardSettings.from_rule(snakemake.params.settings, snakemake.config)
 shard = int(snakemake.wildcards.shard)
 devices = lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"regenerate shard {shard}", record=LEASE_LOG,
-                     cpu_fallback=settings.gpu.cpu_fallback)  # sets CUDA_VISIBLE_DEVICES
+                     cpu_fallback=settings.gpu.cpu_fallback, gpus_key="regenerate.gpus")  # sets CUDA_VISIBLE_DEVICES
 
 # torch and the stage after the lease, so that CUDA starts on the leased GPUs only
 import torch  # noqa: E402

@@ -91,7 +91,8 @@ SOURCES = [{"name": "sharegpt", "split": "both"}, {"name": "champ", "split": "tr
 @pytest.mark.parametrize("sets, sources, message", [
     ({"mt": {"source": "mtbnech"}}, SOURCES,
      "evaluate.sets.mt.source: 'mtbnech' is no data source (did you mean 'mtbench'?); sets can use "
-     "['heldout', 'sharegpt', 'mtbench']"),
+     "['heldout', 'sharegpt', 'mtbench']; to leave the set out, name the sets to run in evaluate.only or set "
+     "evaluate.sets.mt: null"),
     ({"math": {"source": "champ"}}, SOURCES,
      "evaluate.sets.math.source: 'champ' has split: train, so the eval split holds none of its rows"),
     ({"heldout": {"source": "heldout"}}, SOURCES[1:],

@@ -351,7 +351,8 @@ def test_gpu_job_with_a_cpu_torch_stops_with_the_reason(tmp_path, monkeypatch, c
     assert str(err.value).startswith(f"extract_shard 0 asks for 1 GPU(s) but can use none: torch {torch.__version__}"
                                      " is built without CUDA (torch.version.cuda is None) although "
                                      "CUDA_VISIBLE_DEVICES=0")
-    assert "gpus: 0" in str(err.value) and "gpu.cpu_fallback: true" in str(err.value)
+    assert str(err.value).endswith("Run on the CPU on purpose with gpu.cpu_fallback: true (the CPU default's; "
+                                   "extract_shard 0 always asks for one GPU)")  # extraction has no gpus key
     back = gpu.acquire(1, pool=["0"], timeout_s=0.5)  # given back
     assert back.devices == ["0"]
     back.release()
@@ -371,8 +372,9 @@ def test_gpu_job_without_devices_stops_with_the_reason(tmp_path, monkeypatch, vi
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("DRAFTSMITH_GPU_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.setattr(gpu, "_HELD", [])
-    with pytest.raises(gpu.GpuUnavailableError, match=f"evaluate asks for 2 GPU\\(s\\) but can use none: {reason}"):
-        gpu.lease_gpus(2, job="evaluate")
+    with pytest.raises(gpu.GpuUnavailableError, match=f"evaluate asks for 2 GPU\\(s\\) but can use none: {reason}. "
+                       "Run on the CPU on purpose with evaluate.gpus: 0, or gpu.cpu_fallback: true"):
+        gpu.lease_gpus(2, job="evaluate", gpus_key="evaluate.gpus")
 
 
 def test_devices_torch_cannot_see_are_a_reason(monkeypatch):
@@ -456,6 +458,10 @@ def test_every_gpu_rule_with_a_cpu_torch_stops_unless_the_config_asks_for_the_cp
         assert results[f"{rule} 1 False"].startswith(
             f"{job} asks for 1 GPU(s) but can use none: torch {torch.__version__} is built without CUDA "
             "(torch.version.cuda is None) although CUDA_VISIBLE_DEVICES=0"), (rule, results)
+        key = {"regenerate_shard": "regenerate.gpus", "train": "train.gpus", "train_phase": "train.gpus",
+               "evaluate": "evaluate.gpus"}.get(rule)  # extraction always asks for one GPU: no key to name
+        way = f"with {key}: 0, or gpu.cpu_fallback" if key else "with gpu.cpu_fallback: true (the CPU default's; "
+        assert way in results[f"{rule} 1 False"], (rule, results[f"{rule} 1 False"])
     # the CPU on purpose: past the lease, stopped by the missing inputs
     for case in ("regenerate_shard 0 False", "evaluate 0 False", "extract_shard 1 True"):
         assert "GPU" not in results[case] and results[case] != "ran", (case, results[case])

@@ -1030,3 +1030,21 @@ def test_a_non_finite_gradient_norm_alone_stops_the_step_naming_all_its_rows(tmp
     assert msg.startswith("step 3 of 9: the gradient norm is inf (every micro-batch's loss is finite")
     assert "micro-batch 0 of rank 0: rows of step 2 micro 0; micro-batch 1 of rank 0: rows of step 2 micro 1" in msg
     assert f"no checkpoint of this run in {tmp_path / 'run-x'} yet" in msg
+
+
+def test_a_small_heldout_split_is_warned_about(qwen3_setup, caplog):
+    """Training's held-out metrics from a handful of samples say little: fewer than MIN_HELDOUT_SAMPLES held-out
+    samples log a warning naming the count and train.eval_fraction; none when the split holds enough."""
+    from draftsmith.train import plan_data
+    from draftsmith.train.plan import MIN_HELDOUT_SAMPLES, warn_few_heldout
+
+    index_path = qwen3_setup["index"]
+    with caplog.at_level("WARNING", logger="draftsmith.train"):
+        data = plan_data(index_path, settings(dict(TINY_TRAIN, eval_fraction=0.1)).train, 1)
+    few = len(data.heldout_ids)
+    assert 0 < few < MIN_HELDOUT_SAMPLES
+    assert f"only {few} held-out sample(s) (train.eval_fraction 0.1 of {len(data.lengths)})" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="draftsmith.train"):
+        warn_few_heldout(MIN_HELDOUT_SAMPLES, 0.02, 1600)
+    assert "held-out sample" not in caplog.text

@@ -562,9 +562,10 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
                     kept_ids = np.sort(np.concatenate([kept_ids, kept]))
                     spool.unlink()
                     all_stats.append(stats)
-                    log.info("%s: read %d, kept %d (train %d, eval %d, +%d repeats), dropped %s",
+                    log.info("%s: read %d, kept %d (train %d, eval %d, +%d repeats), dropped %s%s",
                              s.name, stats.read, stats.kept, stats.train, stats.eval,
-                             stats.repeats, stats.dropped or "none")
+                             stats.repeats, stats.dropped or "none",
+                             f" (each with its file and line: {report_path})" if stats.dropped else "")
             finally:
                 for w in writers.values():
                     w.close()

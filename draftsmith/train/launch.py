@@ -33,7 +33,7 @@ def run_trainer(args: list[str], *, gpus: int, threads: int, log: logging.Logger
         GpuUnavailableError: ``gpus > 0`` and no usable GPU, without ``cpu_fallback``.
         SystemExit: the training processes failed (their exit status; the log says so).
     """
-    lease_gpus(gpus, logger=log, job=job, record=LEASE_LOG, cpu_fallback=cpu_fallback)
+    lease_gpus(gpus, logger=log, job=job, record=LEASE_LOG, cpu_fallback=cpu_fallback, gpus_key="train.gpus")
     cmd = command or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                       str(max(1, gpus)), "-m", "draftsmith.train", *args, "--threads", str(threads)]
     log.info("torchrun: %d process(es)", max(1, gpus))

@@ -102,6 +102,19 @@ class TrainData:
     plan_identity: dict[str, Any] | None = None
 
 
+#: fewer held-out samples than this make training's held-out metrics (loss, τ) noise: a warning says so
+MIN_HELDOUT_SAMPLES = 32
+
+
+def warn_few_heldout(heldout: int, eval_fraction: float, samples: int) -> None:
+    """Warn when training's held-out split (``train.eval_fraction`` of ``samples``) holds fewer than
+    :data:`MIN_HELDOUT_SAMPLES` samples: its loss and τ would then say little."""
+    if heldout < MIN_HELDOUT_SAMPLES:
+        log.warning("only %d held-out sample(s) (train.eval_fraction %g of %d): training's held-out loss and τ "
+                    "are noisy; raise train.eval_fraction for at least %d", heldout, eval_fraction, samples,
+                    MIN_HELDOUT_SAMPLES)
+
+
 def plan_data(index_path: str | os.PathLike, settings: TrainOptions, world: int) -> TrainData:
     """Open the features, split off the held-out samples and plan every step's rows for ``world`` processes
     (:class:`BatchPlan`).
@@ -119,6 +132,7 @@ def plan_data(index_path: str | os.PathLike, settings: TrainOptions, world: int)
     truncated = sum(1 for i in train_ids if lengths[i] > row_tokens)
     log.info("samples: %d = %d train + %d held out; %d train samples longer than tokens_per_batch=%d are cut",
              len(index.samples), len(train_ids), len(heldout_ids), truncated, row_tokens)
+    warn_few_heldout(len(heldout_ids), settings.eval_fraction, len(index.samples))
     try:
         plan = BatchPlan(lengths, train_ids, row_tokens, seed=settings.seed, world=world,
                          grad_accum=settings.grad_accum, epochs=settings.epochs, max_steps=settings.max_steps)
@@ -149,6 +163,7 @@ def plan_stream_data(tokenized_path: str | os.PathLike, settings: TrainOptions, 
     log.info("samples: %d tokenized rows = %d train + %d held out (%d kept for the held-out metrics); %d train "
              "samples longer than tokens_per_batch=%d are cut", len(lengths), len(train_ids), len(split_heldout),
              len(heldout_ids), truncated, row_tokens)
+    warn_few_heldout(len(heldout_ids), settings.eval_fraction, len(lengths))
     try:
         plan = StreamPlan(lengths, train_ids, row_tokens, seed=settings.seed, world=world,
                           grad_accum=settings.grad_accum, epochs=settings.epochs, max_steps=settings.max_steps,
