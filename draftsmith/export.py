@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from safetensors import safe_open
 
-from draftsmith.io import read_json
+from draftsmith.io import read_json, save_pretrained_atomic
 from draftsmith.modeling_dflash2 import model_class_for
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import DTYPES, EMBED_KEYS, text_config, weight_files
@@ -132,7 +132,7 @@ def export_drafter(trained_dir: str | os.PathLike, target_dir: str | os.PathLike
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise ExportError(f"{trained_dir / 'model.safetensors'}: non-finite values in {bad[:8]}")
-    model.save_pretrained(out_dir, dtype=DTYPES[dtype])
+    save_pretrained_atomic(model, out_dir, dtype=DTYPES[dtype])
     back = model_class.from_pretrained(out_dir)
     diff = max((back.trainable_state_dict()[k].float() - v.to(DTYPES[dtype]).float()).abs().max().item()
                for k, v in state.items())

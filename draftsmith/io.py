@@ -163,6 +163,36 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
         raise
 
 
+def save_pretrained_atomic(model: Any, folder: str | os.PathLike, **kwargs: Any) -> None:
+    """``model.save_pretrained(folder, **kwargs)`` (a transformers model: ``config.json``, ``model.safetensors``),
+    written into a temporary folder beside ``folder`` and each file renamed into ``folder`` only once all are
+    written and synced: a save killed midway leaves ``folder``'s earlier files, never a half-written weight file;
+    the temporary folder is removed whatever happens. Other files in ``folder`` are kept.
+
+    Raises:
+        DiskFullError: the disk filled up while writing (``ENOSPC``): the folder and the free bytes named.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp, **kwargs)
+        files = sorted(f for f in tmp.iterdir() if f.is_file())
+        for f in files:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        folder.mkdir(exist_ok=True)
+        for f in files:
+            os.replace(f, folder / f.name)
+        fsync_dir(folder)
+    except BaseException as exc:
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise disk_full(folder / "model.safetensors", exc) from exc
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as indented UTF-8 JSON, atomically."""
     with atomic_path(path) as tmp:

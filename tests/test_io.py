@@ -160,3 +160,41 @@ def test_a_full_disk_names_the_file_and_the_free_bytes_and_leaves_no_temporary_f
         with io.atomic_path(tmp_path / "train.parquet", suffix=".parquet"):
             raise OSError("IOError: [Errno 28] No space left on device")
     assert list(tmp_path.glob(".train.parquet*")) == []
+
+
+def test_save_pretrained_atomic_writes_the_models_files_or_leaves_the_folder_as_it_was(tmp_path):
+    """A drafter saved through save_pretrained_atomic has the files save_pretrained writes, byte for byte, beside
+    the folder's other files; a save that dies after its first file leaves the folder's earlier files and no
+    temporary folder."""
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith import io
+    from draftsmith.drafter_config import build_drafter_config
+    from draftsmith.modeling import DFlashDraftModel
+    from tiny import tiny_config
+
+    cfg = build_drafter_config(tiny_config("qwen3"), num_layers=1, block_size=4, target_layer_ids=[1],
+                               mask_token_id=3)
+    torch.manual_seed(0)
+    model = DFlashDraftModel(cfg)
+    model.save_pretrained(tmp_path / "direct")
+    folder = tmp_path / "trained"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    io.save_pretrained_atomic(model, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "trainer_state.json"]
+    assert (folder / "config.json").read_text() == (tmp_path / "direct" / "config.json").read_text()
+    want, got = load_file(tmp_path / "direct" / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    class Dies:
+        def save_pretrained(self, out, **kwargs):
+            (Path(out) / "model.safetensors").write_bytes(b"half a weight file")
+            raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        io.save_pretrained_atomic(Dies(), folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "trained"]  # no temporary folder left

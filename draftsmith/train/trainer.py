@@ -25,7 +25,7 @@ from draftsmith.batch_plan import pack_rows, seed_of
 from draftsmith.drafter_config import default_loss_gamma, drafter_config_dict
 from draftsmith.features import FeatureIndex, verify_chunk_sha256
 from draftsmith.flops import step_flops
-from draftsmith.io import write_json
+from draftsmith.io import save_pretrained_atomic, write_json
 from draftsmith.modeling_dflash2 import DFlash2DraftModel, model_class_for
 from draftsmith.progress import progress
 from draftsmith.target import load_target_embeddings_and_head
@@ -501,7 +501,7 @@ class Trainer:
         }
         if self.ranks.main:
             trained = self.out_dir / "trained"
-            self.model.save_pretrained(trained)
+            save_pretrained_atomic(self.model, trained)
             write_json(trained / "trainer_state.json", state)
             log.info("wrote %s (held-out tau_expected %s)", trained,
                      f"{final_eval['tau_expected']:.3f}" if final_eval else "n/a")
