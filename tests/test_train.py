@@ -501,6 +501,9 @@ def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_
     other = train(changed / "index.json", target, out, settings(cfg), threads=1)
     assert other["resumed_from_step"] == 0 and other["fingerprint"] != first["fingerprint"]
     assert len(list((out / "checkpoints").glob("run-*"))) == 2
+    held = sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())  # the first run's folder, kept
+    assert held > 0 and (f"1 checkpoint folder(s) of other configurations or data hold {held / 1e9:.2f} GB in "
+                         f"{out / 'checkpoints'}") in caplog.text and f"{ckpts.name} {held / 1e9:.2f} GB" in caplog.text
     w4 = weights()
     assert any(not torch.equal(w1[k], w4[k]) for k in w1)
 

@@ -250,6 +250,15 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
 # finished runs
 
 
+def other_runs(ckpt_dir: Path) -> dict[str, int]:
+    """The ``run-*`` folders beside ``ckpt_dir`` (runs of other settings or data) and the bytes each holds, by name."""
+    parent = Path(ckpt_dir).parent
+    if not parent.is_dir():
+        return {}
+    return {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            for p in sorted(parent.glob("run-*")) if p.is_dir() and p != Path(ckpt_dir)}
+
+
 def finished_path(ckpt_dir: Path, name: str) -> Path:
     """Where the record of a finished ``name`` lives: ``ckpt_dir/finished-<name>.json``."""
     return ckpt_dir / f"finished-{name}.json"

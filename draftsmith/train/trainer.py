@@ -33,6 +33,7 @@ from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_we
 from draftsmith.train.checkpoint import (
     checkpoint_steps,
     mark_finished,
+    other_runs,
     read_finished,
     remove_checkpoints,
     resume,
@@ -185,14 +186,17 @@ class Trainer:
         self.writer = None
 
     def use_checkpoints(self, fingerprint: str) -> None:
-        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/`` (other runs' folders: named, left alone)."""
+        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/``. Other runs' folders (other settings or
+        data) are left alone, to resume if the config goes back; a warning names them and the bytes they hold
+        (:func:`~draftsmith.train.checkpoint.other_runs`), which no disk check counts as free."""
         self.fingerprint = fingerprint
         self.ckpt_dir = self.out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
-        parent = self.ckpt_dir.parent
-        others = sorted(p.name for p in parent.glob("run-*") if p != self.ckpt_dir) if parent.is_dir() else []
+        others = other_runs(self.ckpt_dir)
         if others and self.ranks.main:
-            log.info("checkpoints of other configurations in %s (not resumed, not deleted): %s", parent,
-                     ", ".join(others))
+            held = sum(others.values())
+            log.warning("%d checkpoint folder(s) of other configurations or data hold %.2f GB in %s (kept to resume "
+                        "if the config goes back; delete those you will not): %s", len(others), held / 1e9,
+                        self.ckpt_dir.parent, ", ".join(f"{name} {size / 1e9:.2f} GB" for name, size in others.items()))
 
     def restart_finished(self, name: str, steps: Collection[int] | None = None) -> bool:
         """Start ``name`` (``"run"``, ``"phase-<p>"``) afresh when it finished and is rerun: its record
