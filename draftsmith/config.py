@@ -218,6 +218,11 @@ def cross_key_errors(config: dict) -> list[str]:
         errors.append(f"drafter.block_size {block} is above tokenize.max_length {max_length}: block slots "
                       f"{max_length}..{block - 1} lie past the end of every training row and are never supervised; "
                       f"use a block size of at most {max_length} (published DFlash drafters use 8-16)")
+    verify = (config.get("evaluate") or {}).get("block_size")
+    if verify is not None and block is not None and verify > block:
+        errors.append(f"evaluate.block_size {verify} is above drafter.block_size {block}: the drafter was never "
+                      f"trained on block slots {block}..{verify - 1}, so it would draft noise there; use at most "
+                      f"{block}, or null (the drafter's own)")
     return errors
 
 

@@ -129,6 +129,13 @@ def test_block_size_is_refused_above_64_or_the_rows_and_warned_above_the_publish
     config["tokenize"]["max_length"] = 8
     (err,) = cross_key_errors(config)
     assert err.startswith("drafter.block_size 16 is above tokenize.max_length 8: block slots 8..15")
+    config = drafter(block_size=8)
+    config["evaluate"] = {"block_size": 16}
+    (err,) = cross_key_errors(config)
+    assert err.startswith("evaluate.block_size 16 is above drafter.block_size 8: the drafter was never trained on "
+                          "block slots 8..15")
+    config["evaluate"]["block_size"] = 4  # a narrower verify width is the drafter's first slots: allowed
+    assert cross_key_errors(config) == []
 
 
 def test_a_target_folder_without_tokenizer_files_is_refused_with_what_is_missing(tmp_path):
