@@ -663,16 +663,19 @@ def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_s
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path):
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path, architecture):
     """The GPU path the shipped configs take (bf16 autocast, compiled layers and flex_attention BlockMask,
-    pinned prefetch, anchor buckets): the training loss falls far below chance, held-out metrics come out,
-    and a run stopped after a checkpoint resumes to the planned step count."""
+    pinned prefetch, anchor buckets), for DFlash and DFlash2 drafters: the training loss falls far below chance,
+    held-out metrics come out, and a run stopped after a checkpoint resumes to the planned step count."""
     cfg = dict(TINY_TRAIN, max_steps=60, lr=1e-2, eval_fraction=0.25, eval_every=30, compile=True,
                save_every=30)
-    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=2,
+    drafter = TINY_DRAFTER if architecture == "dflash" else dict(
+        TINY_DRAFTER, architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
+    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=2,
                     stop_after_steps=30)
     assert stopped == {"stopped_at": 30, "total_steps": 60}
-    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=2)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=2)
     assert state["resumed_from_step"] == 30 and state["steps"] == 60 and state["device"].startswith("cuda")
     assert [h["step"] for h in state["history"]] == [30, 60] and math.isfinite(state["heldout"]["loss"])
     chance = math.log(qwen3_setup["target"].config.vocab_size)  # the loss of a uniform guess
