@@ -348,7 +348,7 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
 @dataclass(frozen=True)
 class PlanDrafterOptions(SectionSettings):
     """The ``drafter`` keys that decide the tapped layers (:func:`draftsmith.extract.resolve_layer_ids`), and those
-    that size the drafter's checkpoints for the disk reserve (:class:`DrafterSize`); read by extract_plan,
+    that size the drafter's checkpoints for the disk reserve (:class:`DrafterSize`); read by extract_plan, disk_plan,
     stream_plan and extract_slice.
 
     ``num_target_features`` holds the effective count: with neither it nor ``target_layer_ids`` set,

@@ -245,23 +245,6 @@ class DiskExtractOptions(SectionSettings):
 
 
 @dataclass(frozen=True)
-class DiskDrafterOptions(SectionSettings):
-    SECTION: ClassVar[str] = "drafter"
-    target_layer_ids: tuple[int, ...] | None
-    num_target_features: int | None
-    num_layers: int
-    intermediate_size: int | None
-    num_attention_heads: int | None
-    num_key_value_heads: int | None
-    head_dim: int | None
-    export_dtype: str
-    architecture: str
-    conv_kernel_size: int
-    conv_group_size: int
-    selector_rank: int
-
-
-@dataclass(frozen=True)
 class DiskTrainOptions(SectionSettings):
     SECTION: ClassVar[str] = "train"
     keep_checkpoints: int
@@ -283,7 +266,7 @@ class DiskPlanSettings(StageSettings):
     regenerate: DiskRegenerateOptions
     tokenize: DiskTokenizeOptions
     extract: DiskExtractOptions
-    drafter: DiskDrafterOptions
+    drafter: PlanDrafterOptions  # the keys extract_plan and stream_plan read to size the reserve
     train: DiskTrainOptions
     stream: DiskStreamOptions
     target: PlanTargetOptions
