@@ -19,7 +19,7 @@
 set -euo pipefail
 cmd=${1:?start or wait}
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-VARIANTS="offline fp8 reuse1 reuse-epochs"
+VARIANTS=${VARIANTS:-offline fp8 reuse1 reuse-epochs}  # a subset: VARIANTS=reuse1 (the same in start and wait)
 Q=$HOME/quality
 CONFIGS="config/gpu-proof.yaml docs/stream/quality/common.yaml"
 TRAIN_RULES="extract_plan extract_shard merge stream_plan extract_heldout extract_slice merge_slice train_phase train
