@@ -16,7 +16,7 @@ sys.path.insert(0, workflow.basedir)
 # (Set here, not required from the user: hence no `envvars:` declaration.)
 os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])))
 
-from draftsmith.config import check_config
+from draftsmith.config import check_config, check_config_files
 
 min_version("9.0")
 
@@ -24,6 +24,7 @@ min_version("9.0")
 configfile: "config.yaml"
 
 
+check_config_files(workflow.configfiles)
 check_config(config, f"{workflow.basedir}/schemas/config.schema.yaml")
 
 

@@ -154,6 +154,56 @@ def config_errors(config: dict, schema: dict) -> list[str]:
     return messages
 
 
+def duplicate_key_errors(path: str | Path) -> list[str]:
+    """One message per mapping key written twice in the YAML (or JSON) config file ``path``.
+
+    YAML keeps only the last of two equal keys, and Snakemake's loader does the same, so an overlay with two
+    ``train:`` sections silently loses the first one's keys. Each message names the file, the line, the key's
+    dotted path and the line of its first occurrence, e.g. ``my.yaml:7: train appears again (first on line 2)``.
+    A file that does not parse gives no message here (Snakemake has reported it already).
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            root = yaml.compose(fh, Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return []
+    errors: list[str] = []
+
+    def walk(node: yaml.Node | None, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                name = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key_node.value in first:
+                    errors.append(f"{path}:{line}: {name} appears again (first on line {first[key_node.value]}); "
+                                  "YAML keeps only the last one, so the keys under the first are lost: merge "
+                                  "the two")
+                else:
+                    first[key_node.value] = line
+                walk(value_node, name)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{prefix}.{i}")
+
+    walk(root, "")
+    return errors
+
+
+def check_config_files(paths) -> None:
+    """Refuse config files that write a key twice (:func:`duplicate_key_errors`); called by the Snakefile with
+    ``workflow.configfiles`` (config.yaml and every ``--configfile``) before :func:`check_config`.
+
+    Raises:
+        ConfigError: one line per repeated key, naming the file, line and key.
+    """
+    errors = [e for path in paths for e in duplicate_key_errors(path)]
+    if errors:
+        raise ConfigError("invalid configuration file(s):\n  " + "\n  ".join(errors))
+
+
 def check_config(config: dict, schema_path: str) -> None:
     """Validate ``config`` against the schema file and fill in defaults (in place).
 

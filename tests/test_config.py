@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.config import ConfigError, check_eval_sets, config_errors
+from draftsmith.config import ConfigError, check_eval_sets, config_errors, duplicate_key_errors
 from workflow import copy_workflow, planned_jobs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +82,31 @@ def test_bad_config_stops_snakemake_at_parse_time(tmp_path):
     assert proc.returncode != 0
     assert "extract.shards: -1 is less than the minimum of 1" in proc.stdout + proc.stderr
     assert "Building DAG" not in proc.stdout + proc.stderr
+
+
+def test_a_key_written_twice_is_named_with_its_file_and_lines(tmp_path):
+    overlay = tmp_path / "my.yaml"
+    overlay.write_text("train:\n  epochs: 5\ndata:\n  sources:\n    - {name: a, path: a.jsonl, name: b}\n"
+                       "train:\n  lr: 1.0e-4\n  lr: 2.0e-4\n")
+    assert duplicate_key_errors(overlay) == [
+        f"{overlay}:5: data.sources.0.name appears again (first on line 5); YAML keeps only the last one, so the "
+        "keys under the first are lost: merge the two",
+        f"{overlay}:6: train appears again (first on line 1); YAML keeps only the last one, so the keys under the "
+        "first are lost: merge the two",
+        f"{overlay}:8: train.lr appears again (first on line 7); YAML keeps only the last one, so the keys under "
+        "the first are lost: merge the two",
+    ]
+    shipped = [REPO / "config.yaml", *sorted((REPO / "config").glob("*.yaml"))]
+    assert [e for f in shipped for e in duplicate_key_errors(f)] == []
+
+
+def test_an_overlay_with_a_repeated_section_stops_snakemake_at_parse_time(tmp_path):
+    """Two `train:` sections in one overlay: YAML (and Snakemake) would keep the second and drop epochs."""
+    proc = _snakemake(tmp_path, "-n", config_text="train:\n  epochs: 5\nextract:\n  shards: 2\ntrain:\n  lr: 1.0e-4\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "extra.yaml:5: train appears again (first on line 1)" in out, out
+    assert "Building DAG" not in out
 
 
 SOURCES = [{"name": "sharegpt", "split": "both"}, {"name": "champ", "split": "train"},
