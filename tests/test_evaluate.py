@@ -885,6 +885,11 @@ def test_evaluate_stage_end_to_end(stage_inputs, tmp_path, monkeypatch):
         assert d["tau"] >= 1.0 and d["steps"] > 0 and sum(d["acceptance_histogram"]) == d["steps"]
         assert len(d["per_position"]) == BLOCK - 1 and d["speedup"] > 0
         assert s["target_only"]["tokens"] == d["tokens"] == s["prompt_lookup"]["tokens"]
+        for method in ("dflash", "prompt_lookup"):  # the per-prompt sums give the set's own figures
+            rows, m = s["per_prompt"], s[method]
+            assert sum(r[f"{method}_steps"] for r in rows) == m["steps"]
+            assert sum(r[f"{method}_committed"] for r in rows) / m["steps"] == pytest.approx(m["tau"])
+            assert sum(r[f"{method}_tokens"] for r in rows) == m["tokens"]
     assert report["overall"]["prompts"] == 4
     # the shared stop policy: eos 2 = <|im_end|>, ChatML's end-of-turn; <|endoftext|> (0) is the pad, where
     # transformers' generate does not stop either
@@ -1215,6 +1220,30 @@ def test_evaluate_stage_decodes_a_dflash2_drafter_in_both_implementations(stage_
     two["run"].pop("drafter_implementation")
     one["run"].pop("drafter_implementation")
     assert _differences(_without_timings(two), _without_timings(one)) == []
+
+    # the two architectures compared on the same prompts (python -m draftsmith.evaluate.compare)
+    from draftsmith.evaluate.compare import main as compare_main
+
+    run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "dflash"))
+    assert compare_main([str(tmp_path / "dflash" / "report.json"), str(tmp_path / "ours" / "report.json"),
+                         "--names", "dflash,dflash2", "--json", str(tmp_path / "cmp.json"),
+                         "--md", str(tmp_path / "cmp.md")]) == 0
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    base = json.loads((tmp_path / "dflash" / "report.json").read_text())
+    assert list(cmp["sets"]) == ["heldout", "mtbench", "all"]
+    for name, s in cmp["sets"].items():
+        new_set = one["overall"] if name == "all" else one["sets"][name]
+        old_set = base["overall"] if name == "all" else base["sets"][name]
+        paired = s["paired"]
+        # greedy and lossless: the same target answers, so every prompt pairs, and the paired τ is each set's own
+        assert paired["matched"] == new_set["prompts"] and paired["base_only"] == paired["new_only"] == 0
+        assert paired["tau"]["new"] == pytest.approx(new_set["dflash"]["tau"])
+        assert paired["tau"]["base"] == pytest.approx(old_set["dflash"]["tau"])
+        assert s["tau_ratio"] == pytest.approx(new_set["dflash"]["tau"] / old_set["dflash"]["tau"])
+        assert paired["tau"]["ratio"] == pytest.approx(s["tau_ratio"])
+        assert paired["tokens_per_s"]["new"] == pytest.approx(new_set["dflash"]["tokens_per_s"])
+        assert paired["tau"]["ratio_low"] <= paired["tau"]["ratio"] <= paired["tau"]["ratio_high"]
+    assert "| heldout | 2 (0, 0) |" in (tmp_path / "cmp.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

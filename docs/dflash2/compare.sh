@@ -11,7 +11,8 @@
 #   docs/dflash2/compare.sh start STASH CURATED   the whole comparison in its own session
 #   docs/dflash2/compare.sh wait SECONDS OUT      wait for it (at most SECONDS), then pack both variants' logs,
 #                                                 benchmarks, trainer state and reports into OUT/dflash2.tgz and
-#                                                 print τ and tokens/s per set
+#                                                 print τ and tokens/s per set, and the two reports paired by prompt
+#                                                 (python -m draftsmith.evaluate.compare; OUT/dflash2.tgz holds compare.md)
 set -euo pipefail
 cmd=${1:?start or wait}
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -86,6 +87,13 @@ wait)
       [ -e "$C/$v/$f" ] && files+=("$C/$v/$f")
     done
   done
+  if [ -f "$C/dflash/results/eval/report.json" ] && [ -f "$C/dflash2/results/eval/report.json" ]; then
+    # the two reports paired by prompt, with bootstrap intervals of the ratios (draftsmith/evaluate/compare.py)
+    PYTHONPATH=/tmp/site:$PWD python3 -m draftsmith.evaluate.compare "$C/dflash/results/eval/report.json" \
+        "$C/dflash2/results/eval/report.json" --names dflash,dflash2 --json "$C/compare.json" \
+        --md "$C/compare.md" || true
+    files+=("$C/compare.json" "$C/compare.md")
+  fi
   tar czf "$3/dflash2.tgz" --ignore-failed-read "${files[@]}" results/tokenized/report.json \
       results/features/index.json 2>/dev/null || true
   for v in $VARIANTS; do  # τ and tokens/s of the drafter and of prompt lookup per set, and the trainer's metrics

@@ -11,7 +11,8 @@ exact rollback of GDN recurrent state), :mod:`.static` (static cache, CUDA graph
 loops and proposers), :mod:`.prompts` (benchmark sets), :mod:`.drafter` (the exported drafter), :mod:`.decoders`
 (the stage's decoders and how they decode a set), :mod:`.resume` (saved conversations), :mod:`.workers` and
 :mod:`.worker` (one decoding process per GPU), :mod:`.report` (metrics, report.json's sections, report.md,
-plots), :mod:`.settings` (the config keys the stage reads), :mod:`.run` (the stage).
+plots), :mod:`.settings` (the config keys the stage reads), :mod:`.run` (the stage); :mod:`.compare` (two
+reports paired by prompt: ``python -m draftsmith.evaluate.compare A/report.json B/report.json``).
 """
 
 from draftsmith.evaluate.cache import TargetCache

@@ -198,7 +198,12 @@ def set_report(bset: BenchmarkSet, done: dict, sampling: SamplingConfig, block_s
         "per_prompt": [
             {"prompt": lab, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
              "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
-             "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau}
+             "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau,
+             # exact sums, so that any subset of prompts (draftsmith.evaluate.compare pairs two reports' prompts)
+             # gives the set's own figures: tau = committed / steps, tokens/s = tokens / seconds
+             **{f"{name}_{field}": value for name, r in (("dflash", d), ("prompt_lookup", p))
+                for field, value in (("tokens", len(r.tokens)), ("committed", sum(r.committed)),
+                                     ("steps", len(r.committed)))}}
             for lab, key, b, d, p in zip(labels, keys, base, results["dflash"], results["prompt_lookup"])],
     }
     return out
