@@ -14,10 +14,15 @@
 #                                           config/stream-x1.yaml over gpu-node.yaml in its own session, sampling the
 #                                           bytes under results/ and the GPU every 2 s
 #   docs/stream/run.sh wait SECONDS OUT     wait for it (at most SECONDS), then copy the logs, benchmarks, samples,
-#                                           lease log, plan, phase markers and the report into OUT
+#                                           lease log, plan, phase markers and the report into OUT, and print
+#                                           docs/node-x8/analyze.py's tables (phases, shards, memory, disk)
+# GPUS (default 1) and CONFIG (default config/stream-x1.yaml) pick the node: GPUS=8 CONFIG=config/stream-x8.yaml
+# for the eight-GPU sliced run of docs/node-x8/README.md (its CURATED: the same command with stream-x8.yaml).
 set -euo pipefail
 cmd=${1:?setup, bench-fp8, start or wait}
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+GPUS=${GPUS:-1} CONFIG=${CONFIG:-config/stream-x1.yaml}
+NAME=$(basename "$CONFIG" .yaml)
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 RULES="disk_plan regenerate_shard regenerate tokenize stream_plan extract_heldout extract_slice merge_slice
 train_phase train export evaluate all"
 
@@ -54,8 +59,8 @@ results/stream 2>/dev/null | cut -f1) $(df -B1 --output=avail . | tail -1)"; don
   setsid nohup nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv -l 2 \
       > "$HOME/gpu-samples.csv" 2>&1 < /dev/null &
   # shellcheck disable=SC2086
-  setsid nohup bash -c "python3 -m snakemake --cores all --resources gpu=1 --scheduler greedy \
-      --configfile config/gpu-node.yaml config/stream-x1.yaml --allowed-rules $(echo $RULES) \
+  setsid nohup bash -c "python3 -m snakemake --cores all --resources gpu=$GPUS --scheduler greedy \
+      --configfile config/gpu-node.yaml $CONFIG --allowed-rules $(echo $RULES) \
       > \"\$HOME/dag.log\" 2>&1; echo \$? > \"\$HOME/dag.rc\"" < /dev/null > /dev/null 2>&1 &
   echo "started at $(date)"
   ;;
@@ -64,10 +69,12 @@ wait)
   while [ ! -f "$HOME/dag.rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
   if [ -f "$HOME/dag.rc" ]; then echo "snakemake rc $(cat "$HOME/dag.rc") after $(( $(date +%s) - $(cat "$HOME/dag.start") )) s"
   else echo "still running after $(( $(date +%s) - $(cat "$HOME/dag.start") )) s"; fi
-  tar czf "$3/stream-x1.tgz" --ignore-failed-read logs benchmarks results/stream/plan.json results/stream/disk-plan.json \
+  cp "$HOME/disk-samples.txt" "$HOME/gpu-samples.csv" . 2>/dev/null || true
+  python3 docs/node-x8/analyze.py . --json analysis.json > analysis.md 2>&1 || true
+  tar czf "$3/$NAME.tgz" --ignore-failed-read logs benchmarks results/stream/plan.json results/stream/disk-plan.json \
       results/drafter/phases results/drafter/trained/trainer_state.json results/eval/report.json results/eval/report.md \
-      -C "$HOME" dag.log disk-samples.txt gpu-samples.csv target.log 2>/dev/null || true
+      analysis.json analysis.md disk-samples.txt gpu-samples.csv -C "$HOME" dag.log target.log 2>/dev/null || true
   grep -E "^\[|rule |Finished|Error|error" "$HOME/dag.log" | tail -25
-  sort -k2 -n "$HOME/disk-samples.txt" | tail -1
+  sed -n '/^## Extraction per slice/,$p' analysis.md
   ;;
 esac
