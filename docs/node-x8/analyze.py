@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
-SHARD_DONE = re.compile(r"phase (\d+) shard (\d+): (\d+) tokens in ([\d.]+) s = [\d,.]+ tok/s \((\d+) forwards, compute "
-                        r"([\d.]+) s")
+SHARD_DONE = re.compile(r"phase (\d+) shard (\d+): (\d+) tokens in ([\d.]+) s = [\d,.]+ tok/s "
+                        r"\((\d+) forwards, compute ([\d.]+) s")
 PHASE_STEPS = re.compile(r"phase (\d+) done: steps (\d+)\.\.(\d+)")
 STEP_RATE = re.compile(r"train: (\d+)/(\d+) step .*?([\d.]+)(s/step|step/s)")
 
