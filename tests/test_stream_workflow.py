@@ -13,6 +13,7 @@ reruns every phase; a 200-slice DAG plans in under a minute.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import threading
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow import build_tiny_target, copy_workflow, planned_jobs, snakemake, tiny_config, write_tiny_sources
+from workflow import REPO, build_tiny_target, copy_workflow, planned_jobs, snakemake, tiny_config, write_tiny_sources
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +104,26 @@ def test_stream_run_trains_the_offline_weights_with_one_slice_on_disk(runs):
     assert (work / "results/stream/heldout/index.json").exists()  # the held-out features are kept
     assert [json.loads((work / f"results/drafter/phases/phase-{p}.json").read_text())["phase"]
             for p in range(SLICES * EPOCHS)] == list(range(SLICES * EPOCHS))
+
+
+def test_the_node_analysis_reads_every_phase_from_the_run_s_logs(runs):
+    """docs/node-x8/analyze.py (issue 35's table) parses what the jobs log: each slice's shards and tokens as the
+    plan has them, each phase's steps, its lease-to-release wall time, the disk budget."""
+    spec = importlib.util.spec_from_file_location("analyze", REPO / "docs" / "node-x8" / "analyze.py")
+    analyze = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(analyze)
+    _, work, _ = runs
+    plan = json.loads((work / "results/stream/plan.json").read_text())
+    a = analyze.analyze(work)
+    assert sorted(a["extraction"]) == sorted(a["phases"]) == list(range(SLICES * EPOCHS))
+    for phase in plan["phases"]:
+        p = phase["phase"]
+        assert a["extraction"][p]["shards"] == SHARDS and a["extraction"][p]["tokens"] == phase["tokens"]
+        assert a["extraction"][p]["leases_at_once"] >= 1 and a["extraction"][p]["one_shard_tok_s"] > 0
+        assert a["phases"][p]["steps"] == phase["end_step"] - phase["first_step"]
+        assert a["phases"][p]["wall_s"] > a["phases"][p]["train_steps_s"] > 0
+        assert f"train_phase/phase-{p}" in a["phases"][p]["benchmark_s"]
+    assert "| 0 | 2 |" in analyze.render(a)
 
 
 def test_nothing_to_do_then_forcerun_of_the_last_phase_reruns_it_and_what_follows(runs):
