@@ -14,7 +14,8 @@ RUN is the folder the run left (or the unpacked tarball of `docs/stream/run.sh w
   end) against one shard's own (its tokens over its forward-and-write seconds), the ratio the issue asks >= 7x for;
 * per phase, its wall time from the first extraction lease to the training phase's release, with the parts that
   are work (the slowest shard's forwards, the training steps) and the rest, the phase's fixed cost;
-* each GPU job's peak GPU memory (the samples of the GPUs it leased, while it held them);
+* each GPU job's peak GPU memory: nvidia-smi's samples of the GPUs it leased, while it held them (the whole
+  process), and the peak torch allocated as the job logged it;
 * the disk: the most bytes sampled under results/stream/ (the slices and held-out features) and under results/,
   against the plan's feature budget (free bytes at stream_plan minus the reserve).
 
@@ -36,6 +37,7 @@ LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 SHARD_DONE = re.compile(r"phase (\d+) shard (\d+): (\d+) tokens in ([\d.]+) s = [\d,.]+ tok/s "
                         r"\((\d+) forwards, compute ([\d.]+) s")
 PHASE_STEPS = re.compile(r"phase (\d+) done: steps (\d+)\.\.(\d+)")
+PEAK_LINE = re.compile(r"peak GPU memory( per rank)?: (.*)")
 STEP_RATE = re.compile(r"train: (\d+)/(\d+) step .*?([\d.]+)(s/step|step/s)")
 
 
@@ -130,6 +132,21 @@ def training_steps(run: Path) -> dict[int, dict]:
     return out
 
 
+def logged_peaks(run: Path) -> dict[str, float]:
+    """Log file (under logs/, without .log) -> the largest peak GiB torch allocated that the job logged
+    (``peak GPU memory: cuda:0 61.2 GiB of 140`` from draftsmith.gpu.log_peak_memory, or the trainer's ``peak GPU
+    memory per rank: 62.2, 62.1 GiB``)."""
+    out = {}
+    for log in sorted((run / "logs").rglob("*.log")):
+        peaks = []
+        for m in PEAK_LINE.finditer(log.read_text(errors="replace")):
+            peaks += [float(x) for x in (re.findall(r"([\d.]+) GiB of", m.group(2)) if m.group(1) is None
+                                         else re.findall(r"[\d.]+", m.group(2)))]
+        if peaks:
+            out[str(log.relative_to(run / "logs"))[:-4]] = max(peaks)
+    return out
+
+
 def gpu_peaks(run: Path, held: list[dict]) -> dict[str, float]:
     """Job -> peak memory.used (MiB) over its leased GPUs while it held them."""
     path = next((p for p in (run / "gpu-samples.csv", run / "logs" / "gpu-samples.csv") if p.is_file()), None)
@@ -182,9 +199,9 @@ def analyze(run: Path) -> dict:
         phases[p] = {"wall_s": wall, "extract_slice_s": ext.get(p, {}).get("slowest_forwards_s"),
                      "train_steps_s": steps.get(p, {}).get("steps_s"), "steps": steps.get(p, {}).get("steps"),
                      "fixed_s": wall - work if wall is not None else None,
-                     "benchmark_s": {k: v for k, v in bench.items() if f"phase-{p}" in k}}
+                     "benchmark_s": {k: v for k, v in bench.items() if f"phase-{p}" in k.split("/")}}
     return {"benchmarks": bench, "extraction": ext, "phases": phases, "gpu_peak_mib": gpu_peaks(run, held),
-            "disk": disk(run)}
+            "logged_peak_gib": logged_peaks(run), "disk": disk(run)}
 
 
 def _f(x, digits=1):
@@ -207,8 +224,10 @@ def render(a: dict) -> str:
     for p, x in a["phases"].items():
         out.append(f"| {p} | {_f(x['wall_s'])} | {_f(x['extract_slice_s'])} | {x['steps'] or '-'} | "
                    f"{_f(x['train_steps_s'])} | {_f(x['fixed_s'])} |")
-    out += ["", "## Peak GPU memory per job (MiB)", ""]
+    out += ["", "## Peak GPU memory per job", "", "nvidia-smi (the whole process, MiB, sampled inside the lease):", ""]
     out += [f"- {k}: {_f(v, 0)}" for k, v in a["gpu_peak_mib"].items()] or ["- no GPU samples"]
+    out += ["", "What torch allocated at most, as the job logged it (GiB):", ""]
+    out += [f"- {k}: {_f(v)}" for k, v in a["logged_peak_gib"].items()] or ["- none logged (no job used CUDA)"]
     d = a["disk"]
     out += ["", "## Disk", ""]
     if d is None:
