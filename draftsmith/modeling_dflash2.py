@@ -160,11 +160,13 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.hidden_projection.weight, std=std)
 
     def score(self, projected: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor,
-              unary: torch.Tensor) -> torch.Tensor:
+              unary: torch.Tensor, successors: torch.Tensor | None = None) -> torch.Tensor:
         """``S(a, b)`` of ``candidates [..., k]`` after ``predecessor [...]`` given ``projected = H(h) [..., r]``
-        and their logits ``unary [..., k]``: ``[..., k]`` float32."""
-        pair = torch.einsum("...r,...kr->...k", self.predecessor_codebook[predecessor] * projected,
-                            self.successor_codebook[candidates])
+        and their logits ``unary [..., k]``: ``[..., k]`` float32. ``successors``: ``B[candidates] [..., k, r]``
+        when the caller gathered them already (:meth:`select` does once per block)."""
+        if successors is None:
+            successors = self.successor_codebook[candidates]
+        pair = torch.einsum("...r,...kr->...k", self.predecessor_codebook[predecessor] * projected, successors)
         return unary.float() + pair.float()
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float,
@@ -184,9 +186,10 @@ class CandidateSelector(nn.Module):
         """
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         projected = self.hidden_projection(hidden)
+        successors = self.successor_codebook[candidates]  # [b, P, k, r]: one gather for the whole block
         predecessor, path, rows = anchor_ids, [], []
         for t in range(hidden.shape[1]):
-            scores = self.score(projected[:, t], predecessor, candidates[:, t], unary[:, t])
+            scores = self.score(projected[:, t], predecessor, candidates[:, t], unary[:, t], successors[:, t])
             if temperature > 0:
                 q = torch.softmax(scores / temperature, dim=-1)
                 index = torch.multinomial(q, 1, generator=generator)[:, 0]

@@ -403,6 +403,28 @@ def test_static_dflash2_drafter_drafts_what_the_dynamic_cache_drafts(target, tem
             proposer.commit(feats[:, start - committed:start])
 
 
+def test_static_greedy_path_is_the_selectors_path_of_the_step(target):
+    """StaticDrafter.greedy_path (the path drafted inside the step, as its CUDA graph captures it) equals the
+    candidate selector run on the same step's hidden states and logits; a DFlash drafter has no path to draft."""
+    from draftsmith.evaluate.static import StaticDrafter
+
+    drafter = make_drafter2(target, block_size=5)
+    embed, head = target.get_input_embeddings().weight.detach(), target.lm_head
+    static = StaticDrafter(drafter, embed, head, 64, cuda_graphs=False)
+    context = torch.randn(1, 7, 2 * drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    anchor = torch.tensor([42])
+    for width in (5, 3):
+        hidden, logits = (t.clone() for t in static.step(context, anchor, 7, width))
+        want = drafter.candidate_selector.select(hidden, logits[None], anchor, 0.0)[0]
+        path = static.greedy_path(context, anchor, 7, width)
+        assert path.shape == (1, width - 1) and torch.equal(path, want)
+    with pytest.raises(ValueError, match="no candidate selector"):
+        cfg = build_drafter_config(target.config, num_layers=1, block_size=5, target_layer_ids=[1, 2],
+                                   mask_token_id=MASK)
+        StaticDrafter(DFlashDraftModel(cfg).eval(), embed, head, 64, cuda_graphs=False).greedy_path(
+            context, anchor, 7, 5)
+
+
 def test_static_dflash2_decoding_is_lossless_and_steps_as_the_dynamic_path():
     """End to end on the static target: greedy DFlash2 decoding with the static drafter commits the same tokens in
     the same steps as with the dynamic-cache drafter, and equals target-only decoding."""
@@ -450,8 +472,8 @@ def test_dflash2_training_flops_match_the_flop_counter(target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_static_dflash2_drafter_with_cuda_graphs_decodes_as_the_dynamic_path():
     """On a GPU (float32, so no near ties): DFlash2 decoding with the static drafter's steps replayed as CUDA graphs
-    (the selector after them) commits the same tokens in the same steps as the dynamic-cache drafter, equal to
-    target-only decoding, and no width fell back to eager drafting."""
+    (the selector's greedy path inside them) commits the same tokens in the same steps as the dynamic-cache
+    drafter, equal to target-only decoding, and no width fell back to eager drafting."""
     from draftsmith.evaluate import DFlashProposer, speculative_generate, target_generate
     from draftsmith.evaluate.static import StaticTarget
 
@@ -468,3 +490,4 @@ def test_static_dflash2_drafter_with_cuda_graphs_decodes_as_the_dynamic_path():
         assert sta.tokens == dyn.tokens == ref.tokens
         assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)
         assert fast.static.graph_failures == {} and fast.static._graphs, fast.static.graph_failures
+        assert any(path for _, path in fast.static._graphs)  # the selector's path was drafted in a graph

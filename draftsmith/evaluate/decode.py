@@ -227,6 +227,8 @@ class DFlashProposer(Proposer):
         candidates' probabilities scattered into the vocabulary; tokens outside the top-k have 0)."""
         anchor = tokens[start:start + 1]
         temperature = 0.0 if sampling.greedy else float(sampling.temperature)
+        if self.static is not None and temperature == 0:  # the path drafted inside the step's CUDA graph
+            return self.static.greedy_path(self.context, tokens[start], start, verify)[0].clone(), None
         if self.static is not None:  # draftsmith's DFlash2DraftModel on fixed buffers (CUDA graphs on a GPU)
             hidden, logits = self.static.step(self.context, tokens[start], start, verify)
             drafts, candidates, q = self.drafter.candidate_selector.select(hidden, logits[None], anchor, temperature,

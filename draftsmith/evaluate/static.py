@@ -328,7 +328,9 @@ class StaticDrafter:
     Draftsmith's :class:`~draftsmith.modeling.DFlashDraftModel` and
     :class:`~draftsmith.modeling_dflash2.DFlash2DraftModel` with full (non-causal, non-sliding) layers qualify
     (:meth:`supported`); other drafters (the official package's models) draft on the dynamic path. A DFlash2
-    drafter's step also returns the hidden states its candidate selector rescores with (:meth:`step`).
+    drafter's step also returns the hidden states its candidate selector rescores with (:meth:`step`); greedy, its
+    selector's path is part of the captured step (:meth:`greedy_path`): eagerly the path is ~6 short kernels per
+    block slot, which on the H200 made a DFlash2 drafting step cost ~2 ms more than a DFlash one (docs/dflash2).
 
     Args:
         drafter: the drafter (eval mode, on its device and dtype).
@@ -363,8 +365,10 @@ class StaticDrafter:
         self.c0_buf = torch.zeros(1, dtype=torch.long, device=self.device)
         self.start_buf = torch.zeros(1, dtype=torch.long, device=self.device)
         self.anchor_buf = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._graphs: dict[int, tuple] = {}
-        self.graph_failures: dict[int, str] = {}
+        #: DFlash2: the candidate selector whose greedy path :meth:`greedy_path` drafts in the captured step
+        self.selector = getattr(drafter, "candidate_selector", None)
+        self._graphs: dict[tuple[int, bool], tuple] = {}
+        self.graph_failures: dict[tuple[int, bool], str] = {}
 
     @staticmethod
     def supported(drafter: nn.Module) -> tuple[bool, str]:
@@ -443,24 +447,33 @@ class StaticDrafter:
         hidden = d.norm(hidden)[:, 1:]
         return hidden, d.compute_logits(hidden, self.head)[0]
 
-    def _run(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs and width not in self.graph_failures:
-            graph = self._graphs.get(width) or self._capture(width)
+    def _step_path(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_step` and then the candidate selector's greedy path ``[1, width - 1]`` int64 after
+        ``anchor_buf`` (:meth:`~draftsmith.modeling_dflash2.CandidateSelector.select`, temperature 0)."""
+        hidden, logits = self._step(width)
+        path = self.selector.select(hidden, logits[None], self.anchor_buf, 0.0)[0]
+        return hidden, logits, path
+
+    def _run(self, width: int, path: bool = False) -> tuple[torch.Tensor, ...]:
+        key = (width, path)
+        if self.cuda_graphs and key not in self.graph_failures:
+            graph = self._graphs.get(key) or self._capture(width, path)
             if graph is not None:
                 graph[0].replay()
                 return graph[1]
-        return self._step(width)
+        return self._step_path(width) if path else self._step(width)
 
-    def _capture(self, width: int):
-        """Capture the width-``width`` step (:func:`capture_graph`; the warm-ups write the same K/V the real step
-        writes). On failure that width drafts eagerly from then on (logged once)."""
-        captured = capture_graph(self.device, lambda: self._step(width), self.graph_failures, width,
-                                 f"the {width}-token drafting step", logger=log)
+    def _capture(self, width: int, path: bool):
+        """Capture the width-``width`` step, with the selector's greedy path when ``path`` (:func:`capture_graph`;
+        the warm-ups write the same K/V the real step writes). On failure that step runs eagerly from then on
+        (logged once)."""
+        run = (lambda: self._step_path(width)) if path else (lambda: self._step(width))
+        what = f"the {width}-token drafting step" + (" with the selector's greedy path" if path else "")
+        captured = capture_graph(self.device, run, self.graph_failures, (width, path), what, logger=log)
         if captured is None:
             return None
-        graph, outputs = captured
-        self._graphs[width] = (graph, outputs)
-        return self._graphs[width]
+        self._graphs[(width, path)] = captured
+        return captured
 
     # -- the proposer's call ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -474,6 +487,23 @@ class StaticDrafter:
         Raises:
             ValueError: a block past the buffers or wider than the block size.
         """
+        return self._chunks(context, anchor, start, width, path=False)
+
+    @torch.inference_mode()
+    def greedy_path(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """DFlash2, greedy: the candidate selector's path ``[1, width - 1]`` int64 through the top-k of the step
+        :meth:`step` drafts (the same tokens as ``candidate_selector.select(*step(...), anchor, 0.0)``), drafted
+        inside the step's CUDA graph. The returned tensor is overwritten by the next step.
+
+        Raises:
+            ValueError: the drafter has no candidate selector; or as :meth:`step`.
+        """
+        if self.selector is None:
+            raise ValueError(f"{type(self.drafter).__name__} has no candidate selector: it drafts by argmax")
+        return self._chunks(context, anchor, start, width, path=True)[2]
+
+    def _chunks(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int, path: bool):
+        """:meth:`step`'s work: the context in chunks of ``B``, the selector's path (``path``) on the last."""
         if not 2 <= width <= self.block_size:
             raise ValueError(f"drafting width {width} is outside 2..{self.block_size}")
         if start + width > self.max_length:
@@ -486,7 +516,7 @@ class StaticDrafter:
             self.ctx_buf[:, :rows] = context[:, c:c + rows].to(self.dtype)
             self.c0_buf.fill_(start - n + c)
             self.start_buf.fill_(start - n + c + rows)  # < start: a block that the next chunk overwrites
-            out = self._run(width)
+            out = self._run(width, path and c + rows == n)
         return out
 
     def logits(self, context: torch.Tensor, anchor: torch.Tensor, start: int, width: int) -> torch.Tensor:
