@@ -12,7 +12,7 @@ torch.set_num_threads(snakemake.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # the stage after HF_HUB_OFFLINE, which huggingface_hub reads when it is imported; the lease before CUDA starts
-from draftsmith.evaluate import EvaluateSettings, run_evaluate  # noqa: E402
+from draftsmith.evaluate import EvaluateSettings, drafter_name, run_evaluate  # noqa: E402
 
 settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)
 lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG,
@@ -35,7 +35,7 @@ def _num(x, suffix=""):
 
 
 o = report["overall"]
-log.info("evaluate done: %d prompts, DFlash τ %s speedup %s; prompt lookup τ %s speedup %s (report.md)",
-         o["prompts"], _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
+log.info("evaluate done: %d prompts, %s τ %s speedup %s; prompt lookup τ %s speedup %s (report.md)",
+         o["prompts"], drafter_name(report["run"]), _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
          _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"))
 log_peak_memory(log)

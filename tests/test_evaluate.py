@@ -1211,8 +1211,10 @@ def test_evaluate_stage_decodes_a_dflash2_drafter_in_both_implementations(stage_
     inputs = dict(stage_inputs, drafter=str(tmp_path / "drafter2"))
     one = run_evaluate(**_stage_kwargs(inputs, tmp_path / "ours"))
     assert one["run"]["drafter_architecture"] == "DFlash2DraftModel"
-    assert (tmp_path / "ours" / "report.md").read_text().startswith(
-        "# draftsmith evaluation: speculative decoding with the DFlash2 drafter")
+    md = (tmp_path / "ours" / "report.md").read_text()
+    assert md.startswith("# draftsmith evaluation: speculative decoding with the DFlash2 drafter")
+    assert "| DFlash2 τ | DFlash2 tok/s | DFlash2 speedup |" in md and "DFlash τ" not in md
+    assert "## Per-position acceptance (DFlash2)" in md and "## Acceptance-length histogram (DFlash2)" in md
     for s in one["sets"].values():
         assert s["lossless"]["dflash"]["lossless"] and len(s["dflash"]["per_position"]) == BLOCK - 1
         assert s["target_only"]["tokens"] == s["dflash"]["tokens"]

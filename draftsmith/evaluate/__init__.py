@@ -26,15 +26,15 @@ from draftsmith.evaluate.decode import (
 )
 from draftsmith.evaluate.drafter import check_pair, load_drafter
 from draftsmith.evaluate.prompts import BenchmarkSet, Conversation, load_sets, split_conversation
-from draftsmith.evaluate.report import lossless_check, render_markdown, summarize
+from draftsmith.evaluate.report import drafter_name, lossless_check, render_markdown, summarize
 from draftsmith.evaluate.run import run_evaluate
 from draftsmith.evaluate.sampling import SamplingConfig, greedy_accept, rejection_sample, sampling_probs
 from draftsmith.evaluate.settings import EvaluateSettings
 
 __all__ = [
     "BenchmarkSet", "Conversation", "DFlashProposer", "EvaluateSettings", "GenerationResult",
-    "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "greedy_accept",
-    "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
+    "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "drafter_name",
+    "greedy_accept", "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
     "sampling_probs", "speculative_generate", "split_conversation", "summarize",
     "target_generate",
 ]

@@ -336,8 +336,9 @@ def _table(header: list[str], rows: Iterable[list]) -> str:
     return "\n".join(lines)
 
 
-def _drafter_name(run: dict) -> str:
-    """``DFlash2`` or ``DFlash``: the drafter's architecture as the report names it."""
+def drafter_name(run: dict) -> str:
+    """``DFlash2`` or ``DFlash``: the drafter's architecture as report.md, its figures and evaluate's last log line
+    name it, from a report's ``run`` dict (``drafter_architecture``; absent: DFlash)."""
     return "DFlash2" if run.get("drafter_architecture") == "DFlash2DraftModel" else "DFlash"
 
 
@@ -345,7 +346,7 @@ def render_markdown(report: dict) -> str:
     """report.md: setup, one summary table over the sets, per-position and histogram tables."""
     run = report["run"]
     architecture = run.get("drafter_architecture", "DFlashDraftModel")
-    lines = [f"# draftsmith evaluation: speculative decoding with the {_drafter_name(run)} drafter", ""]
+    lines = [f"# draftsmith evaluation: speculative decoding with the {drafter_name(run)} drafter", ""]
     lines.append(f"- target: `{run['target']}`  ")
     lines.append(f"- drafter: `{run['drafter']}` ({architecture}, block size {run['block_size']}, target layer ids "
                  f"{run['target_layer_ids']}, mask token {run['mask_token_id']})  ")
@@ -376,8 +377,9 @@ def render_markdown(report: dict) -> str:
                      o["target_only"]["tokens_per_s"], o["dflash"]["tau"], o["dflash"]["tokens_per_s"],
                      o["dflash"].get("speedup"), o["prompt_lookup"]["tau"], o["prompt_lookup"]["tokens_per_s"],
                      o["prompt_lookup"].get("speedup"), _lossless_text(o)])
-    lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", "DFlash τ",
-                         "DFlash tok/s", "DFlash speedup", "lookup τ", "lookup tok/s", "lookup speedup", "lossless"],
+    name = drafter_name(run)
+    lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", f"{name} τ",
+                         f"{name} tok/s", f"{name} speedup", "lookup τ", "lookup tok/s", "lookup speedup", "lossless"],
                         rows))
     lines.append("")
     tr = report.get("training")
@@ -395,7 +397,7 @@ def render_markdown(report: dict) -> str:
                      "fully supervised blocks); decoded τ: real speculative decoding of held-out prompts, where "
                      "the context is what the target generated.")
         lines.append("")
-    lines.append("## Per-position acceptance (DFlash): P(drafts 1..k all accepted)")
+    lines.append(f"## Per-position acceptance ({name}): P(drafts 1..k all accepted)")
     lines.append("")
     lines.append("Drafts a stop token or the token budget kept from being emitted do not count; over a set, "
                  "τ = 1 + Σ_k (steps accepting draft k) / steps.")
@@ -405,7 +407,7 @@ def render_markdown(report: dict) -> str:
                         [[n] + s["dflash"]["per_position"] + [None] * (width - len(s["dflash"]["per_position"]))
                          for n, s in report["sets"].items()]))
     lines.append("")
-    lines.append("## Acceptance-length histogram (DFlash): verify steps committing n tokens")
+    lines.append(f"## Acceptance-length histogram ({name}): verify steps committing n tokens")
     lines.append("")
     width = max((len(s["dflash"]["acceptance_histogram"]) for s in report["sets"].values()), default=0)
     lines.append(_table(["set"] + [f"n={n}" for n in range(1, width + 1)],
@@ -484,7 +486,7 @@ def tau_figure(report: dict):
     p = [report["sets"][n]["prompt_lookup"]["tau"] or 0.0 for n in names]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names) + 2), 3.8))
     xs = range(len(names))
-    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label=f"{_drafter_name(report['run'])} drafter")
+    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label=f"{drafter_name(report['run'])} drafter")
     bars_p = ax.bar([x + 0.2 for x in xs], p, 0.4, label="prompt lookup (reference)")
     for bars, key in ((bars_d, "dflash"), (bars_p, "prompt_lookup")):
         for bar, n in zip(bars, names):
@@ -518,7 +520,7 @@ def per_position_figure(report: dict):
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(drafts 1..k accepted)")
     ax.set_ylim(0, 1.02)
-    ax.set_title("DFlash per-position acceptance")
+    ax.set_title(f"{drafter_name(report['run'])} per-position acceptance")
     ax.legend(fontsize=8)
     return fig
 
@@ -545,6 +547,6 @@ def histogram_figure(report: dict):
     ax.set_xticks(range(1, width + 1))
     ax.set_xlabel("tokens committed in a verify step (accepted drafts + bonus)")
     ax.set_ylabel("fraction of steps")
-    ax.set_title("DFlash acceptance-length histogram")
+    ax.set_title(f"{drafter_name(report['run'])} acceptance-length histogram")
     ax.legend(fontsize=8)
     return fig
