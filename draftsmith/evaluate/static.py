@@ -330,7 +330,8 @@ class StaticDrafter:
     (:meth:`supported`); other drafters (the official package's models) draft on the dynamic path. A DFlash2
     drafter's step also returns the hidden states its candidate selector rescores with (:meth:`step`); greedy, its
     selector's path is part of the captured step (:meth:`greedy_path`): eagerly the path is ~6 short kernels per
-    block slot, which on the H200 made a DFlash2 drafting step cost ~2 ms more than a DFlash one (docs/dflash2).
+    block slot, 0.40 of a 1.82 ms step on an H200 at the gpu-proof shapes (``bench/bench_draft_step.py``,
+    docs/dflash2/README.md).
 
     Args:
         drafter: the drafter (eval mode, on its device and dtype).
