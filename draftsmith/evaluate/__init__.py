@@ -34,7 +34,6 @@ from draftsmith.evaluate.settings import EvaluateSettings
 __all__ = [
     "BenchmarkSet", "Conversation", "DFlashProposer", "EvaluateSettings", "GenerationResult",
     "PromptLookupProposer", "Proposer", "SamplingConfig", "TargetCache", "check_pair", "drafter_name",
-    "greedy_accept", "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown", "run_evaluate",
-    "sampling_probs", "speculative_generate", "split_conversation", "summarize",
-    "target_generate",
+    "greedy_accept", "load_drafter", "load_sets", "lossless_check", "rejection_sample", "render_markdown",
+    "run_evaluate", "sampling_probs", "speculative_generate", "split_conversation", "summarize", "target_generate",
 ]
