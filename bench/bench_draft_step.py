@@ -73,11 +73,11 @@ def main() -> None:
     block = prompt[:, -B:].clone()
     start = args.prompt_tokens
 
-    def verify():  # one verify forward, all of it kept (hybrid targets: no rollback counted here)
+    def verify_forward():  # one verify forward, all of it kept (hybrid targets: no rollback counted here)
         static_target.forward_block(block, start, B)
         static_target.commit(B)
 
-    rows = {"target verify forward": per_call_ms(verify, args.steps, device)}
+    rows = {"target verify forward": per_call_ms(verify_forward, args.steps, device)}
 
     drafters = {}
     for arch, cls in (("dflash", DFlashDraftModel), ("dflash2", DFlash2DraftModel)):

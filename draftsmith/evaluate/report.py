@@ -345,8 +345,8 @@ def drafter_name(run: dict) -> str:
 def render_markdown(report: dict) -> str:
     """report.md: setup, one summary table over the sets, per-position and histogram tables."""
     run = report["run"]
-    architecture = run.get("drafter_architecture", "DFlashDraftModel")
-    lines = [f"# draftsmith evaluation: speculative decoding with the {drafter_name(run)} drafter", ""]
+    architecture, drafter = run.get("drafter_architecture", "DFlashDraftModel"), drafter_name(run)
+    lines = [f"# draftsmith evaluation: speculative decoding with the {drafter} drafter", ""]
     lines.append(f"- target: `{run['target']}`  ")
     lines.append(f"- drafter: `{run['drafter']}` ({architecture}, block size {run['block_size']}, target layer ids "
                  f"{run['target_layer_ids']}, mask token {run['mask_token_id']})  ")
@@ -377,10 +377,9 @@ def render_markdown(report: dict) -> str:
                      o["target_only"]["tokens_per_s"], o["dflash"]["tau"], o["dflash"]["tokens_per_s"],
                      o["dflash"].get("speedup"), o["prompt_lookup"]["tau"], o["prompt_lookup"]["tokens_per_s"],
                      o["prompt_lookup"].get("speedup"), _lossless_text(o)])
-    name = drafter_name(run)
-    lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", f"{name} τ",
-                         f"{name} tok/s", f"{name} speedup", "lookup τ", "lookup tok/s", "lookup speedup", "lossless"],
-                        rows))
+    lines.append(_table(["set", "conversations", "prompts", "new tokens", "target tok/s", f"{drafter} τ",
+                         f"{drafter} tok/s", f"{drafter} speedup", "lookup τ", "lookup tok/s", "lookup speedup",
+                         "lossless"], rows))
     lines.append("")
     tr = report.get("training")
     if tr:
@@ -397,7 +396,7 @@ def render_markdown(report: dict) -> str:
                      "fully supervised blocks); decoded τ: real speculative decoding of held-out prompts, where "
                      "the context is what the target generated.")
         lines.append("")
-    lines.append(f"## Per-position acceptance ({name}): P(drafts 1..k all accepted)")
+    lines.append(f"## Per-position acceptance ({drafter}): P(drafts 1..k all accepted)")
     lines.append("")
     lines.append("Drafts a stop token or the token budget kept from being emitted do not count; over a set, "
                  "τ = 1 + Σ_k (steps accepting draft k) / steps.")
@@ -407,7 +406,7 @@ def render_markdown(report: dict) -> str:
                         [[n] + s["dflash"]["per_position"] + [None] * (width - len(s["dflash"]["per_position"]))
                          for n, s in report["sets"].items()]))
     lines.append("")
-    lines.append(f"## Acceptance-length histogram ({name}): verify steps committing n tokens")
+    lines.append(f"## Acceptance-length histogram ({drafter}): verify steps committing n tokens")
     lines.append("")
     width = max((len(s["dflash"]["acceptance_histogram"]) for s in report["sets"].values()), default=0)
     lines.append(_table(["set"] + [f"n={n}" for n in range(1, width + 1)],
