@@ -284,6 +284,28 @@ def lock_folder(folder: str | os.PathLike, *, name: str = "writer.lock", what: s
     return path
 
 
+def folder_lock_holder(folder: str | os.PathLike, *, name: str = "writer.lock") -> dict | None:
+    """Who holds ``folder``'s writer lock (:func:`lock_folder`), without taking it: the holder's record (``pid``,
+    ``host``, ``started_utc``; ``{}`` when unreadable) while a live process holds it, None when none does or the
+    folder has no lock file."""
+    try:
+        fd = os.open(Path(folder) / name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                return {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -8,7 +8,17 @@ from snakemake.logging import logger
 import sys
 
 from draftsmith.stages import canonical, num_phases, rule_params, stage_config
+from draftsmith.stale import check_no_live_writer, check_no_stale_outputs
 from draftsmith.target_checks import block_size_warnings, check_target_settings
+
+# Outputs made before a rerun of what they were made from that did not finish (draftsmith/stale.py: Snakemake would
+# report nothing to do over them): stop before planning, naming them; and a run (not a dry run) while a training
+# process writes the checkpoints, whose outputs it would remove. Only in the main Snakemake process (a cluster job
+# parses this file again, while its own job runs).
+if workflow.exec_mode.name == "DEFAULT":
+    check_no_stale_outputs()
+    if not workflow.output_settings.dryrun:
+        check_no_live_writer()
 
 ASSETS = config["assets"]["dir"]
 EMBEDDED = "embedded:"

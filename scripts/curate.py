@@ -2,8 +2,10 @@
 
 from draftsmith.curate import CurateSettings, curate
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 settings = CurateSettings.from_rule(snakemake.params.settings, snakemake.config)
 report = curate(
     snakemake.params.sources,  # config entries with the resolved local_path

@@ -2,8 +2,10 @@
 (draftsmith.stream.check_disk_before_regeneration); writes the projection when they fit."""
 
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 
 # the stage (tokenizer, transformers) once the job's log is set up: an import failure lands in the log
 from draftsmith.disk import DiskSpaceError  # noqa: E402

@@ -2,12 +2,15 @@
 
 import os
 
-import torch
-
 from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
+
+import torch  # noqa: E402
+
 torch.set_num_threads(snakemake.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

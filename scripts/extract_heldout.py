@@ -10,8 +10,10 @@ from pathlib import Path
 
 from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import read_json, setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 
 # torch is imported before the lease, CUDA starts after it, on the leased GPU only
 import torch  # noqa: E402

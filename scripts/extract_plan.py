@@ -4,8 +4,10 @@ Thin: the work is draftsmith.extract.plan.build_plan (see its docstring for the 
 """
 
 from draftsmith.io import setup_logging, write_json
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 
 # the stage (torch, transformers) once the job's log is set up: an import failure lands in the log
 from draftsmith.extract.plan import ExtractPlanSettings, build_plan  # noqa: E402

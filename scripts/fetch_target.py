@@ -3,8 +3,10 @@ resources/wheels/<target>.json (a local rule: the download runs where Snakemake 
 
 from draftsmith import assets
 from draftsmith.io import setup_logging, sha256_file, write_json
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 settings = assets.FetchTargetSettings.from_rule({}, snakemake.config)  # the rule has no params
 paths = assets.fetch_target_wheels(snakemake.wildcards.target, settings.assets)
 write_json(snakemake.output[0], {

@@ -10,8 +10,10 @@ import torch
 
 from draftsmith import assets
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 torch.set_num_threads(snakemake.threads)
 settings = assets.MaterializeTargetSettings.from_rule(snakemake.params.settings, snakemake.config)
 folder = assets.materialize_target(snakemake.wildcards.target, settings.assets, dest=snakemake.output[0])

@@ -2,8 +2,10 @@
 
 from draftsmith.io import setup_logging
 from draftsmith.merge import MergeError, MergeSettings, merge_features
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 # the rule has no params: merge reads runtime keys only (draftsmith.stages.STAGE_KEYS)
 settings = MergeSettings.from_rule({}, snakemake.config)
 try:

@@ -5,8 +5,10 @@ from pathlib import Path
 
 from draftsmith.io import setup_logging
 from draftsmith.merge import MergeError, MergeSliceSettings, merge_features
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 # the rule has no params: merge reads runtime keys only (draftsmith.stages.STAGE_KEYS)
 settings = MergeSliceSettings.from_rule({}, snakemake.config)
 try:

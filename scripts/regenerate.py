@@ -4,8 +4,10 @@ summed)."""
 
 from draftsmith.io import setup_logging
 from draftsmith.regenerate.settings import RegenerateSettings
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 settings = RegenerateSettings.from_rule(snakemake.params.settings, snakemake.config)
 
 # the stage (pyarrow, torch) once the job's log is set up: an import failure lands in the log

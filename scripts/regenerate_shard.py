@@ -11,8 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from draftsmith.gpu import LEASE_LOG, lease_gpus, log_peak_memory
 from draftsmith.io import setup_logging
 from draftsmith.regenerate.settings import RegenerateShardSettings
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 settings = RegenerateShardSettings.from_rule(snakemake.params.settings, snakemake.config)
 shard = int(snakemake.wildcards.shard)
 devices = lease_gpus(int(snakemake.resources.gpu), logger=log, job=f"regenerate shard {shard}", record=LEASE_LOG,

@@ -4,8 +4,10 @@ slice's extraction plan (draftsmith.stream.build_stream_plan)."""
 from pathlib import Path
 
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 
 # the stage (torch, transformers) once the job's log is set up: an import failure lands in the log
 from draftsmith.disk import DiskSpaceError  # noqa: E402

@@ -7,10 +7,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallel across worker processes instead
 
 from draftsmith.io import setup_logging
+from draftsmith.stale import invalidate_consumers
 from draftsmith.target_checks import check_target_in_job
 from draftsmith.tokenize import TokenizeSettings, run
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
 # an embedded target materialised in this run was not there when the workflow was planned: the settings are checked
 # against it here, before extraction's GPU hours (rules/common.smk checks them at planning when it exists)
 check_target_in_job(snakemake.config, snakemake.input.target, log)

@@ -15,10 +15,14 @@ import json
 from pathlib import Path
 
 from draftsmith.io import setup_logging
-from draftsmith.train import TrainSettings
-from draftsmith.train.launch import run_trainer
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
+
+from draftsmith.train import TrainSettings  # noqa: E402
+from draftsmith.train.launch import run_trainer  # noqa: E402
+
 settings = TrainSettings.from_rule(snakemake.params.settings, snakemake.config)
 out_dir = Path(snakemake.output.state).parent.parent  # results/drafter
 if hasattr(snakemake.input, "marker"):  # stream mode: the run's end

@@ -13,10 +13,14 @@ import json
 from pathlib import Path
 
 from draftsmith.io import setup_logging
-from draftsmith.train import TrainPhaseSettings
-from draftsmith.train.launch import run_trainer
+from draftsmith.stale import invalidate_consumers
 
 log = setup_logging(snakemake.log[0])
+invalidate_consumers(snakemake.output, log)  # first: what was made from this job's old outputs goes
+
+from draftsmith.train import TrainPhaseSettings  # noqa: E402
+from draftsmith.train.launch import run_trainer  # noqa: E402
+
 settings = TrainPhaseSettings.from_rule(snakemake.params.settings, snakemake.config)
 phase = int(snakemake.wildcards.phase)
 marker = Path(snakemake.output.marker)

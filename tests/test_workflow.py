@@ -43,8 +43,11 @@ from workflow import (
     SHARDS,
     build_tiny_target,
     copy_workflow,
+    kill_job_script,
     planned_jobs,
     snakemake,
+    snakemake_background,
+    snakemake_record,
     tiny_config,
     write_tiny_sources,
 )
@@ -259,6 +262,129 @@ def test_changed_features_with_the_same_counts_and_forcerun_train_train_new_weig
     assert weights.stat().st_mtime_ns != before
     w2 = load_file(str(weights))
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def _finished_copy(finished_run, tmp_path) -> Path:
+    """A copy of the finished tiny project (mtimes and Snakemake's records kept: nothing to do in it)."""
+    work, last, _ = finished_run
+    if last != STAGES[-1][0]:
+        pytest.skip("needs the whole DAG")
+    copy = tmp_path / "project"
+    shutil.copytree(work, copy, symlinks=True)
+    return copy
+
+
+DRAFTER_OUTPUTS = ("results/drafter/final/model.safetensors", "results/drafter/final/config.json",
+                   "results/eval/report.json", "results/eval/report.md")
+
+
+def test_an_interrupted_retrain_resumes_and_replaces_the_drafter_and_its_report(finished_run, tmp_path):
+    """Issue 46 item 1, as a user meets it: a finished run, a changed training key, ``snakemake``, the train job
+    killed (kill -9 of its script) once the new run has a checkpoint. The previous drafter and report are gone (train
+    removed them when it started: draftsmith.stale), so the next ``snakemake`` plans train, export and evaluate,
+    resumes the training from its checkpoint and writes the new configuration's drafter and report. (On the code
+    before, that rerun exited 0 with "Nothing to be done" over the old drafter.)"""
+    import time
+
+    from draftsmith.io import sha256_file
+
+    work = _finished_copy(finished_run, tmp_path)
+    before = {path: sha256_file(work / path) for path in DRAFTER_OUTPUTS}
+    overlay = tmp_path / "more-steps.yaml"
+    overlay.write_text(yaml.safe_dump({"train": {"max_steps": 60}}))
+    config = ("--configfile", "config.yaml", str(overlay))
+    runs = work / "results/drafter/checkpoints"
+    old = set(runs.glob("run-*"))
+
+    proc = snakemake_background(work, *config)
+    try:
+        new = []
+        for _ in range(3000):  # the new run's first checkpoint (written every 3 steps), within 10 minutes
+            new = [r for r in runs.glob("run-*") if r not in old and any(r.glob("step-*"))]
+            if new or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert new, f"no checkpoint of the new run appeared (snakemake rc {proc.poll()})"
+        assert kill_job_script(work, "train"), "the train job's script was not found"
+        console = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, console[-3000:]
+    for path in DRAFTER_OUTPUTS:
+        assert not (work / path).exists(), f"{path} outlived the interrupted retrain"
+
+    dry = snakemake(work, "-n", *config)
+    assert dry.returncode == 0, (dry.stdout + dry.stderr)[-3000:]
+    assert planned_jobs(dry.stdout + dry.stderr) == {"train": 1, "export": 1, "evaluate": 1, "all": 1}
+    proc = snakemake(work, *config)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "resuming interrupted run from step" in (work / "logs/train/train.log").read_text()
+    state = json.loads((work / "results/drafter/trained/trainer_state.json").read_text())
+    assert state["steps"] == 60 and state["resumed_from_step"] > 0
+    for path in ("results/drafter/final/model.safetensors", "results/eval/report.json"):  # config.json: same shape
+        assert sha256_file(work / path) != before[path], f"{path} is still the previous configuration's"
+
+
+def test_a_drafter_older_than_an_unfinished_retrain_stops_planning_naming_it(finished_run, tmp_path):
+    """The retrain stopped before its script began (or a project left so by a version without draftsmith.stale):
+    trained/ is missing, Snakemake's record of it says a train job started after the drafter and the report were
+    made. Planning stops, naming them and the command that removes them; after it, the plan is train, export and
+    evaluate."""
+    import time
+
+    work = _finished_copy(finished_run, tmp_path)
+    now = time.time()
+    for name in ("model.safetensors", "config.json", "trainer_state.json"):
+        output = f"results/drafter/trained/{name}"
+        (work / output).unlink()
+        path = snakemake_record(work, output)
+        record = json.loads(path.read_text())  # as Snakemake records a failed job: started now, outputs gone
+        path.write_text(json.dumps(dict(record, starttime=now, endtime=now)))
+    dry = snakemake(work, "-n")
+    out = dry.stdout + dry.stderr
+    assert dry.returncode != 0 and "StaleOutputsError" in out, out[-3000:]
+    assert "rule train was started again at" in out
+    command = next(line.strip() for line in out.splitlines() if line.strip().startswith("rm -r "))
+    assert set(command.split()[2:]) == {"results/drafter/final/config.json", "results/drafter/final/model.safetensors",
+                                        "results/eval/report.json", "results/eval/report.md", "results/eval/tau.png",
+                                        "results/eval/per_position.png", "results/eval/acceptance_hist.png"}
+    for path in command.split()[2:]:
+        (work / path).unlink()
+    dry = snakemake(work, "-n")
+    assert dry.returncode == 0, (dry.stdout + dry.stderr)[-3000:]
+    assert planned_jobs(dry.stdout + dry.stderr) == {"train": 1, "export": 1, "evaluate": 1, "all": 1}
+
+
+def test_a_run_while_a_training_writes_the_checkpoints_stops_before_removing_anything(finished_run, tmp_path):
+    """Issue 46 item 1 (related): a run started while another training process holds the checkpoint folder's writer
+    lock stops when the workflow is parsed, naming the holder, before Snakemake removes any output (it used to remove
+    ``trained/`` of the run that held the lock, then have its own train job refused); ``-n`` still plans. Once the
+    lock is gone, the run trains."""
+    import fcntl
+    import os
+
+    work = _finished_copy(finished_run, tmp_path)
+    overlay = tmp_path / "lr.yaml"
+    overlay.write_text(yaml.safe_dump({"train": {"lr": 5e-4}}))
+    config = ("--configfile", "config.yaml", str(overlay))
+    kept = [*DRAFTER_OUTPUTS, "results/drafter/trained/model.safetensors"]
+    lock = work / "results/drafter/checkpoints/writer.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": "here"}).encode(), 0)
+        proc = snakemake(work, *config)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and f"is written by a running training: pid {os.getpid()} on host here" in out
+        assert all((work / path).exists() for path in kept)
+        dry = snakemake(work, "-n", *config)
+        assert dry.returncode == 0 and planned_jobs(dry.stdout + dry.stderr).get("train") == 1
+    finally:
+        os.close(fd)
+    proc = snakemake(work, *config)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
 def test_moving_the_project_folder_reruns_nothing(finished_run, tmp_path):

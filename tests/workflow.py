@@ -5,10 +5,12 @@ configuration, Snakemake run offline on the CPU, and the jobs a ``snakemake -n``
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -170,9 +172,45 @@ def tiny_config(target: Path, sources: dict[str, Path]) -> dict:
     }
 
 
+def _env(workdir: Path) -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
+                DRAFTSMITH_GPU_LOCK_DIR=str(workdir / ".gpu-locks"), TOKENIZERS_PARALLELISM="false")
+
+
 def snakemake(workdir: Path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
     """Run ``python -m snakemake ARGS`` in ``workdir`` on the CPU, offline; output captured."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-               DRAFTSMITH_GPU_LOCK_DIR=str(workdir / ".gpu-locks"), TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir, env=env,
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir, env=_env(workdir),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def snakemake_background(workdir: Path, *args: str) -> subprocess.Popen:
+    """``python -m snakemake ARGS`` in ``workdir`` as :func:`snakemake` runs it, without waiting; its stdout and
+    stderr together on ``.stdout`` (text)."""
+    return subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
+                            env=_env(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_job_script(workdir: Path, rule: str) -> list[int]:
+    """``kill -9`` the script of ``rule``'s running job in ``workdir`` (Snakemake runs it as ``python
+    <workdir>/.snakemake/scripts/tmpXXXX.<rule>.py``); its children end with it. Returns the pids killed."""
+    workdir, killed = os.path.realpath(workdir), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if cwd == workdir and any("/.snakemake/scripts/" in a and a.endswith(f".{rule}.py") for a in argv):
+            os.kill(int(proc.name), signal.SIGKILL)
+            killed.append(int(proc.name))
+    return killed
+
+
+def snakemake_record(workdir: Path, output: str, folder: str = "metadata") -> Path:
+    """The file in which Snakemake (its default file persistence) records ``output`` of ``workdir``: the url-safe
+    base64 of the path, in folders of at most 254 characters (``folder``: metadata or incomplete)."""
+    b64 = base64.urlsafe_b64encode(output.encode()).decode()
+    parts = [b64[i:i + 254] for i in range(0, len(b64), 254)]
+    return workdir.joinpath(".snakemake", folder, *(["@" + p for p in parts[:-1]] + [parts[-1]]))
