@@ -1705,7 +1705,8 @@ def test_evaluate_stage_reports_the_target_mtp_head(hybrid_stage_inputs, stage_i
     assert report["overall"]["mtp"]["by_tokens"]["3"]["steps"] > 0
     md = (tmp_path / "true" / "report.md").read_text()
     assert "## The target's own MTP head (the number to beat)" in md and "| MTP τ k=1 |" in md
-    assert "DFlash faster than MTP" in md and "the target's MTP head: 1 layer(s)" in md
+    assert "DFlash faster than MTP | MTP lossless |" in md and "the target's MTP head: 1 layer(s)" in md
+    assert md.count(" | yes |\n") >= 2  # every set's MTP rows lossless
     texts = " | ".join(t.get_text() for t in tau_figure(report).findobj(matplotlib.text.Text))
     assert "MTP head (fastest k)" in texts
 

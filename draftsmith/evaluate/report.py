@@ -508,15 +508,15 @@ def _mtp_line(mtp: dict | None) -> str:
 def _mtp_table(report: dict, drafter: str) -> list[str]:
     """report.md's section on the target's MTP head: each k's τ, tokens/s and speedup per set (the fastest k in
     bold) and whether the drafter decodes more tokens/s than the fastest k. Empty without MTP rows."""
-    sections = [(name, s.get("mtp")) for name, s in report["sets"].items()]
+    sections = [(name, s.get("mtp"), s.get("lossless")) for name, s in report["sets"].items()]
     o = report.get("overall")
     if o:
-        sections.append(("**all**", o.get("mtp")))
-    ks = sorted({int(k) for _, m in sections if m for k in m["by_tokens"]})
+        sections.append(("**all**", o.get("mtp"), o.get("lossless")))
+    ks = sorted({int(k) for _, m, _ in sections if m for k in m["by_tokens"]})
     if not ks:
         return []
     rows = []
-    for name, m in sections:
+    for name, m, lossless in sections:
         if not m:
             continue
         row = [name]
@@ -529,14 +529,23 @@ def _mtp_table(report: dict, drafter: str) -> list[str]:
             row += cells
         faster = m["drafter_faster"]
         row += [m["fastest"], m["drafter_tokens_per_s"], m["drafter_over_fastest"],
-                "–" if faster is None else ("yes" if faster else "**no**")]
+                "–" if faster is None else ("yes" if faster else "**no**"), _mtp_lossless(lossless, ks)]
         rows.append(row)
     header = ["set"] + [f"{h} k={k}" for k in ks for h in ("MTP τ", "MTP tok/s", "MTP speedup")]
-    header += ["fastest k", f"{drafter} tok/s", f"{drafter} / fastest MTP", f"{drafter} faster than MTP"]
+    header += ["fastest k", f"{drafter} tok/s", f"{drafter} / fastest MTP", f"{drafter} faster than MTP",
+               "MTP lossless"]
     return ["## The target's own MTP head (the number to beat)", "",
             "Every prompt decoded again with the target's MTP head drafting k tokens a verify step (τ, tokens/s and "
-            "speedup as above; bold: the fastest k in tokens/s). Lossless checks are in the summary table's column.",
-            "", _table(header, rows), ""]
+            "speedup as above; bold: the fastest k in tokens/s).", "", _table(header, rows), ""]
+
+
+def _mtp_lossless(lossless: dict | None, ks: list[int]) -> str:
+    """``yes`` when every k's greedy MTP output equals the reference, else the k that differ; sampling: n/a."""
+    if lossless is None:
+        return "n/a (sampling)"
+    bad = [f"k={k}: NO ({len(lossless[mtp_method(k)]['mismatches'])})" for k in ks
+           if mtp_method(k) in lossless and not lossless[mtp_method(k)]["lossless"]]
+    return ", ".join(bad) or "yes"
 
 
 # ------------------------------------------------------------------------------------------------
