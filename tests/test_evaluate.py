@@ -777,6 +777,13 @@ def test_evaluate_settings_hold_the_stage_keys_and_the_schema_defaults():
         EvaluateSettings.from_config(evaluate={"stop_tokens": ["</s>"]})
     assert str(refused.value) == REMOVED_STOP_TOKENS
     assert schema_entry_defaults("evaluate", "sets") == {"max_prompts": 16, "max_new_tokens": 128}
+    # evaluate.mtp: the schema's default, also for an empty mapping; refused values name the key
+    assert settings.evaluate.mtp_tokens == [1, 2, 3]
+    assert EvaluateSettings.from_config(evaluate={"mtp": {}}).evaluate.mtp_tokens == [1, 2, 3]
+    assert EvaluateSettings.from_config(evaluate={"mtp": {"num_speculative_tokens": []}}).evaluate.mtp_tokens == []
+    for bad in ({"num_speculative_tokens": [0]}, {"num_speculative_tokens": [2, 2]}, {"tokens": [1]}):
+        with pytest.raises(ValueError, match=r"evaluate\.mtp\."):
+            EvaluateSettings.from_config(evaluate={"mtp": bad})
     assert set_config("z", settings.evaluate.sets["z"]) == {"source": "heldout", "max_prompts": 16,
                                                             "max_new_tokens": 128}
 
