@@ -297,9 +297,11 @@ def load_mtp_head(target_dir: str | os.PathLike, target: nn.Module, num_layers: 
     if num_layers is None:
         num_layers = 1 + max(int(m.group(1)) for n in found if (m := re.match(r"mtp\.layers\.(\d+)\.", n)))
     weight = target.get_input_embeddings().weight
-    with torch.device("meta"):
-        head = MTPHead(target, num_layers)
-    fused = check_mtp_tensors({n: s for n, (_, s, _) in found.items()}, head, str(target_dir))
+    with torch.device("meta"):  # the check first: nothing is allocated for a set that is refused
+        fused = check_mtp_tensors({n: s for n, (_, s, _) in found.items()}, MTPHead(target, num_layers),
+                                  str(target_dir))
+    with torch.device(weight.device):
+        head = MTPHead(target, num_layers).to(weight.dtype)
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name, (path, _, _) in found.items():
@@ -317,7 +319,6 @@ def load_mtp_head(target_dir: str | os.PathLike, target: nn.Module, num_layers: 
                                        for e in range(meta_tensor.shape[0])])
         else:
             state[name] = tensors[name]
-    head = head.to_empty(device=weight.device).to(weight.dtype)
     head.load_state_dict(state, strict=True)
     return head.eval()
 
