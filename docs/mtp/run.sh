@@ -44,7 +44,7 @@ bench)
 checks)
   mkdir -p "$2"
   set +e
-  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -v --durations=8 -p no:cacheprovider tests/test_evaluate.py \
+  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -v --durations=8 -p no:cacheprovider tests/test_evaluate.py \
       -k "${TESTS:-gpu_kernels or gpu_equals}" > "$2/pytest-cuda.log" 2>&1
   echo "pytest rc $?"
   set -e
