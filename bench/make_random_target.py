@@ -7,7 +7,12 @@ from ``--tokenizer`` (any local HF folder: an embedded target's is fine, its ids
 Eos / pad / bos ids follow that tokenizer so generation stops where the template ends a turn.
 
     python bench/make_random_target.py --shape qwen3.5-27b --tokenizer resources/targets/smollm2-135m-instruct \
-        --out /data/random-qwen3.5-27b
+        --out /data/random-qwen3.5-27b [--mtp]
+
+``--mtp`` adds a random MTP head as Qwen3.5 / 3.6 checkpoints ship it (``mtp.*`` tensors in their own shard,
+``model-mtp.safetensors``, named in ``model.safetensors.index.json``; ``mtp_num_hidden_layers: 1`` in config.json):
+the shapes of :func:`draftsmith.evaluate.mtp.checkpoint_shapes` (27B: ``mtp.fc.weight [5120, 10240]``, 15 tensors,
+0.85 GB in bf16), values N(0, 0.02) (norm weights N(0, 0.02) around Qwen3.5's ``1 + w``).
 
 Shapes: ``qwen3.5-27b`` (hybrid: 64 layers, 3 Gated DeltaNet : 1 full attention, hidden 5120, vocab 248,320,
 54 GB in bf16), ``tiny-hybrid`` (the same layout, 8 layers of width 256, vocabulary grown to the tokenizer's:
@@ -37,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--shard-size", default="5GB")
+    ap.add_argument("--mtp", action="store_true", help="add a random MTP head (mtp.* tensors) in its own shard")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -57,11 +63,46 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, max_shard_size=args.shard_size)
     tok.save_pretrained(args.out)
+    if args.mtp:
+        add_random_mtp(args.out, model)
     size = sum(p.stat().st_size for p in args.out.glob("*.safetensors"))
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.shape}: {params / 1e9:.2f} B parameters, {size / 1e9:.1f} GB of safetensors in {args.out} "
           f"({time.perf_counter() - t0:.0f} s; tokenizer of {len(tok)} tokens from {args.tokenizer})")
     return 0
+
+
+def add_random_mtp(folder: Path, model, seed: int = 0, std: float = 0.02) -> int:
+    """Write a random MTP head for ``model`` into ``folder`` as a sharded checkpoint holds it: the tensors of
+    :func:`draftsmith.evaluate.mtp.checkpoint_shapes` (MoE experts fused, as transformers holds them) in
+    ``model-mtp.safetensors``, every tensor named in ``model.safetensors.index.json`` (written when
+    ``save_pretrained`` left a single file), ``mtp_num_hidden_layers: 1`` in config.json. Returns the bytes written."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from draftsmith.evaluate.mtp import MTPHead, checkpoint_shapes
+
+    weight = model.get_input_embeddings().weight
+    with torch.device("meta"):
+        shapes = checkpoint_shapes(MTPHead(model, 1))
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=g, device=weight.device, dtype=torch.float32) * std).to(
+        weight.dtype).cpu().contiguous() for name, shape in shapes.items()}
+    save_file(tensors, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+    else:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+            data = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
+    data["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
+    index.write_text(json.dumps(data, indent=2))
+    config = json.loads((folder / "config.json").read_text())
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 if __name__ == "__main__":

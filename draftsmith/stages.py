@@ -143,7 +143,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     },
     "evaluate": {
         "evaluate": {"output": ("temperature", "top_p", "top_k", "prompt_lookup_ngram", "prompt_lookup_num_tokens",
-                                "block_size", "seed", "max_prompt_tokens", "stop_tokens", "only", "sets"),
+                                "block_size", "seed", "max_prompt_tokens", "stop_tokens", "only", "sets", "mtp"),
                      "runtime": ("gpus", "rollback", "static_cache", "progress_interval",
                                  "checkpoint_interval")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},

@@ -38,7 +38,12 @@ def _num(x, suffix=""):
 
 
 o = report["overall"]
-log.info("evaluate done: %d prompts, %s τ %s speedup %s; prompt lookup τ %s speedup %s (report.md)",
+mtp = o.get("mtp") or {}
+fastest = mtp.get("fastest")
+mtp_text = (f"; the target's MTP head, fastest at k={fastest}: τ {_num(mtp['by_tokens'][str(fastest)]['tau'])} "
+            f"speedup {_num(mtp['by_tokens'][str(fastest)].get('speedup'), 'x')}, the drafter "
+            f"{'faster' if mtp.get('drafter_faster') else 'NOT faster'}" if fastest is not None else "")
+log.info("evaluate done: %d prompts, %s τ %s speedup %s; prompt lookup τ %s speedup %s%s (report.md)",
          o["prompts"], drafter_name(report["run"]), _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
-         _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"))
+         _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"), mtp_text)
 log_peak_memory(log)

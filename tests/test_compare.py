@@ -81,3 +81,23 @@ def test_a_file_that_is_no_report_is_named(tmp_path, capsys):
     (tmp_path / "y.json").write_text("{not json")
     assert main([str(tmp_path / "y.json"), str(tmp_path / "x.json")]) == 2
     assert "y.json: not JSON" in capsys.readouterr().err
+
+
+def test_the_target_mtp_head_is_compared_at_its_fastest_k(tmp_path, capsys):
+    """A report whose target has an MTP head (format 3: a set's ``mtp`` section): the comparison shows the new run's
+    MTP τ and tokens/s at its fastest k and whether the new drafter is faster; a report without MTP rows gives '-'."""
+    base = _report({"a": [_row("p1", 20, 10, 1.0)]})
+    new = _report({"a": [_row("p1", 30, 10, 1.0)]})
+    new["format"] = "draftsmith.eval/3"
+    new["sets"]["a"]["mtp"] = {"fastest": 2, "by_tokens": {"1": {"tau": 1.6, "tokens_per_s": 20.0, "speedup": 1.3},
+                                                           "2": {"tau": 2.1, "tokens_per_s": 40.0, "speedup": 1.6}}}
+    cmp = compare_reports(base, new, names=("x", "y"), resamples=0)
+    a = cmp["sets"]["a"]
+    assert (a["new"]["mtp_k"], a["new"]["mtp_tau"], a["new"]["mtp_tokens_per_s"]) == (2, 2.1, 40.0)
+    assert a["new_faster_than_mtp"] is False  # 31 tokens / 1 s < 40
+    assert cmp["sets"]["all"]["new_faster_than_mtp"] is None and a["base"]["mtp_k"] is None
+    (tmp_path / "x.json").write_text(json.dumps(base))
+    (tmp_path / "y.json").write_text(json.dumps(new))
+    assert main([str(tmp_path / "x.json"), str(tmp_path / "y.json"), "--names", "x,y", "--resamples", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2.10 (k=2) | 40.0 | no |" in out and "| - | - | - |" in out

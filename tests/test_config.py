@@ -57,6 +57,8 @@ def test_shipped_configs_are_valid():
     ({"extrakt": {"shards": 1}}, "'extrakt' was unexpected"),
     ({"train": {"lr": "fast"}}, "train.lr"),
     ({"drafter": {"layer_types": ["dense"]}}, "drafter.layer_types.0"),
+    ({"evaluate": {"mtp": {"num_speculative_tokens": [0]}}}, "evaluate.mtp.num_speculative_tokens.0"),
+    ({"evaluate": {"mtp": {"num_tokens": [2]}}}, "did you mean evaluate.mtp.num_speculative_tokens"),
     ({"data": {"sources": [{"name": "chat", "path": "x.jsonl", "adapter": "sharegpt"},
                            {"name": "tools", "path": "y.jsonl", "adapter": "nope"}]}},
      "data.sources.1 (tools).adapter"),

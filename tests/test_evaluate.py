@@ -777,6 +777,13 @@ def test_evaluate_settings_hold_the_stage_keys_and_the_schema_defaults():
         EvaluateSettings.from_config(evaluate={"stop_tokens": ["</s>"]})
     assert str(refused.value) == REMOVED_STOP_TOKENS
     assert schema_entry_defaults("evaluate", "sets") == {"max_prompts": 16, "max_new_tokens": 128}
+    # evaluate.mtp: the schema's default, also for an empty mapping; refused values name the key
+    assert settings.evaluate.mtp_tokens == [1, 2, 3]
+    assert EvaluateSettings.from_config(evaluate={"mtp": {}}).evaluate.mtp_tokens == [1, 2, 3]
+    assert EvaluateSettings.from_config(evaluate={"mtp": {"num_speculative_tokens": []}}).evaluate.mtp_tokens == []
+    for bad in ({"num_speculative_tokens": [0]}, {"num_speculative_tokens": [2, 2]}, {"tokens": [1]}):
+        with pytest.raises(ValueError, match=r"evaluate\.mtp\."):
+            EvaluateSettings.from_config(evaluate={"mtp": bad})
     assert set_config("z", settings.evaluate.sets["z"]) == {"source": "heldout", "max_prompts": 16,
                                                             "max_new_tokens": 128}
 
@@ -1379,3 +1386,389 @@ def test_every_plot_shows_its_sample_sizes():
         assert "n=12 prompts" in texts and "n=2 prompts" in texts, (build.__name__, texts)
         if build is not tau_figure:
             assert "heldout (n=12 prompts, 340 steps)" in texts and "mtbench (n=2 prompts, 57 steps)" in texts
+
+
+# ------------------------------------------------------------------------------------------------
+# The target's own MTP head (Qwen3.5 / Qwen3-Next checkpoints' mtp.* tensors)
+# ------------------------------------------------------------------------------------------------
+
+def _mtp_drafter_class():
+    """An :class:`~draftsmith.evaluate.mtp.MTPDrafter` that records, per drafting call, the head's argmax at every
+    step (``calls``: ``{"start", "argmax", "chosen"}``; eager runs only), and optionally forces its drafts: the
+    target's own continuation ``reference [T]`` with the positions where ``wrong [T]`` is true made wrong (graph-safe
+    tensor ops, so the forced drafts also run inside a captured CUDA graph). The head's real forwards and K/V cache
+    run either way: forcing only decides which tokens the next steps and the target see."""
+    from draftsmith.evaluate.mtp import MTPDrafter
+
+    class Recording(MTPDrafter):
+        reference = None
+        wrong = None
+        record = True
+
+        def draft(self, hidden, tokens, start, k):
+            if self.record:
+                self.calls.append({"start": start + hidden.shape[1], "argmax": [], "chosen": []})
+            return super().draft(hidden, tokens, start, k)
+
+        def _select(self, logits, position):
+            best = torch.argmax(logits, dim=-1)
+            token = best
+            if self.reference is not None:
+                at = (position + 2).clamp(max=self.reference.shape[0] - 1)
+                token = torch.where(self.wrong[at], (self.reference[at] + 1) % (MASK - 3) + 3, self.reference[at])
+            if self.record:
+                self.calls[-1]["argmax"].append(int(best.item()))
+                self.calls[-1]["chosen"].append(int(token.item()))
+            return token
+
+    return Recording
+
+
+_MTP: dict = {}
+
+
+def mtp_target(kind: str, tmp_path_factory):
+    """``(target, folder, mtp.* tensors)``: a tiny hybrid target (std-0.1 weights, a random final norm: with Qwen3.5's
+    zero-initialised ``1 + w`` norm the pre-norm and post-norm states would look alike to the head) saved with a random
+    MTP head in its safetensors (Qwen3-Next: per-expert tensors in their own shard, as its checkpoints hold them)."""
+    from tiny import add_mtp_weights, randomize_final_norm
+
+    if kind not in _MTP:
+        tgt = randomize_final_norm(tiny_target(kind, initializer_range=0.1, max_position_embeddings=256))
+        folder = tmp_path_factory.mktemp(f"mtp-{kind}")
+        tgt.save_pretrained(folder)
+        tensors = add_mtp_weights(folder, seed=5, std=0.1, sharded=kind == "qwen3_next")
+        _MTP[kind] = (tgt, folder, tensors)
+    return _MTP[kind]
+
+
+def _mtp_proposer(tgt, folder, k, reference=None, wrong_every=None, device=None):
+    from draftsmith.evaluate.mtp import MTPProposer, load_mtp_head
+
+    drafter = _mtp_drafter_class()(load_mtp_head(folder, tgt), tgt, cuda_graphs=device is not None)
+    drafter.calls = []
+    drafter.record = device is None
+    if reference is not None:
+        drafter.reference = reference
+        positions = torch.arange(reference.shape[0], device=reference.device)
+        drafter.wrong = (positions % wrong_every == wrong_every - 1) if wrong_every else positions < 0
+    return MTPProposer(drafter, k)
+
+
+def _gemma_rms(x, weight, eps):
+    """Qwen3.5's RMSNorm written out: x / rms(x) * (1 + w), in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+@torch.no_grad()
+def reference_mtp_argmax(tgt, mtp: dict, layer, committed: torch.Tensor, chosen: list[int], k: int) -> list[int]:
+    """The published algorithm (vLLM ``qwen3_5_mtp.py`` and its EAGLE / MTP proposer), slow and without a cache: the
+    head's argmax at each of ``k`` steps after the committed tokens ``x_0 .. x_s`` (``committed [s + 1]``; the target
+    has consumed ``x_0 .. x_{s-1}``), the later steps fed the tokens ``chosen`` (the drafts, or forced ones).
+
+    The target's states after its final norm ``h_0 .. h_{s-1}`` (``model.model(...).last_hidden_state``); row i =
+    ``fc(cat[norm_e(embed(x_{i+1})), norm_h(h_i)])`` at rotary position i; every step recomputes the whole causal
+    sequence of rows from scratch through transformers' own ``Qwen3_5DecoderLayer`` (no cache, no mask: causal), takes
+    the last row's output after ``mtp.norm``, its LM-head argmax is the step's draft, and the next row pairs that
+    output with the chosen token."""
+    eps = tgt.config.rms_norm_eps
+    s = committed.shape[0] - 1
+    states = tgt.model(input_ids=committed[None, :s]).last_hidden_state[0]  # [s, H], after the final norm
+    embed = tgt.get_input_embeddings().weight
+    hidden, tokens, out = list(states), list(committed[1:s + 1]), []
+    for step in range(k):
+        rows = torch.cat([_gemma_rms(embed[torch.stack(tokens)], mtp["mtp.pre_fc_norm_embedding.weight"], eps),
+                          _gemma_rms(torch.stack(hidden), mtp["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
+        x = torch.nn.functional.linear(rows, mtp["mtp.fc.weight"])[None]
+        positions = torch.arange(x.shape[1])[None]
+        cos, sin = tgt.model.rotary_emb(x, positions[None].expand(3, 1, -1))  # M-RoPE: three equal text rows
+        y = layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+        last = _gemma_rms(y[0, -1], mtp["mtp.norm.weight"], eps)
+        out.append(int(torch.argmax(tgt.lm_head(last))))
+        hidden.append(last)
+        tokens.append(torch.tensor(chosen[step]) if step < len(chosen) else None)
+    return out
+
+
+def _reference_layer(tgt, mtp: dict):
+    """transformers' ``Qwen3_5DecoderLayer`` (full attention, its gated ``q_proj``) holding ``mtp.layers.0.*``."""
+    import copy
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    cfg = copy.deepcopy(tgt.config)
+    cfg.layer_types, cfg.num_hidden_layers = ["full_attention"], 1
+    layer = Qwen3_5DecoderLayer(cfg, 0).eval()
+    layer.load_state_dict({n[len("mtp.layers.0."):]: t for n, t in mtp.items() if n.startswith("mtp.layers.0.")})
+    return layer
+
+
+def _assert_drafts_follow_the_reference(tgt, mtp, proposer, full: torch.Tensor, k: int) -> int:
+    layer = _reference_layer(tgt, mtp)
+    calls = proposer.drafter.calls
+    assert calls
+    for call in calls:
+        start = call["start"]
+        want = reference_mtp_argmax(tgt, mtp, layer, full[:start + 1], call["chosen"][:-1], k)
+        assert call["argmax"] == want, f"k={k}, draft after position {start}: {call['argmax']} != reference {want}"
+    return len(calls)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_mtp_greedy_decoding_is_lossless(kind, tmp_path_factory):
+    """Greedy speculative decoding with the target's MTP head (1-3 drafts a step; its own random drafts, and drafts
+    forced to the target's continuation with every 3rd / 4th position wrong: full, partial and no acceptance) equals
+    target-only decoding token for token, on the dynamic cache and on the static path (one StaticTarget tapping
+    DFlash's layers and the last one; CPU: no graphs); the static path's τ and counts equal the dynamic path's."""
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt, folder, _ = mtp_target(kind, tmp_path_factory)
+    new = 24 if kind == "qwen3_next" else 40
+    ids = prompt(1)
+    ref = target_generate(tgt, ids, max_new_tokens=new)
+    full = torch.cat([ids[0], torch.tensor(ref.tokens)])
+    L = tgt.config.num_hidden_layers
+    static = StaticTarget(tgt, 12 + new + BLOCK + 1, layer_ids=[1, 2, L - 1], cuda_graphs=False, verify_width=BLOCK)
+    for k in (1, 2, 3):
+        accepted = set()
+        for forced in (None, 3, 4):
+            dyn = speculative_generate(tgt, _mtp_proposer(tgt, folder, k, full if forced else None, forced), ids,
+                                       max_new_tokens=new)
+            sta = speculative_generate(tgt, _mtp_proposer(tgt, folder, k, full if forced else None, forced), ids,
+                                       max_new_tokens=new, static=static)
+            assert dyn.tokens == ref.tokens == sta.tokens, (kind, k, forced)
+            assert (sta.committed, sta.accepted, sta.proposed) == (dyn.committed, dyn.accepted, dyn.proposed)
+            assert max(dyn.proposed) == k and set(dyn.proposed[:-2]) == {k}
+            accepted |= set(dyn.accepted[:-1])
+        assert accepted == set(range(k + 1)), (k, accepted)  # every acceptance length, 0 .. k
+    # the DFlash drafter beside it on the same static target: its own columns of the shared features
+    out = speculative_generate(tgt, DFlashProposer(make_drafter(tgt, seed=3), tgt), ids, max_new_tokens=new,
+                               static=static)
+    assert out.tokens == ref.tokens
+
+
+def test_mtp_drafts_equal_the_published_algorithm(tmp_path_factory):
+    """After every verify step (accepted, partly accepted and rejected drafts, so the head's cache gets 1..k+1 new
+    rows a step and its speculative entries are overwritten), the head's argmax at every draft step equals a slow
+    cache-free recomputation of the published algorithm (:func:`reference_mtp_argmax`: post-norm target states,
+    embedding first, recursive drafts on the head's own normed output, transformers' Qwen3.5 layer), with its own
+    drafts and with forced ones, on the dynamic and the static target path."""
+    from draftsmith.evaluate.static import StaticTarget
+
+    tgt, folder, mtp = mtp_target("qwen3_5", tmp_path_factory)
+    ids = prompt(2)
+    ref = target_generate(tgt, ids, max_new_tokens=30)
+    full = torch.cat([ids[0], torch.tensor(ref.tokens)])
+    static = StaticTarget(tgt, 12 + 30 + BLOCK + 1, layer_ids=[3], cuda_graphs=False, verify_width=BLOCK)
+    checked = 0
+    for k, forced, path in ((1, None, None), (3, None, static), (2, 3, None), (3, 4, static), (3, 5, None)):
+        proposer = _mtp_proposer(tgt, folder, k, full if forced else None, forced)
+        out = speculative_generate(tgt, proposer, ids, max_new_tokens=30, static=path)
+        assert out.tokens == ref.tokens
+        checked += _assert_drafts_follow_the_reference(tgt, mtp, proposer, full, k)
+    assert checked > 40
+
+
+def test_mtp_fed_the_pre_norm_state_drafts_something_else(tmp_path_factory, monkeypatch):
+    """Control for the test above: feeding the head the target's last layer before its final norm (the classic
+    silent bug: it never fails, it only lowers acceptance) changes its drafts, so the reference comparison catches
+    it; decoding stays lossless, as it would in an engine."""
+    import draftsmith.target as target_mod
+
+    tgt, folder, mtp = mtp_target("qwen3_5", tmp_path_factory)
+    ids = prompt(2)
+    ref = target_generate(tgt, ids, max_new_tokens=20)
+    full = torch.cat([ids[0], torch.tensor(ref.tokens)])
+    monkeypatch.setattr(target_mod, "final_norm", lambda model: torch.nn.Identity())  # LayerCapture: pre-norm
+    proposer = _mtp_proposer(tgt, folder, 2, full, 3)
+    assert speculative_generate(tgt, proposer, ids, max_new_tokens=20).tokens == ref.tokens
+    with pytest.raises(AssertionError, match="!= reference"):
+        _assert_drafts_follow_the_reference(tgt, mtp, proposer, full, 2)
+
+
+def test_mtp_tau_equals_the_per_position_counts(tmp_path_factory):
+    """The MTP rows' τ reconciles with their per-position acceptance (τ = 1 + Σ_k hits_k / steps), on runs with a
+    stop token and a token budget ending inside a step; the histogram counts every verify step."""
+    tgt, folder, _ = mtp_target("qwen3_5", tmp_path_factory)
+    ids = prompt(1)
+    free = target_generate(tgt, ids, max_new_tokens=40)
+    full = torch.cat([ids[0], torch.tensor(free.tokens)])
+    stop = next(t for i, t in enumerate(free.tokens[8:], 8) if t not in free.tokens[:i])
+    for k in (1, 2, 3):
+        runs = [speculative_generate(tgt, _mtp_proposer(tgt, folder, k, full, 4), ids, max_new_tokens=40,
+                                     stop_token_ids=[stop]),
+                speculative_generate(tgt, _mtp_proposer(tgt, folder, k, full, 3), ids, max_new_tokens=13)]
+        m = summarize(runs, max_block=k + 1)
+        assert m["tau"] == pytest.approx(1 + sum(m["per_position_hits"]) / m["steps"])
+        assert len(m["per_position"]) == k and sum(m["acceptance_histogram"]) == m["steps"]
+        assert m["tau"] > 1.0
+        for run in runs:
+            for p, a, c in zip(run.proposed, run.accepted, run.committed):
+                assert 1 + step_slots(p, a, c)[1] == c
+
+
+def test_mtp_tensor_set_is_checked_exactly(tmp_path):
+    """The checkpoint's mtp.* set must be exactly the head's: a target without mtp.* tensors has no MTP head (the
+    reason says so), a missing tensor is refused by name, an extra or misshapen one too; the shapes are a real
+    checkpoint's (Qwen3.5's gated q_proj: 2 x heads x head_dim rows; fc [H, 2H]); a sharded checkpoint with an index
+    (the tensors in their own shard) loads; transformers still loads the target, ignoring mtp.*."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.evaluate.mtp import load_mtp_head, mtp_status
+    from tiny import add_mtp_weights
+
+    tgt = tiny_target("qwen3_5", initializer_range=0.1)
+    plain = tmp_path / "plain"
+    tgt.save_pretrained(plain)
+    status = mtp_status(plain)
+    assert not status.available and "no mtp.* tensors" in status.reason
+
+    good = tmp_path / "good"
+    tgt.save_pretrained(good)
+    tensors = add_mtp_weights(good, sharded=True)
+    cfg = tgt.config
+    assert tensors["mtp.fc.weight"].shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+    assert tensors["mtp.layers.0.self_attn.q_proj.weight"].shape == (2 * cfg.num_attention_heads * cfg.head_dim,
+                                                                     cfg.hidden_size)
+    assert len(tensors) == 15  # as Qwen3.6-27B's checkpoint: 15 mtp.* tensors
+    status = mtp_status(good)
+    assert status.available and status.num_layers == 1 and status.tensors == 15
+    head = load_mtp_head(good, tgt)
+    assert torch.equal(head.fc.weight, tensors["mtp.fc.weight"])
+    assert torch.equal(head.layers[0].self_attn.q_proj.weight, tensors["mtp.layers.0.self_attn.q_proj.weight"])
+    reloaded = AutoModelForCausalLM.from_pretrained(good)
+    assert not any(name.startswith("mtp") for name in reloaded.state_dict())
+
+    missing = tmp_path / "missing"
+    tgt.save_pretrained(missing)
+    add_mtp_weights(missing, drop="mtp.layers.0.self_attn.k_norm.weight")
+    for check in (lambda: mtp_status(missing), lambda: load_mtp_head(missing, tgt)):
+        with pytest.raises(ValueError, match=r"tensor mtp\.layers\.0\.self_attn\.k_norm\.weight is missing"):
+            check()
+
+    extra = tmp_path / "extra"
+    tgt.save_pretrained(extra)
+    add_mtp_weights(extra)
+    weights = load_file(str(extra / "model.safetensors"))
+    save_file({**weights, "mtp.layers.0.self_attn.bogus.weight": torch.zeros(2)}, str(extra / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected MTP tensor mtp\.layers\.0\.self_attn\.bogus\.weight"):
+        mtp_status(extra)
+    weights["mtp.fc.weight"] = torch.zeros(cfg.hidden_size, cfg.hidden_size)  # pre-fc without the embedding half
+    save_file(weights, str(extra / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"MTP tensor mtp\.fc\.weight has shape \[64, 64\].*needs \[64, 128\]"):
+        mtp_status(extra)
+
+
+@pytest.fixture(scope="module")
+def hybrid_stage_inputs(stage_inputs, tmp_path_factory):
+    """stage_inputs with a tiny hybrid Qwen3.5 target carrying a random MTP head (and the tiny tokenizer), and an
+    exported DFlash drafter for it."""
+    from tiny import add_mtp_weights, randomize_final_norm
+
+    root = tmp_path_factory.mktemp("evaluate-mtp")
+    tgt = randomize_final_norm(tiny_target("qwen3_5", initializer_range=0.1, max_position_embeddings=256))
+    tdir = root / "target"
+    tgt.save_pretrained(tdir)
+    stage_inputs["tokenizer"].save_pretrained(tdir)
+    add_mtp_weights(tdir, seed=5)
+    ddir = root / "drafter"
+    make_drafter(tgt, seed=2).save_pretrained(ddir)
+    return dict(stage_inputs, target=str(tdir), drafter=str(ddir))
+
+
+def test_evaluate_stage_reports_the_target_mtp_head(hybrid_stage_inputs, stage_inputs, tmp_path):
+    """A target whose checkpoint carries mtp.* tensors: every prompt is also decoded by its MTP head once per
+    evaluate.mtp.num_speculative_tokens entry, losslessly; each set's (and "all"'s) mtp section has each k's τ,
+    tokens/s and speedup, the fastest k and whether the drafter beats it; report.md has the MTP table, the plot its
+    bars; the static path (CPU, no graphs) reports the dynamic path's τ. A target without mtp.* gets no MTP rows and
+    one line saying why, and num_speculative_tokens: [] turns the rows off."""
+    import matplotlib.text
+
+    from draftsmith.evaluate.report import tau_figure
+
+    runs = {}
+    for path in ("false", "true"):
+        runs[path] = run_evaluate(**_stage_kwargs(hybrid_stage_inputs, tmp_path / path, static_cache=path,
+                                                  mtp={"num_speculative_tokens": [1, 3]}))
+    report = runs["true"]
+    assert report["run"]["mtp"]["available"] and report["run"]["mtp"]["num_speculative_tokens"] == [1, 3]
+    assert report["run"]["mtp_decoding"] == "fixed K/V buffers indexed by position"
+    for name in ("heldout", "mtbench"):
+        s, d = report["sets"][name], runs["false"]["sets"][name]
+        assert set(s["lossless"]) == {"dflash", "prompt_lookup", "mtp_1", "mtp_3"}
+        assert all(check["lossless"] for check in s["lossless"].values())
+        m = s["mtp"]
+        assert m["num_speculative_tokens"] == [1, 3] and m["fastest"] in (1, 3)
+        for k in ("1", "3"):
+            mk = m["by_tokens"][k]
+            assert mk["tokens"] == s["target_only"]["tokens"] and mk["speedup"] > 0
+            assert len(mk["per_position"]) == int(k)
+            assert mk["tau"] == d["mtp"]["by_tokens"][k]["tau"]  # static == dynamic
+            assert sum(r[f"mtp_{k}_steps"] for r in s["per_prompt"]) == mk["steps"]
+        assert m["drafter_faster"] == (s["dflash"]["tokens_per_s"] > m["fastest_tokens_per_s"])
+    assert report["overall"]["mtp"]["by_tokens"]["3"]["steps"] > 0
+    md = (tmp_path / "true" / "report.md").read_text()
+    assert "## The target's own MTP head (the number to beat)" in md and "| MTP τ k=1 |" in md
+    assert "DFlash faster than MTP | MTP lossless |" in md and "the target's MTP head: 1 layer(s)" in md
+    assert md.count(" | yes |\n") >= 2  # every set's MTP rows lossless
+    texts = " | ".join(t.get_text() for t in tau_figure(report).findobj(matplotlib.text.Text))
+    assert "MTP head (fastest k)" in texts
+
+    plain = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "plain"))
+    assert not plain["run"]["mtp"]["available"] and "no mtp.* tensors" in plain["run"]["mtp"]["reason"]
+    assert all(s["mtp"] is None and set(s["lossless"]) == {"dflash", "prompt_lookup"} for s in plain["sets"].values())
+    md = (tmp_path / "plain" / "report.md").read_text()
+    assert "- the target's MTP head: none (the target checkpoint has no mtp.* tensors" in md and "no MTP rows" in md
+    assert "## The target's own MTP head" not in md
+    off = run_evaluate(**_stage_kwargs(hybrid_stage_inputs, tmp_path / "off", mtp={"num_speculative_tokens": []}))
+    assert off["run"]["mtp"]["reason"] == "evaluate.mtp.num_speculative_tokens is empty"
+    assert off["sets"]["heldout"]["mtp"] is None
+
+
+def test_evaluate_refuses_a_malformed_mtp_set_naming_the_tensor(hybrid_stage_inputs, tmp_path):
+    """A checkpoint whose mtp.* set lacks a tensor stops evaluate before anything is decoded, naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(hybrid_stage_inputs["target"], target)
+    weights = load_file(str(target / "model.safetensors"))
+    del weights["mtp.pre_fc_norm_hidden.weight"]
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor mtp\.pre_fc_norm_hidden\.weight is missing"):
+        run_evaluate(**_stage_kwargs(dict(hybrid_stage_inputs, target=str(target)), tmp_path / "out"))
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fla_available(),
+                    reason="needs a CUDA GPU and flash-linear-attention (the Gated DeltaNet kernels)")
+def test_mtp_decoding_with_cuda_graphs_is_lossless_on_the_gpu_kernels(tmp_path_factory):
+    """On a GPU in float32 with flash-linear-attention: MTP decoding on the static target, its drafting step replayed
+    as a CUDA graph (forced drafts: full, partial and no acceptance, so 1..k+1 committed rows a step), equals
+    target-only decoding, with no capture failure; the eager MTP path gives the same counts."""
+    from draftsmith.evaluate.static import StaticTarget
+
+    _, folder, _ = mtp_target("qwen3_5", tmp_path_factory)
+    device = torch.device("cuda")
+    from tiny import randomize_final_norm
+
+    tgt = randomize_final_norm(tiny_target("qwen3_5", initializer_range=0.1, max_position_embeddings=256)).to(device)
+    ids = prompt(1, length=150).to(device)
+    new = 40
+    ref = target_generate(tgt, ids, max_new_tokens=new)
+    full = torch.cat([ids[0], torch.tensor(ref.tokens, device=device)])
+    static = StaticTarget(tgt, ids.shape[1] + new + BLOCK + 1, layer_ids=[1, 2, 3], cuda_graphs=True,
+                          verify_width=BLOCK)
+    for k in (1, 2, 3):
+        for forced in (None, 3, 4):
+            graphed = _mtp_proposer(tgt, folder, k, full if forced else None, forced, device=device)
+            out = speculative_generate(tgt, graphed, ids, max_new_tokens=new, static=static)
+            assert out.tokens == ref.tokens, (k, forced)
+            assert graphed.drafter.graph_failures == {} and graphed.drafter._graphs
+            eager = _mtp_proposer(tgt, folder, k, full if forced else None, forced)
+            again = speculative_generate(tgt, eager, ids, max_new_tokens=new)
+            assert (again.committed, again.accepted) == (out.committed, out.accepted), (k, forced)

@@ -495,6 +495,7 @@ def _changed_value(section: str, key: str, value, node: dict, config: dict):
         ("drafter", "layer_types"): ["full_attention"] * int(config["drafter"]["num_layers"]),
         ("evaluate", "stop_tokens"): ["</s>"],
         ("evaluate", "only"): list(config["evaluate"]["sets"])[:1],
+        ("evaluate", "mtp"): {"num_speculative_tokens": [2]},
     }
     if (section, key) in special:
         return special[(section, key)]

@@ -55,6 +55,63 @@ def tiny_target(kind: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def randomize_final_norm(model, std: float = 0.5, seed: int = 1):
+    """Draw the final norm's weight of ``model`` from N(0, std), in place (Qwen3.5 / Qwen3-Next initialise their
+    Gemma-style ``1 + w`` norms at w = 0). With a zero final norm the target's pre-norm and post-norm states are equal
+    after the MTP head's ``pre_fc_norm_hidden`` (an RMSNorm absorbs the scale), so a test could not tell which one the
+    head is fed; real checkpoints' final norms are far from zero."""
+    from draftsmith.target import final_norm
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = final_norm(model).weight
+        weight.copy_(torch.randn(weight.shape, generator=g) * std)
+    return model
+
+
+def add_mtp_weights(folder, seed: int = 0, std: float = 0.1, *, num_layers: int = 1, sharded: bool = False,
+                    fused_experts: bool = False, drop: str | None = None) -> dict[str, torch.Tensor]:
+    """Add a random MTP head (``mtp.*`` tensors, as Qwen3.5 / 3.6 / Qwen3-Next checkpoints ship it) to a tiny
+    target folder written by ``save_pretrained``, and ``mtp_num_hidden_layers`` to its config.json.
+
+    The names and shapes are those of a real checkpoint (:func:`draftsmith.evaluate.mtp.checkpoint_shapes`:
+    ``mtp.fc.weight [H, 2H]``, the two pre-fc norms, ``mtp.layers.<i>.*`` of the target's own full-attention layer
+    class, e.g. Qwen3.5's gated ``q_proj`` of ``2 x heads x head_dim`` rows, ``mtp.norm.weight``; MoE experts per
+    expert unless ``fused_experts``), drawn from N(0, std). ``sharded``: written to their own shard
+    ``model-mtp.safetensors`` with a ``model.safetensors.index.json`` naming every tensor's file (how a sharded
+    checkpoint stores them); else into ``model.safetensors`` beside the model's own. ``drop``: leave that tensor out
+    (a malformed set). Returns the tensors written (by name)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from draftsmith.evaluate.mtp import MTPHead, checkpoint_shapes
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        head = MTPHead(AutoModelForCausalLM.from_config(config), num_layers)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: (torch.randn(shape, generator=g) * std).contiguous()
+               for name, shape in checkpoint_shapes(head, fused_experts=fused_experts).items() if name != drop}
+    if sharded:
+        main = folder / "model.safetensors"
+        own = load_file(str(main))
+        main.rename(folder / "model-main.safetensors")
+        save_file(tensors, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
+        weight_map = {**{k: "model-main.safetensors" for k in own}, **{k: "model-mtp.safetensors" for k in tensors}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        own = load_file(str(folder / "model.safetensors"))
+        save_file({**own, **tensors}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return tensors
+
+
 # --- tiny chat tokenizer (tokenize / regenerate) ---------------------------------------------------
 
 TINY_CHATML_TEMPLATE = (

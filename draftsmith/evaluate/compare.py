@@ -10,8 +10,9 @@ prompts can differ. This module compares two ``report.json`` files on the prompt
 
 For each set found in both reports it gives:
 
-* the whole-set figures each report gives: DFlash τ, tokens/s, speedup over target-only, and prompt lookup's τ
-  and tokens/s from the same report;
+* the whole-set figures each report gives: DFlash τ, tokens/s, speedup over target-only, prompt lookup's τ
+  and tokens/s from the same report, and the target's own MTP head at its fastest number of drafts (τ, tokens/s;
+  reports since format 3, of targets whose checkpoint has one) with whether the drafter is faster than it;
 * the paired figures on the matched prompts: each drafter's τ (committed tokens / verify forwards, summed over the
   prompts) and tokens/s (tokens / seconds), the ratio new / base of each, and a 95% percentile bootstrap interval
   of the ratio. The interval resamples prompts with replacement, the same resample for both reports (Efron and
@@ -58,10 +59,16 @@ def load_report(path: str | Path) -> dict:
 
 
 def _whole(section: dict) -> dict:
-    """A set's (or ``overall``'s) own figures: DFlash τ, tokens/s, speedup; prompt lookup τ and tokens/s."""
+    """A set's (or ``overall``'s) own figures: DFlash τ, tokens/s, speedup; prompt lookup τ and tokens/s; the MTP
+    head's at its fastest k (``mtp_k``, ``mtp_tau``, ``mtp_tokens_per_s``, ``mtp_speedup``; None without MTP rows)."""
     d, p = section.get("dflash") or {}, section.get("prompt_lookup") or {}
+    mtp = section.get("mtp") or {}
+    k = mtp.get("fastest")
+    m = (mtp.get("by_tokens") or {}).get(str(k)) or {}
     return {"prompts": section.get("prompts"), "tau": d.get("tau"), "tokens_per_s": d.get("tokens_per_s"),
-            "speedup": d.get("speedup"), "lookup_tau": p.get("tau"), "lookup_tokens_per_s": p.get("tokens_per_s")}
+            "speedup": d.get("speedup"), "lookup_tau": p.get("tau"), "lookup_tokens_per_s": p.get("tokens_per_s"),
+            "mtp_k": k, "mtp_tau": m.get("tau"), "mtp_tokens_per_s": m.get("tokens_per_s"),
+            "mtp_speedup": m.get("speedup")}
 
 
 def _prompts(report: dict, sets: list[str]) -> dict[str, dict] | None:
@@ -128,7 +135,9 @@ def compare_reports(base: dict, new: dict, *, names: tuple[str, str] = ("base", 
     Returns:
         ``{"names", "base_drafter", "new_drafter", "sets": {set: {"base": whole, "new": whole, "tau_ratio",
         "tokens_per_s_ratio", "new_faster_than_lookup", "paired": {...} | None}}, "sets_only_in": {...}}``, with
-        ``all`` last. ``whole`` holds ``prompts, tau, tokens_per_s, speedup, lookup_tau, lookup_tokens_per_s``;
+        ``all`` last (and ``new_faster_than_mtp``: None when the new report has no MTP rows). ``whole`` holds
+        ``prompts, tau, tokens_per_s, speedup, lookup_tau, lookup_tokens_per_s, mtp_k, mtp_tau, mtp_tokens_per_s,
+        mtp_speedup``;
         ``paired`` holds ``matched, base_only, new_only`` prompt counts and, for ``tau`` and ``tokens_per_s``,
         ``base, new, ratio, ratio_low, ratio_high``. ``paired`` is None when a report predates the per-prompt sums.
     """
@@ -154,6 +163,8 @@ def compare_reports(base: dict, new: dict, *, names: tuple[str, str] = ("base", 
                                    if b["tokens_per_s"] and n["tokens_per_s"] is not None else None),
             "new_faster_than_lookup": (n["tokens_per_s"] > n["lookup_tokens_per_s"]
                                        if None not in (n["tokens_per_s"], n["lookup_tokens_per_s"]) else None),
+            "new_faster_than_mtp": (n["tokens_per_s"] > n["mtp_tokens_per_s"]
+                                    if None not in (n["tokens_per_s"], n["mtp_tokens_per_s"]) else None),
             "paired": (None if base_rows is None or new_rows is None
                        else _paired(base_rows, new_rows, resamples, seed)),
         }
@@ -173,15 +184,18 @@ def render_markdown(comparison: dict) -> str:
              "",
              "Whole sets, as each report gives them (lookup: prompt lookup in the same report):", "",
              f"| set | τ {a} | τ {b} | τ {b}/{a} | tok/s {a} | tok/s {b} | tok/s {b}/{a} | speedup {a} | "
-             f"speedup {b} | lookup τ ({b}'s run) | lookup tok/s | {b} faster than lookup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"speedup {b} | lookup τ ({b}'s run) | lookup tok/s | {b} faster than lookup | MTP τ, fastest k "
+             f"({b}'s run) | MTP tok/s | {b} faster than MTP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no", None: "-"}
     for name, s in comparison["sets"].items():
         x, y = s["base"], s["new"]
-        faster = {True: "yes", False: "no", None: "-"}[s["new_faster_than_lookup"]]
+        mtp = "-" if y.get("mtp_k") is None else f"{_f(y['mtp_tau'])} (k={y['mtp_k']})"
         lines.append(f"| {name} | {_f(x['tau'])} | {_f(y['tau'])} | {_f(s['tau_ratio'], 3)}x | "
                      f"{_f(x['tokens_per_s'], 1)} | {_f(y['tokens_per_s'], 1)} | {_f(s['tokens_per_s_ratio'], 3)}x | "
                      f"{_f(x['speedup'])}x | {_f(y['speedup'])}x | {_f(y['lookup_tau'])} | "
-                     f"{_f(y['lookup_tokens_per_s'], 1)} | {faster} |")
+                     f"{_f(y['lookup_tokens_per_s'], 1)} | {yes[s['new_faster_than_lookup']]} | {mtp} | "
+                     f"{_f(y.get('mtp_tokens_per_s'), 1)} | {yes[s.get('new_faster_than_mtp')]} |")
     lines += ["", "Paired by prompt (`prompt_key`), with a 95% bootstrap interval of the ratio over prompts:", "",
               f"| set | prompts matched ({a} only, {b} only) | τ {a} | τ {b} | τ {b}/{a} [95%] | "
               f"tok/s {b}/{a} [95%] |", "|---|---|---|---|---|---|"]

@@ -364,6 +364,11 @@ class DynamicTarget:
         tokens, positions = self._last
         self.tcache.rollback(consumed, keep, tokens, positions)
 
+    def select(self, features: torch.Tensor | None, layer_ids: list[int]) -> torch.Tensor | None:
+        """The features of ``layer_ids``: this runner taps exactly the proposer's layers, so ``features`` as they
+        are."""
+        return features
+
 
 class _StaticRun:
     """Per-prompt view of a :class:`draftsmith.evaluate.static.StaticTarget` with the runner interface."""
@@ -387,6 +392,23 @@ class _StaticRun:
         """Attention layers: nothing to undo (the next forward sets the cache length to the committed positions);
         Gated DeltaNet layers: the snapshot / replay rollback of :meth:`StaticTarget.commit`."""
         self.static.commit(keep)
+
+    def select(self, features: torch.Tensor | None, layer_ids: list[int]) -> torch.Tensor | None:
+        """The columns of ``layer_ids`` among the static target's tapped layers (it serves every proposer of the
+        run: DFlash's taps plus the last layer for the MTP head), ``[1, k, len(layer_ids) * H]``.
+
+        Raises:
+            ValueError: a layer the static target does not tap.
+        """
+        tapped = list(self.static.layer_ids)
+        if features is None or list(layer_ids) == tapped:
+            return features
+        missing = [i for i in layer_ids if i not in tapped]
+        if missing:
+            raise ValueError(f"the static target taps layers {tapped}, not {missing}")
+        width = features.shape[-1] // len(tapped)
+        return torch.cat([features[..., tapped.index(i) * width:(tapped.index(i) + 1) * width] for i in layer_ids],
+                         dim=-1)
 
 
 def target_runner(target: nn.Module, layer_ids: list[int], rollback: str = "auto", static=None):
@@ -506,7 +528,7 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
     with target_runner(target, layer_ids, rollback, static) as runner:
         logits, features = runner.prefill(ids)
         output[num_prompt] = select_tokens(logits, sampling, generator)
-        proposer.reset(ids, features if proposer.needs_features else None)
+        proposer.reset(ids, runner.select(features, layer_ids) if proposer.needs_features else None)
         t_first = _now(device)
         start = num_prompt
         stopped = bool(torch.isin(output[start], stops).item()) if stops.numel() else False
@@ -533,7 +555,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, input_ids, *, ma
                     produced = int(hits[0, 0].item()) + 1
                     stopped = True
             runner.commit(k + 1, produced)
-            proposer.commit(features[:, :produced].clone() if proposer.needs_features else None)
+            proposer.commit(runner.select(features[:, :produced], layer_ids).clone() if proposer.needs_features
+                            else None)
             start += produced
             committed.append(produced)
             accepted_log.append(accepted)

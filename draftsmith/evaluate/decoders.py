@@ -5,8 +5,9 @@ tokenizer and the drafter's ``config.json`` (:func:`prepare_decoders`); the targ
 first prompt decoded, so planning, resuming and merging never load them. :func:`decode_set` decodes a set
 conversation by conversation (:func:`decode_conversation`: every user turn asked after the target's own answer
 to the one before), each prompt three ways (target-only, DFlash, prompt lookup: :mod:`draftsmith.evaluate.decode`
-holds the decoding loops), and saves as it goes; :func:`aggregate` joins a set's conversation records in its
-order.
+holds the decoding loops) and once more per ``evaluate.mtp.num_speculative_tokens`` entry with the target's own MTP
+head when its checkpoint has one (:mod:`draftsmith.evaluate.mtp`), and saves as it goes; :func:`aggregate` joins a
+set's conversation records in its order.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from draftsmith.evaluate.prompts import (
     load_sets,
     render,
 )
-from draftsmith.evaluate.report import METHODS, summarize
+from draftsmith.evaluate.report import METHODS, mtp_method, summarize
 from draftsmith.evaluate.sampling import SamplingConfig
 from draftsmith.evaluate.settings import EvaluateOptions, EvaluateSettings
 
@@ -97,16 +98,25 @@ class Decoders:
     layer_ids: list[int]
     mask_token_id: int | None
     architecture: str  # the drafter's class: DFlashDraftModel or DFlash2DraftModel
-    loader: object = None  # () -> (target, DFlashProposer, static or None)
+    mtp_tokens: list[int] = dataclasses.field(default_factory=list)  # the MTP decodings (k); [] without an MTP head
+    mtp_status: dict = dataclasses.field(default_factory=dict)  # draftsmith.evaluate.mtp.MTPStatus.to_dict()
+    loader: object = None  # () -> (target, DFlashProposer, static or None, {k: MTPProposer})
     target: nn.Module | None = None
     dflash: DFlashProposer | None = None
     static: object | None = None
+    mtp: dict = dataclasses.field(default_factory=dict)  # k -> MTPProposer, once loaded
     warmed: bool = False
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods every prompt is decoded by: :data:`~draftsmith.evaluate.report.METHODS` and the MTP head's,
+        one per k (``mtp_<k>``)."""
+        return METHODS + tuple(mtp_method(k) for k in self.mtp_tokens)
+
     def load(self) -> None:
-        """Load the target and the drafter and build the proposers and the static path (once)."""
+        """Load the target, the drafter and the MTP head and build the proposers and the static path (once)."""
         if self.target is None:
-            self.target, self.dflash, self.static = self.loader()
+            self.target, self.dflash, self.static, self.mtp = self.loader()
 
     def fits(self, num_prompt_tokens: int, max_new: int) -> bool:
         """Whether a prompt of ``num_prompt_tokens`` tokens is decoded with a budget of ``max_new`` new tokens
@@ -124,7 +134,7 @@ class Decoders:
     def passes(self) -> int:
         """Decodings of a prompt by :meth:`decode`: one per method, plus the lossless reference when greedy on the
         static path."""
-        return len(METHODS) + int(self.static is not None and self.sampling.greedy)
+        return len(self.methods) + int(self.static is not None and self.sampling.greedy)
 
     def decode(self, ids: list[int], max_new: int, gen_seed: int, rotate: int = 0,
                on_tokens: Callable[[int], None] | None = None) -> dict[str, GenerationResult]:
@@ -133,7 +143,8 @@ class Decoders:
         after every ``k`` tokens decoded (the progress line)."""
         self.load()
         out = {}
-        order = METHODS[rotate % len(METHODS):] + METHODS[:rotate % len(METHODS)]
+        methods = self.methods
+        order = methods[rotate % len(methods):] + methods[:rotate % len(methods)]
         for method in order:
             gen = torch.Generator(device=self.device).manual_seed(gen_seed) if not self.sampling.greedy else None
             if method == "target_only":
@@ -141,7 +152,9 @@ class Decoders:
                                               sampling=self.sampling, generator=gen, static=self.static,
                                               on_tokens=on_tokens)
             else:
-                proposer = self.dflash if method == "dflash" else self.lookup
+                proposer = {"dflash": self.dflash, "prompt_lookup": self.lookup}.get(method)
+                if proposer is None:
+                    proposer = self.mtp[int(method.rsplit("_", 1)[1])]
                 out[method] = speculative_generate(self.target, proposer, ids, max_new_tokens=max_new,
                                                    stop_token_ids=self.stops, sampling=self.sampling, generator=gen,
                                                    rollback=self.rollback, static=self.static, on_tokens=on_tokens)
@@ -154,16 +167,18 @@ class Decoders:
 
 def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
                      device: torch.device | str | None) -> Decoders:
-    """Tokenizer (checked against the one training used), stop policy, the decoding settings and the drafter's
-    ``config.json``; the target, drafter, DFlash proposer and static decoding path are loaded by
-    :meth:`Decoders.load` when the first prompt is decoded.
+    """Tokenizer (checked against the one training used), stop policy, the decoding settings, the drafter's
+    ``config.json`` and whether the target's checkpoint carries an MTP head (:func:`~draftsmith.evaluate.mtp
+    .mtp_status`: safetensors headers only; without one the run logs why and has no MTP methods); the target,
+    drafter, MTP head, proposers and static decoding path are loaded by :meth:`Decoders.load` when the first prompt
+    is decoded.
 
     Args:
         device: default: ``cuda`` if available else ``cpu``.
 
     Raises:
-        ValueError: another tokenizer / template than training's, no stop token; when loading: a drafter that
-            does not fit the target.
+        ValueError: another tokenizer / template than training's, no stop token, a malformed ``mtp.*`` set (naming
+            the tensor); when loading: a drafter that does not fit the target.
         FileNotFoundError / ValueError: ``inputs.drafter_dir`` is not an exported DFlash drafter
             (:func:`~draftsmith.evaluate.drafter.drafter_config`).
     """
@@ -173,6 +188,7 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
 
     from draftsmith.chat import load_tokenizer, stop_token_ids, tokenizer_fingerprint
     from draftsmith.drafter_config import draft_value
+    from draftsmith.evaluate.mtp import MTPDrafter, MTPProposer, MTPStatus, load_mtp_head, mtp_status
     from draftsmith.target import default_device, load_target, resolve_dtype, text_config
     from draftsmith.tokenized import read_tokenized_metadata
 
@@ -205,6 +221,17 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
     target_config = text_config(AutoConfig.from_pretrained(target_dir, trust_remote_code=trust))
     max_positions = int(getattr(target_config, "max_position_embeddings", None) or 1 << 30)
     max_prompt_tokens = int(options.max_prompt_tokens or max_positions)
+    mtp_tokens = options.mtp_tokens
+    if mtp_tokens:
+        status = mtp_status(target_dir, trust_remote_code=trust)  # ValueError: a malformed mtp.* set
+    else:
+        status = MTPStatus(False, "evaluate.mtp.num_speculative_tokens is empty")
+    if status.available:
+        log.info("the target's MTP head (%d layer(s), %d mtp.* tensors) decodes every prompt with %s draft(s) a step",
+                 status.num_layers, status.tensors, ", ".join(map(str, mtp_tokens)))
+    else:
+        log.info("no MTP rows: %s", status.reason)
+        mtp_tokens = []
 
     def load_models():
         target = load_target(target_dir, dtype=target_options.dtype, device=device,
@@ -216,8 +243,13 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
             raise RuntimeError(f"{cfg_path}: the loaded drafter has block size {dflash.block_size}, target layer ids "
                                f"{dflash.layer_ids}, mask token {dflash.mask_token_id}; its config.json read "
                                f"{block_size}, {layer_ids}, {mask}")
-        static = static_target(target, options, dflash, lookup, max_prompt_tokens, max_positions, device)
-        return target, dflash, static
+        mtp = {}
+        if mtp_tokens:
+            drafter_mtp = MTPDrafter(load_mtp_head(target_dir, target, status.num_layers), target)
+            mtp = {k: MTPProposer(drafter_mtp, k) for k in mtp_tokens}
+        static = static_target(target, options, dflash, lookup, max_prompt_tokens, max_positions, device,
+                               list(mtp.values()))
+        return target, dflash, static, mtp
 
     sampling = SamplingConfig(float(options.temperature), float(options.top_p), int(options.top_k))
     return Decoders(tokenizer=tokenizer, template_kwargs=template_kwargs, tokenizer_fingerprint=fingerprint,
@@ -225,17 +257,22 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
                     rollback=options.rollback, device=device, dtype=dtype,
                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions, block_size=block_size,
                     layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask),
-                    architecture=drafter_architecture(raw_drafter_cfg), loader=load_models)
+                    architecture=drafter_architecture(raw_drafter_cfg), mtp_tokens=list(mtp_tokens),
+                    mtp_status=status.to_dict(), loader=load_models)
 
 
 def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashProposer, lookup: PromptLookupProposer,
-                  max_prompt_tokens: int, max_positions: int, device: torch.device):
-    """The :class:`~draftsmith.evaluate.static.StaticTarget` all three decoders share, or None (dynamic cache).
+                  max_prompt_tokens: int, max_positions: int, device: torch.device, mtp: list | None = None):
+    """The :class:`~draftsmith.evaluate.static.StaticTarget` every decoder shares, or None (dynamic cache).
 
     ``evaluate.static_cache``: ``auto`` = on CUDA when the target qualifies (:func:`~draftsmith.evaluate.static
     .static_decoding_supported`: attention-only and hybrid Gated DeltaNet targets without sliding windows);
     ``true`` = required; ``false`` = never.
-    Sized for the longest prompt plus the largest ``max_new_tokens`` of the sets plus one verify block.
+    Sized for the longest prompt plus the largest ``max_new_tokens`` of the sets plus one verify block. It taps
+    DFlash's layers and, for the MTP proposers (``mtp``: :class:`~draftsmith.evaluate.mtp.MTPProposer`), the last
+    layer; every proposer's verify forwards are padded to one width (the widest block), so the greedy lossless
+    reference runs the very kernels each one's verification runs. The MTP head then drafts on its fixed K/V
+    buffers with CUDA graphs too.
 
     Raises:
         ValueError: ``static_cache: true`` for a target it cannot serve.
@@ -251,10 +288,12 @@ def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashPro
             raise ValueError(f"evaluate.static_cache: true, but {why}")
         log.info("static cache / CUDA graphs not used: %s", why)
         return None
-    width = max(dflash.max_drafts, lookup.max_drafts) + 1
+    mtp = list(mtp or [])
+    width = max([dflash.max_drafts, lookup.max_drafts] + [p.max_drafts for p in mtp]) + 1
     max_new = max((int(s.get("max_new_tokens", 0)) for s in (options.sets or {}).values()), default=0)
     length = min(max_positions, max_prompt_tokens + max_new + width + 1)
-    static = StaticTarget(target, length, layer_ids=dflash.layer_ids, cuda_graphs=device.type == "cuda",
+    layer_ids = list(dflash.layer_ids) + [i for p in mtp[:1] for i in p.layer_ids if i not in dflash.layer_ids]
+    static = StaticTarget(target, length, layer_ids=layer_ids, cuda_graphs=device.type == "cuda",
                           verify_width=width)
     log.info("target decodes on a static cache of %d positions%s", length,
              " with CUDA graphs" if static.cuda_graphs else "")
@@ -262,6 +301,11 @@ def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashPro
         log.info("the drafter drafts on static K/V buffers%s", " with CUDA graphs" if static.cuda_graphs else "")
     else:
         log.info("the drafter drafts on a dynamic cache (%s)", StaticDrafter.supported(dflash.drafter)[1])
+    if mtp:
+        drafter = mtp[0].drafter
+        drafter.cache.ensure(length + 2 * width)  # sized once: its CUDA graphs keep the buffers' addresses
+        drafter.cuda_graphs = static.cuda_graphs
+        log.info("the MTP head drafts on static K/V buffers%s", " with CUDA graphs" if static.cuda_graphs else "")
     return static
 
 
@@ -428,8 +472,11 @@ def decoding_path(decoders: Decoders) -> dict:
     """How the loaded target decodes: its rollback, the KV cache kind, the lossless reference (report ``run``)."""
     decoders.load()
     static = decoders.static
+    mtp = next(iter(decoders.mtp.values()), None)
     return {
         "rollback": _rollback_text(decoders.target, decoders.rollback),
+        "mtp_decoding": None if mtp is None else (
+            "fixed K/V buffers indexed by position" + (", CUDA graphs" if mtp.drafter.cuda_graphs else "")),
         "decoding": ("static KV cache" + (", CUDA graphs" if static.cuda_graphs else "") if static is not None
                      else "dynamic KV cache"),
         "lossless_reference": (f"greedy target-only decoding with forwards padded to the verify width "

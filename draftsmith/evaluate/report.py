@@ -17,6 +17,11 @@ Definitions (docs/design.md terms):
   the prompts; speedup = tokens/s of the method / tokens/s of target-only decoding of the same prompts
   in the same run (= the wall-clock ratio when both generate the same tokens, as greedy decoding does);
   ``decode_speedup`` uses decode time only (prefill excluded, as the official benchmark's TPOT).
+
+The target's own MTP head (:mod:`draftsmith.evaluate.mtp`), when its checkpoint carries one, decodes every prompt
+once per ``evaluate.mtp.num_speculative_tokens`` entry k (method ``mtp_<k>``): a set's ``mtp`` section holds each k's
+metrics (``by_tokens``), the fastest k in tokens/s, and whether the drafter is faster than that one
+(:func:`mtp_metrics`).
 """
 
 from __future__ import annotations
@@ -37,10 +42,27 @@ if TYPE_CHECKING:
     from draftsmith.evaluate.decoders import Decoders
 
 #: the decoders every prompt is decoded by and the report compares: target-only (the baseline), DFlash and prompt
-#: lookup (the reference drafter)
+#: lookup (the reference drafter); plus the target's MTP head, once per number of drafts (:func:`mtp_method`), when
+#: the target has one
 METHODS = ("target_only", "dflash", "prompt_lookup")
-#: report.json's ``format`` (also part of the key of saved conversations: a new format decodes them again)
-REPORT_FORMAT = "draftsmith.eval/2"
+#: report.json's ``format`` (also part of the key of saved conversations: a new format decodes them again);
+#: 3: the MTP head's methods and the sets' ``mtp`` sections
+REPORT_FORMAT = "draftsmith.eval/3"
+
+
+def mtp_method(k: int) -> str:
+    """The method name of the MTP head drafting ``k`` tokens a step (``mtp_2``): results' and report.json's key."""
+    return f"mtp_{int(k)}"
+
+
+def mtp_methods(names) -> list[tuple[int, str]]:
+    """``[(k, method)]`` of the MTP methods among ``names`` (a results dict or method names), by k."""
+    out = []
+    for name in names:
+        head, _, k = str(name).partition("_")
+        if head == "mtp" and k.isdigit():
+            out.append((int(k), name))
+    return sorted(out)
 
 
 def step_slots(proposed: int, accepted: int, committed: int) -> tuple[int, int]:
@@ -195,36 +217,63 @@ def set_report(bset: BenchmarkSet, done: dict, sampling: SamplingConfig, block_s
         "prompts": len(base),
         "skipped_prompts": dict(skipped),
         **_decoder_metrics(results, labels, sampling, block_size),
-        "per_prompt": [
-            {"prompt": lab, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
-             "target_only_s": b.seconds, "dflash_s": d.seconds, "dflash_tau": d.tau,
-             "prompt_lookup_s": p.seconds, "prompt_lookup_tau": p.tau,
-             # exact sums, so that any subset of prompts (draftsmith.evaluate.compare pairs two reports' prompts)
-             # gives the set's own figures: tau = committed / steps, tokens/s = tokens / seconds
-             **{f"{name}_{field}": value for name, r in (("dflash", d), ("prompt_lookup", p))
-                for field, value in (("tokens", len(r.tokens)), ("committed", sum(r.committed)),
-                                     ("steps", len(r.committed)))}}
-            for lab, key, b, d, p in zip(labels, keys, base, results["dflash"], results["prompt_lookup"])],
+        "per_prompt": [_prompt_row(results, i, lab, key) for i, (lab, key) in enumerate(zip(labels, keys))],
     }
     return out
+
+
+def _prompt_row(results: dict[str, list[GenerationResult]], i: int, label: str, key: str) -> dict:
+    """One prompt's line of a set's ``per_prompt``: its sizes, every method's seconds and τ (``<method>_s``,
+    ``<method>_tau``), and the exact sums any subset of prompts adds up to the set's own figures from
+    (``draftsmith.evaluate.compare`` pairs two reports' prompts): τ = committed / steps, tokens/s = tokens / s."""
+    b = results["target_only"][i]
+    row = {"prompt": label, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
+           "target_only_s": b.seconds}
+    for name in ("dflash", "prompt_lookup", *(m for _, m in mtp_methods(results))):
+        r = results[name][i]
+        row.update({f"{name}_s": r.seconds, f"{name}_tau": r.tau, f"{name}_tokens": len(r.tokens),
+                    f"{name}_committed": sum(r.committed), f"{name}_steps": len(r.committed)})
+    return row
 
 
 def _decoder_metrics(results: dict[str, list[GenerationResult]], labels: list[str], sampling: SamplingConfig,
                      block_size: int) -> dict:
-    """Summaries of target-only, DFlash and prompt-lookup decoding, and (greedy) the lossless checks."""
+    """Summaries of target-only, DFlash, prompt-lookup and MTP decoding (``mtp``: :func:`mtp_metrics`, None without
+    an MTP head), and (greedy) the lossless checks of every speculative method."""
     base = results["target_only"]
     reference = results.get("reference") or base
+    mtp = mtp_methods(results)
     out = {
         "target_only": summarize(base),
         "dflash": summarize(results["dflash"], base, block_size),
         "prompt_lookup": summarize(results["prompt_lookup"], base),
+        "mtp": None,
         "lossless": None if not sampling.greedy else {
-            "dflash": lossless_check(reference, results["dflash"], labels),
-            "prompt_lookup": lossless_check(reference, results["prompt_lookup"], labels)},
+            name: lossless_check(reference, results[name], labels)
+            for name in ("dflash", "prompt_lookup", *(m for _, m in mtp))},
     }
+    if mtp:
+        out["mtp"] = mtp_metrics({k: summarize(results[m], base, k + 1) for k, m in mtp}, out["dflash"])
     if results.get("reference"):  # how often bf16 1-token forwards flip a near-tie against verify-width ones
         out["target_only_vs_reference"] = lossless_check(reference, base, labels)
     return out
+
+
+def mtp_metrics(by_tokens: dict[int, dict], drafter: dict) -> dict:
+    """A set's (or the "all" row's) MTP section from each k's :func:`summarize` and the drafter's.
+
+    Returns:
+        ``{"num_speculative_tokens": [k...], "by_tokens": {"<k>": summary}, "fastest": k with the most tokens/s (None
+        when none was timed), "fastest_tokens_per_s", "drafter_tokens_per_s", "drafter_over_fastest": drafter tokens/s
+        / the fastest MTP's, "drafter_faster": whether the drafter decodes more tokens/s than the fastest MTP}``.
+    """
+    timed = {k: s["tokens_per_s"] for k, s in by_tokens.items() if s.get("tokens_per_s") is not None}
+    fastest = max(timed, key=timed.get) if timed else None
+    best, mine = timed.get(fastest), drafter.get("tokens_per_s")
+    return {"num_speculative_tokens": sorted(by_tokens), "by_tokens": {str(k): by_tokens[k] for k in sorted(by_tokens)},
+            "fastest": fastest, "fastest_tokens_per_s": best, "drafter_tokens_per_s": mine,
+            "drafter_over_fastest": _ratio(mine, best),
+            "drafter_faster": None if best is None or mine is None else mine > best}
 
 
 def overall_report(sets: list[BenchmarkSet], done: dict[str, dict], set_reports: dict[str, dict],
@@ -264,9 +313,11 @@ def overall_report(sets: list[BenchmarkSet], done: dict[str, dict], set_reports:
 def run_metadata(decoders: Decoders, target_dir: str, drafter_dir: str, drafter_sha: str,
                  drafter_implementation: str, decoding_path: dict) -> dict:
     """The report's ``run`` section: what was decoded, how (``decoding_path``:
-    :func:`draftsmith.evaluate.decoders.decoding_path`), with which versions."""
+    :func:`draftsmith.evaluate.decoders.decoding_path`), with which versions; ``mtp``: the target's MTP head
+    (:class:`draftsmith.evaluate.mtp.MTPStatus` and the ``num_speculative_tokens`` decoded, or why none)."""
     sampling = decoders.sampling
     return {
+        "mtp": {**decoders.mtp_status, "num_speculative_tokens": decoders.mtp_tokens},
         "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
         "drafter_implementation": drafter_implementation, "drafter_architecture": decoders.architecture,
         "block_size": decoders.block_size, "target_layer_ids": decoders.layer_ids,
@@ -357,6 +408,7 @@ def render_markdown(report: dict) -> str:
                  + (f"; target forwards: {run['decoding']}" if run.get("decoding") else ""))
     if run.get("lossless_reference"):
         lines.append(f"- lossless reference: {run['lossless_reference']}")
+    lines.append(f"- the target's MTP head: {_mtp_line(run.get('mtp'))}")
     lines.append("")
     lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
                  "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
@@ -381,6 +433,7 @@ def render_markdown(report: dict) -> str:
                          f"{drafter} tok/s", f"{drafter} speedup", "lookup τ", "lookup tok/s", "lookup speedup",
                          "lossless"], rows))
     lines.append("")
+    lines += _mtp_table(report, drafter)
     tr = report.get("training")
     if tr:
         decoded = (report["sets"].get("heldout") or {}).get("dflash", {}).get("tau")
@@ -430,14 +483,69 @@ def render_markdown(report: dict) -> str:
 
 
 def _lossless_text(s: dict) -> str:
+    """``yes`` when every speculative method's greedy output equals the reference, else how many outputs differ and
+    whose."""
     ll = s.get("lossless")
     if ll is None:
         return "n/a (sampling)"
-    both = ll["dflash"]["lossless"] and ll["prompt_lookup"]["lossless"]
-    if both:
+    bad = {name: len(check["mismatches"]) for name, check in ll.items() if not check["lossless"]}
+    if not bad:
         return "yes"
-    bad = len(ll["dflash"]["mismatches"]) + len(ll["prompt_lookup"]["mismatches"])
-    return f"NO ({bad} mismatching outputs)"
+    return f"NO ({sum(bad.values())} mismatching outputs: {', '.join(bad)})"
+
+
+def _mtp_line(mtp: dict | None) -> str:
+    """The report.md line on the target's MTP head: what was decoded, or why there is no MTP column."""
+    if not mtp:
+        return "not recorded"
+    if not mtp.get("available"):
+        return f"none ({mtp.get('reason') or 'not available'}): no MTP rows"
+    ks = ", ".join(str(k) for k in mtp.get("num_speculative_tokens", []))
+    return (f"{mtp.get('num_layers')} layer(s) from the checkpoint's {mtp.get('tensors')} mtp.* tensors, decoded "
+            f"with {ks} draft(s) per step (post-norm target state, recursive drafts, argmax)")
+
+
+def _mtp_table(report: dict, drafter: str) -> list[str]:
+    """report.md's section on the target's MTP head: each k's τ, tokens/s and speedup per set (the fastest k in
+    bold) and whether the drafter decodes more tokens/s than the fastest k. Empty without MTP rows."""
+    sections = [(name, s.get("mtp"), s.get("lossless")) for name, s in report["sets"].items()]
+    o = report.get("overall")
+    if o:
+        sections.append(("**all**", o.get("mtp"), o.get("lossless")))
+    ks = sorted({int(k) for _, m, _ in sections if m for k in m["by_tokens"]})
+    if not ks:
+        return []
+    rows = []
+    for name, m, lossless in sections:
+        if not m:
+            continue
+        row = [name]
+        for k in ks:
+            s = m["by_tokens"].get(str(k))
+            cells = [s["tau"], s["tokens_per_s"], s.get("speedup")] if s else [None] * 3
+            cells = [_fmt(c) for c in cells]
+            if k == m["fastest"]:
+                cells = [f"**{c}**" for c in cells]
+            row += cells
+        faster = m["drafter_faster"]
+        row += [m["fastest"], m["drafter_tokens_per_s"], m["drafter_over_fastest"],
+                "–" if faster is None else ("yes" if faster else "**no**"), _mtp_lossless(lossless, ks)]
+        rows.append(row)
+    header = ["set"] + [f"{h} k={k}" for k in ks for h in ("MTP τ", "MTP tok/s", "MTP speedup")]
+    header += ["fastest k", f"{drafter} tok/s", f"{drafter} / fastest MTP", f"{drafter} faster than MTP",
+               "MTP lossless"]
+    return ["## The target's own MTP head (the number to beat)", "",
+            "Every prompt decoded again with the target's MTP head drafting k tokens a verify step (τ, tokens/s and "
+            "speedup as above; bold: the fastest k in tokens/s).", "", _table(header, rows), ""]
+
+
+def _mtp_lossless(lossless: dict | None, ks: list[int]) -> str:
+    """``yes`` when every k's greedy MTP output equals the reference, else the k that differ; sampling: n/a."""
+    if lossless is None:
+        return "n/a (sampling)"
+    bad = [f"k={k}: NO ({len(lossless[mtp_method(k)]['mismatches'])})" for k in ks
+           if mtp_method(k) in lossless and not lossless[mtp_method(k)]["lossless"]]
+    return ", ".join(bad) or "yes"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,8 +579,8 @@ def sample_label(report: dict, name: str) -> str:
 
 
 def plot_tau(report: dict, path) -> None:
-    """Grouped bars: τ per set, DFlash and the prompt-lookup reference, speedups annotated, each set's prompts
-    under it (:func:`tau_figure`)."""
+    """Grouped bars: τ per set, DFlash, the prompt-lookup reference and (when the target has one) its MTP head at the
+    fastest k, speedups annotated, each set's prompts under it (:func:`tau_figure`)."""
     plt = _pyplot()
     _save_figure(plt, tau_figure(report), path)
 
@@ -483,13 +591,27 @@ def tau_figure(report: dict):
     names = list(report["sets"])
     d = [report["sets"][n]["dflash"]["tau"] or 0.0 for n in names]
     p = [report["sets"][n]["prompt_lookup"]["tau"] or 0.0 for n in names]
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names) + 2), 3.8))
+    mtp = [_fastest_mtp(report["sets"][n]) for n in names]
+    has_mtp = any(m is not None for m in mtp)
+    fig, ax = plt.subplots(figsize=(max(5, (1.8 if has_mtp else 1.3) * len(names) + 2), 3.8))
     xs = range(len(names))
-    bars_d = ax.bar([x - 0.2 for x in xs], d, 0.4, label=f"{drafter_name(report['run'])} drafter")
-    bars_p = ax.bar([x + 0.2 for x in xs], p, 0.4, label="prompt lookup (reference)")
-    for bars, key in ((bars_d, "dflash"), (bars_p, "prompt_lookup")):
-        for bar, n in zip(bars, names):
-            sp = report["sets"][n][key].get("speedup")
+    w = 0.27 if has_mtp else 0.4
+    offsets = (-w, 0.0, w) if has_mtp else (-w / 2, w / 2)
+    bars_d = ax.bar([x + offsets[0] for x in xs], d, w, label=f"{drafter_name(report['run'])} drafter")
+    bars_p = ax.bar([x + offsets[1] for x in xs], p, w, label="prompt lookup (reference)")
+    groups = [(bars_d, [report["sets"][n]["dflash"] for n in names]),
+              (bars_p, [report["sets"][n]["prompt_lookup"] for n in names])]
+    if has_mtp:
+        bars_m = ax.bar([x + offsets[2] for x in xs], [(m or {}).get("tau") or 0.0 for m in mtp], w,
+                        label="the target's MTP head (fastest k)")
+        groups.append((bars_m, [m or {} for m in mtp]))
+        for bar, m in zip(bars_m, mtp):
+            if m is not None:
+                ax.annotate(f"k={m['k']}", (bar.get_x() + bar.get_width() / 2, 0.05), ha="center", va="bottom",
+                            fontsize=7, color="white")
+    for bars, summaries in groups:
+        for bar, summary in zip(bars, summaries):
+            sp = summary.get("speedup")
             if sp is not None:
                 ax.annotate(f"{sp:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)
@@ -499,6 +621,14 @@ def tau_figure(report: dict):
     ax.set_title("τ per benchmark set (labels: wall-clock speedup vs target-only)")
     ax.legend(fontsize=8)
     return fig
+
+
+def _fastest_mtp(section: dict) -> dict | None:
+    """The summary of a set's fastest MTP k (with ``k`` added), or None without MTP rows."""
+    m = section.get("mtp")
+    if not m or m.get("fastest") is None:
+        return None
+    return {**m["by_tokens"][str(m["fastest"])], "k": m["fastest"]}
 
 
 def plot_per_position(report: dict, path) -> None:

@@ -56,8 +56,9 @@ def unsaved(bset: BenchmarkSet, saved: dict[str, dict]) -> list[Conversation]:
 
 def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
     """What every set's saved results depend on, whatever the set: the report format, the drafter weights'
-    sha256 (``"drafter"``), the target's fingerprint, and the tokenizer, template kwargs, sampling and decoding
-    settings of ``decoders`` (:class:`draftsmith.evaluate.decoders.Decoders`)."""
+    sha256 (``"drafter"``), the target's fingerprint (its ``mtp.*`` tensors included), and the tokenizer, template
+    kwargs, sampling and decoding settings of ``decoders`` (:class:`draftsmith.evaluate.decoders.Decoders`; the MTP
+    head's numbers of drafts among them)."""
     return {"format": REPORT_FORMAT, "drafter": sha256_file(Path(drafter_dir) / "model.safetensors"),
             "target": target_fingerprint(target_dir),
             "tokenizer": decoders.tokenizer_fingerprint, "template_kwargs": decoders.template_kwargs,
@@ -65,7 +66,7 @@ def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
             "block_size": decoders.block_size,
             "lookup": [decoders.lookup.max_ngram, decoders.lookup.max_drafts], "stops": decoders.stops,
             "device": decoders.device.type, "dtype": str(decoders.dtype), "rollback": decoders.rollback,
-            "max_prompt_tokens": decoders.max_prompt_tokens}
+            "max_prompt_tokens": decoders.max_prompt_tokens, "mtp": decoders.mtp_tokens}
 
 
 def set_key(base_key: dict, bset: BenchmarkSet) -> str:

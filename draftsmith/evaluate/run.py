@@ -1,8 +1,10 @@
-"""The evaluate stage: decode every benchmark prompt three ways in the same run and write the report.
+"""The evaluate stage: decode every benchmark prompt three ways (or more) in the same run and write the report.
 
 For each prompt of each set: target-only decoding (the baseline and the lossless reference), DFlash
-speculative decoding with the exported drafter, and prompt-lookup speculative decoding (reference
-drafter), in an order rotated from prompt to prompt so that no method is always timed first.
+speculative decoding with the exported drafter, prompt-lookup speculative decoding (reference
+drafter) and, when the target's checkpoint carries an MTP head, speculative decoding with it once per
+``evaluate.mtp.num_speculative_tokens`` entry, in an order rotated from prompt to prompt so that no method is
+always timed first.
 
 Resume: each decoding process saves the conversations it has decoded under ``partial_dir/<set>/`` (atomically, at
 most ``evaluate.checkpoint_interval`` seconds apart and at the end of each set, keyed by a fingerprint of the
@@ -162,7 +164,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     plot_histogram(report, outputs["histogram"])
     shutil.rmtree(partial, ignore_errors=True)
     bad = [n for n, s in set_reports.items() if s["lossless"] is not None
-           and not (s["lossless"]["dflash"]["lossless"] and s["lossless"]["prompt_lookup"]["lossless"])]
+           and not all(check["lossless"] for check in s["lossless"].values())]
     if bad:
         log.warning("!" * 20 + " greedy speculative output differs from target-only output in set(s) %s "
                     "(see report.json lossless.mismatches; bf16 kernels whose results depend on the number of "

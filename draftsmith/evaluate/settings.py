@@ -14,16 +14,19 @@ from typing import Any, ClassVar, Mapping
 
 from draftsmith.config import REMOVED_STOP_TOKENS
 from draftsmith.gpu import GpuOptions
-from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.settings import SectionSettings, StageSettings, freeze
 
 
 @dataclass(frozen=True)
 class EvaluateOptions(SectionSettings):
-    """Config ``evaluate``: sampling, the prompt-lookup reference drafter, the verify width, the benchmark sets
-    (output keys); decoding workers, rollback, static cache, progress and save cadence (runtime keys).
+    """Config ``evaluate``: sampling, the prompt-lookup reference drafter, the verify width, the benchmark sets, the
+    target's MTP head (output keys); decoding workers, rollback, static cache, progress and save cadence (runtime
+    keys). ``mtp`` is normalised to ``{"num_speculative_tokens": [...]}`` (the schema's default when left out).
 
     Raises:
-        ValueError: ``stop_tokens`` set (:data:`draftsmith.config.REMOVED_STOP_TOKENS`: the key is no longer read).
+        ValueError: ``stop_tokens`` set (:data:`draftsmith.config.REMOVED_STOP_TOKENS`: the key is no longer read);
+            an ``evaluate.mtp`` key other than ``num_speculative_tokens``, or a value that is not distinct integers in
+            1..15.
     """
 
     SECTION: ClassVar[str] = "evaluate"
@@ -38,6 +41,7 @@ class EvaluateOptions(SectionSettings):
     stop_tokens: tuple[str, ...]  # removed: must stay empty
     only: tuple[str, ...] | None  # the sets chosen (draftsmith.config.check_config left only these in sets)
     sets: Mapping[str, Mapping[str, Any]]  # name -> {source, max_prompts, max_new_tokens}, in config order
+    mtp: Mapping[str, Any]  # {num_speculative_tokens: [k, ...]}: the target's MTP head, one decoding per k
     gpus: int
     rollback: str
     static_cache: str
@@ -47,6 +51,22 @@ class EvaluateOptions(SectionSettings):
     def __post_init__(self) -> None:
         if self.stop_tokens:
             raise ValueError(REMOVED_STOP_TOKENS)
+        mtp = dict(self.mtp or {})
+        unknown = sorted(set(mtp) - {"num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"evaluate.mtp.{unknown[0]}: no such key (evaluate.mtp has num_speculative_tokens)")
+        tokens = mtp.get("num_speculative_tokens", (1, 2, 3))
+        if (not isinstance(tokens, (list, tuple)) or len(set(tokens)) != len(tokens)
+                or not all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 15 for k in tokens)):
+            shown = list(tokens) if isinstance(tokens, tuple) else tokens
+            raise ValueError(f"evaluate.mtp.num_speculative_tokens: {shown!r} is not a list of distinct integers in "
+                             "1..15")
+        object.__setattr__(self, "mtp", freeze({"num_speculative_tokens": list(tokens)}))
+
+    @property
+    def mtp_tokens(self) -> list[int]:
+        """``evaluate.mtp.num_speculative_tokens``: the MTP head's drafts per step, one decoding per entry."""
+        return list(self.mtp["num_speculative_tokens"])
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ class StaticTarget:
     Args:
         target: Hugging Face causal LM (eval mode) passing :func:`static_decoding_supported`.
         max_length: cache capacity in tokens (longest prompt + new tokens + verify width).
-        layer_ids: tapped target layers whose features forwards return (DFlash); ``[]`` for none.
+        layer_ids: tapped target layers whose features forwards return (DFlash's taps, plus the last layer for an
+            MTP head: each proposer takes its own columns); ``[]`` for none.
         cuda_graphs: capture and replay each forward width as a CUDA graph (CUDA only).
         verify_width: the width every speculative verify forward is padded to (all proposers share it, so their
             forwards run the same kernels; ``forward_block`` with ``width=None``). Hybrid targets: the widest
@@ -111,6 +112,8 @@ class StaticTarget:
         self.max_length = int(max_length)
         self.cache = StaticCache(config=target.config, max_cache_len=self.max_length)
         self.capture = LayerCapture(target, list(layer_ids)) if layer_ids else None
+        #: the tapped layers, in the order of the features' columns
+        self.layer_ids = list(layer_ids or [])
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.verify_width = verify_width
         self._graphs: dict[int, tuple] = {}
