@@ -8,6 +8,12 @@ to be filtered by the writers: one with alternating 0/1 (no two consecutive supe
 raise on it) and one with no supervised token at all.
 
     python bench/peers/tiny_run.py --out /tmp/peers-tiny        # -> /tmp/peers-tiny/{target,results/...}
+    python bench/peers/tiny_run.py --workflow --out /tmp/peers-tiny   # -> target/, chat.jsonl, tiny.yaml
+
+``--workflow`` writes, instead of features, what a whole tiny workflow run needs (bench/peers/run.sh's CPU smoke with
+``PEERS_TINY=1``): the tiny target, ``chat.jsonl`` (synthetic OpenAI-format conversations, ``split: both``) and
+``tiny.yaml``, a config overlay sized for two CPU cores (regeneration off, a 2-layer drafter, block size 4, 60
+steps, a held-out evaluation set of 4 prompts).
 """
 
 from __future__ import annotations
@@ -98,12 +104,51 @@ def build(root: Path, *, rows: list[int] = ROWS, layer_ids: list[int] = LAYER_ID
     return {"root": root, "target": target, "tokenized": tokenized, "index": features / "index.json"}
 
 
+def write_workflow(root: Path, *, conversations: int = 48, seed: int = 0) -> dict:
+    """``root/target`` (:func:`write_target`), ``root/chat.jsonl`` and ``root/tiny.yaml`` (see the module docstring).
+    The conversations repeat a few arithmetic patterns so that a drafter can learn something in 60 CPU steps."""
+    import random
+
+    root = Path(root)
+    target = write_target(root / "target", seed=seed)
+    rng = random.Random(seed)
+    words = ["the quick brown fox", "jumps over the lazy dog", "hello how are you today", "I am fine thank you",
+             "def add(a, b): return a + b", "the answer is 42", "a small drafter proposes tokens",
+             "the target verifies them"]
+    with open(root / "chat.jsonl", "w", encoding="utf-8") as fh:
+        for i in range(conversations):
+            q = f"Question {i}: repeat {rng.choice(words)} please."
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(6, 14)))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                              {"role": "assistant", "content": a}]}) + "\n")
+    overlay = {
+        "target": {"model": str(target), "dtype": "float32"},
+        "gpu": {"cpu_fallback": True},
+        "data": {"eval_fraction": 0.15, "sources": [{"name": "chat", "path": str(root / "chat.jsonl"),
+                                                    "adapter": "openai", "split": "both"}]},
+        "regenerate": {"enabled": False},
+        "tokenize": {"max_length": 160},
+        "drafter": {"num_layers": 2, "num_target_features": 3, "block_size": 4, "mask_token_id": MASK_TOKEN,
+                    "target_layer_ids": LAYER_IDS},
+        "extract": {"shards": 1, "token_budget": 1024, "chunk_tokens": 512},
+        "train": {"epochs": 3, "tokens_per_batch": 512, "num_anchors": 32, "max_anchors_per_row": 64,
+                  "eval_fraction": 0.1, "save_every": 1000, "eval_every": 1000, "log_every": 5, "lr": 3e-3},
+        "evaluate": {"max_prompt_tokens": 120, "only": ["heldout"],
+                     "sets": {"heldout": {"source": "heldout", "max_prompts": 4, "max_new_tokens": 16}}},
+    }
+    import yaml
+
+    (root / "tiny.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return {"root": root, "target": target, "config": root / "tiny.yaml"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--workflow", action="store_true", help="a tiny workflow's inputs instead of features")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    paths = build(args.out)
+    paths = write_workflow(args.out) if args.workflow else build(args.out)
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 
