@@ -107,12 +107,17 @@ def python_cmd(env_name: str) -> list[str]:
 def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path, layer_ids: list[int],
                     block_size: int, mask_token_id: int, architecture: str, train_ratio: float, total_seq_len: int,
                     max_anchors: int, lr: float, epochs: int, max_steps: int, warmup_ratio: float, log_dir: Path,
-                    seed: int = 0, num_workers: int = 4, dflash2: dict | None = None, cpu: bool = False) -> list[str]:
+                    seed: int = 0, num_workers: int | None = None, dflash2: dict | None = None,
+                    cpu: bool = False) -> list[str]:
     """``python -m speculators.train`` (speculators 0.9.0, file backend, no vLLM: ``--on-missing raise``) on the
     writer's folder. Kept from its recipe: Muon (``--optimizer muon``, its default), its loss (CE on the verifier's
     argmax with D-PACE for DFlash; KL + fixed-exp-decay for DFlash2), grad clip 1.0 (hard-coded), bf16 autocast,
     flex attention; matched to draftsmith's run: lr, cosine schedule and warmup ratio, tokens per packed row,
-    anchors per packed row, steps, seed. ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss)."""
+    anchors per packed row, steps, seed. Loader workers: ``num_workers``, else ``$SPECULATORS_WORKERS``, else 8
+    (its default, 12 spawned workers with 4 batches each in flight, holds ~50 GB of pinned host memory at the 27B
+    shape). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers)."""
+    if num_workers is None:
+        num_workers = int(os.environ.get("SPECULATORS_WORKERS", "8"))
     entry = ([str(Path(__file__).resolve().parent / "cpu_shim.py"), "speculators.train"] if cpu
              else ["-m", "speculators.train"])
     cmd = [*python_cmd("SPECULATORS_PYTHON"), *entry,

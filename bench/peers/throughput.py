@@ -162,7 +162,7 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
             architecture="dflash2" if dflash2 else "dflash", train_ratio=wrep["train_data_ratio"],
             total_seq_len=sizes["speculators_total_seq_len"], max_anchors=sizes["speculators_max_anchors"],
             lr=float(train["lr"]), epochs=epochs, max_steps=steps, warmup_ratio=float(train["warmup_ratio"]),
-            log_dir=scratch / "tb", num_workers=4, dflash2=extra, cpu=cpu)
+            log_dir=scratch / "tb", dflash2=extra, cpu=cpu)
         cmd += ["--checkpoint-freq", "1000"]
         work = epoch_work(masks, config, trainer="speculators", capacity=sizes["speculators_total_seq_len"],
                           num_anchors=sizes["speculators_max_anchors"])
