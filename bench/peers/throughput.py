@@ -22,7 +22,8 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
 Matched settings (each trainer's sizes from the config's train section): tokens per optimizer step (draftsmith's
 ``tokens_per_batch``; speculators ``--total-seq-len``; SpecForge ``batch_size`` = tokens_per_batch / mean document
 length), anchors per step (draftsmith ``max_anchors_per_row``; speculators ``--max-anchors``; SpecForge
-``num_anchors`` = max_anchors_per_row / batch_size per sample), lr and schedule.
+``num_anchors`` = max_anchors_per_row / batch_size per sample), lr and schedule. ``PEERS_MATCH=0``: the peers'
+own batch defaults instead (useful FLOPs and tokens/s still compare them).
 
 Writes ``OUT/throughput-<shape>.json`` after every trainer and prints a table.
 
@@ -100,8 +101,15 @@ def tokenized_from_index(index_path: Path, out: Path) -> Path:
 
 
 def matched_sizes(train: dict, mean_doc: float) -> dict:
-    """Each trainer's batch settings for the same tokens and anchors per optimizer step (see the docstring)."""
+    """Each trainer's batch settings for the same tokens and anchors per optimizer step (see the docstring); with
+    ``PEERS_MATCH=0`` in the environment, the peers' own defaults instead (speculators: 8,192 tokens and 512 anchors
+    a packed row; SpecForge: one sample a step, 512 anchors)."""
     T = int(train["tokens_per_batch"])
+    if os.environ.get("PEERS_MATCH", "1") == "0":
+        return {"tokens_per_step": T, "anchors_per_step": train.get("max_anchors_per_row"),
+                "draftsmith_num_anchors": int(train["num_anchors"]), "speculators_total_seq_len": 8192,
+                "speculators_max_anchors": 512, "specforge_batch_size": 1, "specforge_num_anchors": 512,
+                "peers": "their defaults"}
     cap = train.get("max_anchors_per_row") or int(train["num_anchors"]) * max(1, round(T / mean_doc))
     bs = max(1, round(T / mean_doc))
     return {"tokens_per_step": T, "anchors_per_step": int(cap), "draftsmith_num_anchors": int(train["num_anchors"]),
