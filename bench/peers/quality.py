@@ -163,8 +163,8 @@ def train(run: Run, peer: str, out: Path, *, cpu: bool, timeout: float, keep_dat
         wrep = writers.write_specforge(rows, dirs["data"], train_rows, max_length=max_length, heldout_rows=heldout)
         n = wrep["rows_written"]
         batch_size = max(1, round(n * epochs_d / run.steps))
-        per_epoch_steps = math.ceil(n / batch_size)
-        epochs = math.ceil(run.steps / per_epoch_steps)
+        per_epoch_steps = max(1, n // batch_size)  # a last partial batch may be dropped: count whole ones
+        epochs = math.ceil(run.steps / per_epoch_steps)  # SpecForge stops at max_steps exactly
         num_anchors = max(1, math.ceil(int(cap) / batch_size)) if cap else int(run.train["num_anchors"])
         gamma = run.train.get("loss_gamma") or default_loss_gamma(config.block_size)
         cfg = peer_run.specforge_config(
