@@ -4,13 +4,13 @@ paired with draftsmith's report by ``python -m draftsmith.evaluate.compare``. Ru
 draftsmith run (``results/`` there), with the run's config files.
 
     python bench/peers/quality.py train    --peer specforge --config config/gpu-proof.yaml docs/peers/quality.yaml \
-        --out peers/            # write the peer's files, train it (its files deleted after)
-    python bench/peers/quality.py export   --peer specforge --config ... --out peers/   # -> peers/specforge/final
-    python bench/peers/quality.py evaluate --peer specforge --config ... --out peers/   # -> peers/specforge/eval
-    python bench/peers/quality.py compare  --config ... --out peers/    # compare-<peer>.{md,json} + summary.md
+        --out results/peers/            # write the peer's files, train it (its files deleted after)
+    python bench/peers/quality.py export   --peer specforge --config ... --out results/peers/   # -> <peer>/final
+    python bench/peers/quality.py evaluate --peer specforge --config ... --out results/peers/   # -> <peer>/eval
+    python bench/peers/quality.py compare  --config ... --out results/peers/   # compare-<peer>.{md,json}, summary.md
 
 Peers: ``speculators``, ``specforge``, ``speculators-dflash2`` (SpecForge 0.2.0 has no DFlash2). What each is told
-(from draftsmith's run; each setting named in ``peers/<peer>/train.json``):
+(from draftsmith's run; each setting named in ``results/peers/<peer>/train.json``):
 
 * the drafter: ``results/drafter/final/config.json`` (draftsmith's export: layers, block size, taps, mask token,
   layer types; DFlash2 sizes for the DFlash2 peer) through :func:`peer_run.drafter_config`;
@@ -225,7 +225,7 @@ def _target_keys(target: Path) -> dict:
 
 
 def export(run: Run, peer: str, out: Path) -> dict:
-    """The peer's last checkpoint as a z-lab folder ``peers/<peer>/final``, checked the same way for both peers:
+    """The peer's last checkpoint as a z-lab folder ``results/peers/<peer>/final``, checked the same way for both:
     draftsmith's loader and the official ``dflash`` (when importable) load it; its taps, mask token and block size
     are draftsmith's."""
     from convert_speculators import convert, official_check
@@ -270,7 +270,7 @@ def export(run: Run, peer: str, out: Path) -> dict:
 
 def evaluate(run: Run, peer: str, out: Path) -> dict:
     """draftsmith's evaluate (:func:`draftsmith.evaluate.run_evaluate`, the run's evaluate settings and sets) on
-    ``peers/<peer>/final``: ``peers/<peer>/eval/report.{json,md}`` and plots."""
+    ``results/peers/<peer>/final``: ``results/peers/<peer>/eval/report.{json,md}`` and plots."""
     from draftsmith.evaluate import EvaluateSettings, run_evaluate
     from draftsmith.stages import canonical
 
@@ -295,7 +295,7 @@ def evaluate(run: Run, peer: str, out: Path) -> dict:
 
 def compare(run: Run, out: Path) -> str:
     """Each peer's report paired with draftsmith's (``python -m draftsmith.evaluate.compare``) and one summary
-    table (``peers/summary.md``, ``peers/summary.json``)."""
+    table (``results/peers/summary.md``, ``summary.json``)."""
     base = run.results / "eval" / "report.json"
     rows, data = [], {"draftsmith": _row("draftsmith", run, base, None)}
     for peer in PEERS:
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("action", choices=["train", "export", "evaluate", "all", "compare"])
     ap.add_argument("--peer", choices=PEERS)
     ap.add_argument("--config", nargs="*", default=[], help="the draftsmith run's --configfile files")
-    ap.add_argument("--out", type=Path, default=Path("peers"))
+    ap.add_argument("--out", type=Path, default=Path("results/peers"))
     ap.add_argument("--cpu", action="store_true", help="CPU smoke (SDPA, eager loss, the shim)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for a peer's training")
     ap.add_argument("--keep-data", action="store_true", help="keep the peer's files after training")

@@ -105,7 +105,7 @@ done" > "$P/samples.txt" 2>&1 < /dev/null &
   echo "throughput started at $(date): shapes $SHAPES"
   ;;
 quality)
-  rm -rf "$P" results logs benchmarks .snakemake peers && mkdir -p "$P" && date +%s > "$P/start" && echo quality > "$P/mode"
+  rm -rf "$P" results logs benchmarks .snakemake && mkdir -p "$P" && date +%s > "$P/start" && echo quality > "$P/mode"
   if [ "$TINY" = 1 ]; then
     $PY bench/peers/tiny_run.py --workflow --out "$P/tiny" > "$P/tiny.log" 2>&1
     CONFIGS="$P/tiny/tiny.yaml"
@@ -134,19 +134,19 @@ evaluate_draftsmith() { sm > "$P/draftsmith-evaluate.log" 2>&1; echo \$? > "$P/d
 if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_draftsmith & EVAL=\$!; else evaluate_draftsmith; EVAL=; fi
 for peer in ${PEERS_LIST:-specforge speculators}; do
   stamp "\$peer start"
-  $PY bench/peers/quality.py train --peer \$peer --config $CONFIGS --out peers $CPU > "$P/\$peer.log" 2>&1
+  $PY bench/peers/quality.py train --peer \$peer --config $CONFIGS --out results/peers $CPU > "$P/\$peer.log" 2>&1
   rc=\$?; stamp "\$peer trained (\$rc)"
   [ -n "\$EVAL" ] && wait \$EVAL
   if [ \$rc = 0 ]; then
-    $PY bench/peers/quality.py export --peer \$peer --config $CONFIGS --out peers >> "$P/\$peer.log" 2>&1; rc=\$?
+    $PY bench/peers/quality.py export --peer \$peer --config $CONFIGS --out results/peers >> "$P/\$peer.log" 2>&1; rc=\$?
   fi
-  evaluate_peer() { [ \$1 = 0 ] && $PY bench/peers/quality.py evaluate --peer \$2 --config $CONFIGS --out peers \
+  evaluate_peer() { [ \$1 = 0 ] && $PY bench/peers/quality.py evaluate --peer \$2 --config $CONFIGS --out results/peers \
       >> "$P/\$2.log" 2>&1; echo \$? > "$P/\$2.rc"; stamp "\$2 evaluated"; }
   if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_peer \$rc \$peer & EVAL=\$!; else evaluate_peer \$rc \$peer; fi
 done
 [ -n "\$EVAL" ] && wait \$EVAL
 wait
-$PY bench/peers/quality.py compare --config $CONFIGS --out peers > "$P/compare.log" 2>&1
+$PY bench/peers/quality.py compare --config $CONFIGS --out results/peers > "$P/compare.log" 2>&1
 stamp "all done"
 touch "$P/done"
 DRIVER
@@ -173,9 +173,9 @@ wait)
         results/features/index.json results/tokenized/report.json results/curated/report.json; do
       [ -e "$f" ] && files+=("$f")
     done
-    while IFS= read -r f; do files+=("$f"); done < <(find peers -maxdepth 3 \( -name '*.json' -o -name '*.md' \
+    while IFS= read -r f; do files+=("$f"); done < <(find results/peers -maxdepth 3 \( -name '*.json' -o -name '*.md' \
         -o -name '*.log' -o -name '*.yaml' -o -name '*.png' -o -name 'probe.*' \) -not -path '*/data/*' 2>/dev/null)
-    cat peers/summary.md 2>/dev/null || true
+    cat results/peers/summary.md 2>/dev/null || true
   fi
   mkdir -p "$3"
   tar czf "$3/peers-$mode.tgz" --ignore-failed-read "${files[@]}" 2>/dev/null || true
