@@ -106,9 +106,19 @@ def reading(path: str | os.PathLike, expected: str, action: str = "") -> Iterato
                                            "that writes it") from exc
 
 
+#: How libraries word ``ENOSPC`` when they do not raise an ``OSError`` with its errno: the C library's text (pyarrow's
+#: ``OSError``, whose errno is None) and Rust's ``io::Error`` (safetensors' ``SafetensorError: Error while
+#: serializing: I/O error: No space left on device (os error 28)``).
+DISK_FULL_TEXTS = ("No space left on device", f"(os error {errno.ENOSPC})")
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """An ``ENOSPC`` error (pyarrow's I/O errors carry it in their message only)."""
-    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
+    """An ``ENOSPC`` error: an ``OSError`` with that errno, or any error whose message says it
+    (:data:`DISK_FULL_TEXTS`: pyarrow's I/O errors, safetensors' ``SafetensorError``, which is no ``OSError``)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    return any(t in text for t in DISK_FULL_TEXTS)
 
 
 #: What :func:`reading` says a stage's parquet inputs should be.
@@ -117,9 +127,10 @@ TOKENIZED_PARQUET = ("a tokenized parquet written by rule tokenize (columns id, 
                      "num_tokens)")
 
 
-def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
-    """The :class:`DiskFullError` of a write to ``path`` that raised ``exc`` (``ENOSPC``): the file, the free bytes
-    of its file system (``shutil.disk_usage``) and what to do."""
+def disk_full(path: str | os.PathLike, exc: BaseException) -> DiskFullError:
+    """The :class:`DiskFullError` of a write to ``path`` that raised ``exc`` (:func:`is_disk_full`: an ``OSError``,
+    a ``SafetensorError``...): the file, the free bytes of its file system (``shutil.disk_usage``) and what to do.
+    Its ``errno`` is ``ENOSPC`` and its ``filename`` ``path``."""
     folder = Path(path).parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -186,8 +197,11 @@ def save_pretrained_atomic(model: Any, folder: str | os.PathLike, **kwargs: Any)
             os.replace(f, folder / f.name)
         fsync_dir(folder)
     except BaseException as exc:
-        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
-            raise disk_full(folder / "model.safetensors", exc) from exc
+        if is_disk_full(exc):  # named under its final name: the temporary folder is removed below
+            written = Path(exc.filename) if isinstance(exc, DiskFullError) and exc.filename else None
+            name = written.name if written is not None and written.parent == tmp else "model.safetensors"
+            cause = exc.__cause__ if isinstance(exc, DiskFullError) and exc.__cause__ is not None else exc
+            raise disk_full(folder / name, cause) from cause
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -198,3 +198,39 @@ def test_save_pretrained_atomic_writes_the_models_files_or_leaves_the_folder_as_
         io.save_pretrained_atomic(Dies(), folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "trained"]  # no temporary folder left
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def test_a_safetensors_write_on_a_full_disk_is_a_disk_full_error_naming_the_final_file(tmp_path, monkeypatch):
+    """Issue 46 item 2: safetensors reports ENOSPC as ``SafetensorError`` (not an OSError). A trained/ or final/
+    folder (save_pretrained_atomic) and a chunk (atomic_path) written on a full disk raise DiskFullError naming the
+    file under its final name and the free bytes; no temporary file or folder is left."""
+    import torch
+    from safetensors import SafetensorError
+
+    from draftsmith import io, modeling
+    from draftsmith.drafter_config import build_drafter_config
+    from tiny import tiny_config
+
+    def full(*args, **kwargs):
+        raise SafetensorError(SAFETENSORS_FULL)
+
+    assert io.is_disk_full(SafetensorError(SAFETENSORS_FULL)) and not io.is_disk_full(SafetensorError("bad header"))
+    cfg = build_drafter_config(tiny_config("qwen3"), num_layers=1, block_size=4, target_layer_ids=[1],
+                               mask_token_id=3)
+    model = modeling.DFlashDraftModel(cfg)
+    monkeypatch.setattr(modeling, "save_file", full)
+    folder = tmp_path / "drafter" / "final"
+    with pytest.raises(io.DiskFullError) as info:
+        io.save_pretrained_atomic(model, folder, dtype=torch.bfloat16)
+    message = str(info.value)
+    assert f"no space left on device writing {folder / 'model.safetensors'} (" in message
+    assert " bytes free on " in message and info.value.filename == str(folder / "model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == []  # no temporary folder left
+
+    with pytest.raises(io.DiskFullError, match=rf"writing {tmp_path / 'chunk-00000.safetensors'} \(.* bytes free"):
+        with io.atomic_path(tmp_path / "chunk-00000.safetensors") as tmp:
+            full(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]

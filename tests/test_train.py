@@ -447,6 +447,28 @@ def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypat
     assert " bytes free on " in str(info.value)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == before
     assert load_latest_checkpoint(ckpt_dir)[1]["step"] == 1  # the earlier checkpoint is untouched
+    # safetensors reports a full disk as SafetensorError, not OSError (issue 46 item 2): the same DiskFullError
+    from safetensors import SafetensorError
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(checkpoint, "save_file", failing(full))
+    with pytest.raises(DiskFullError) as info:
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert f"writing {ckpt_dir / 'step-00000002' / 'optimizer.safetensors'} (" in str(info.value)
+    assert " bytes free on " in str(info.value) and isinstance(info.value.__cause__, SafetensorError)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
+    # state.json (written through atomic_path, whose error names the temporary folder) is named under its final name
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    from draftsmith import io
+
+    def full_replace(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io.os, "replace", full_replace)
+    with pytest.raises(DiskFullError, match=rf"writing {re.escape(str(ckpt_dir / 'step-00000002' / 'state.json'))} "):
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    monkeypatch.undo()
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
 
 
 def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_run_trains(qwen3_setup, tmp_path,

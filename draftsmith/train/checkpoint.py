@@ -140,8 +140,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
         os.replace(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
-            raise disk_full(final / name if name else final, exc) from exc
+        if is_disk_full(exc):  # named under its final name (state.json's DiskFullError named the temporary one)
+            cause = exc.__cause__ if isinstance(exc, DiskFullError) and exc.__cause__ is not None else exc
+            raise disk_full(final / name if name else final, cause) from cause
         raise
     fsync_dir(ckpt_dir)
     write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
