@@ -18,10 +18,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -143,19 +147,232 @@ def disk_full(path: str | os.PathLike, exc: BaseException) -> DiskFullError:
                          str(path))
 
 
+# -- temporaries: their names, and those of dead writers -----------------------------------------------------
+
+log = logging.getLogger("draftsmith.io")
+
+#: This host's name as temporaries carry it: the short host name, other characters than ``[A-Za-z0-9_-]`` as ``-``.
+HOST = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "host"
+#: The writer mark in a temporary's name: ``.tmp``, ``.tmp-<pid>`` (older checkpoints) or ``.tmp-<pid>@<host>``,
+#: followed by a dot (a kept extension) or the end of the name.
+_TMP_MARK = re.compile(r"\.tmp(?:-(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9_-]+))?)?(?=\.|$)")
+#: Slack (seconds) between a process's start time as /proc gives it (boot time in whole seconds) and a file's mtime.
+_START_SLACK_S = 2.0
+
+
+def writer_mark() -> str:
+    """``tmp-<pid>@<host>``: what every temporary this process writes carries in its name (``.<mark>``), so a later
+    run tells a dead writer's leftovers from a live one's (:func:`remove_dead_temporaries`)."""
+    return f"tmp-{os.getpid()}@{HOST}"
+
+
+def temporary_dir(beside: str | os.PathLike, *, kind: str = "") -> Path:
+    """A new temporary folder beside ``beside`` (in its parent folder), named ``.<name>.[<kind>-]<random>.<mark>``
+    (:func:`writer_mark`); the caller renames it into place or removes it."""
+    beside = Path(beside)
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{beside.name}.{kind + '-' if kind else ''}", suffix=f".{writer_mark()}",
+                                 dir=beside.parent))
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` of this host started (epoch seconds, from /proc, to about a second); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime, in clock ticks since boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+#: When this process started (the run's start for :func:`remove_dead_temporaries`' age rule).
+PROCESS_START = _process_start(os.getpid()) or time.time()
+
+
+def _pid_is_writer(pid: int, mtime: float) -> bool:
+    """Whether a live process ``pid`` of this host may have written a file last modified at ``mtime``: it exists
+    and it did not start after that (a pid reused by a later process is not the writer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    started = _process_start(pid)
+    return started is None or started <= mtime + _START_SLACK_S
+
+
+@dataclass(frozen=True)
+class Temporary:
+    """A temporary file or folder left beside a stage's outputs (:func:`find_temporaries`).
+
+    Attributes:
+        path: the file or folder. bytes: what it holds (a folder: its files).
+        pid, host: its writer as its name says (None when the name does not say).
+        dead: its writer is gone (see :func:`find_temporaries`); a live or unknown writer's temporary is kept.
+        why: the reason, for the log (``"pid 123 is not running on node1"``).
+    """
+
+    path: Path
+    bytes: int
+    pid: int | None
+    host: str | None
+    dead: bool
+    why: str
+
+
+def _size(path: Path) -> int:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        return path.lstat().st_size
+    except OSError:  # removed meanwhile
+        return 0
+
+
+_OWN = "written by this process"
+
+
+def _judge(path: Path, *, started: float, only_writer: bool, by_age: bool) -> Temporary | None:
+    marks = list(_TMP_MARK.finditer(path.name))
+    pid = int(marks[-1]["pid"]) if marks and marks[-1]["pid"] else None
+    host = marks[-1]["host"] if marks else None
+    try:
+        mtime = path.lstat().st_mtime
+    except FileNotFoundError:
+        return None
+    if pid == os.getpid() and host in (None, HOST):
+        dead, why = False, _OWN
+    elif only_writer:
+        dead, why = True, "this process is its folder's only writer"
+    elif pid is not None and host == HOST:
+        alive = _pid_is_writer(pid, mtime)
+        dead, why = not alive, f"pid {pid} {'runs' if alive else 'is not running'} on {HOST}"
+    elif by_age and mtime < started:
+        dead, why = True, f"older than this run's start{f' (writer pid {pid} on {host})' if pid else ''}"
+    else:
+        where = f"pid {pid} on {host or 'an unnamed host'}" if pid is not None else "an unnamed writer"
+        dead, why = False, f"{where}, not known to be gone"
+    return Temporary(path, _size(path), pid, host, dead, why)
+
+
+def find_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] | None = None, *, recursive: bool = False,
+                     only_writer: bool = False, by_age: bool = True, started: float | None = None
+                     ) -> list[Temporary]:
+    """The temporaries in ``folder`` (sorted by path), each judged dead or not.
+
+    A temporary is a name starting with one of ``prefixes`` (e.g. ``".train.parquet."``, ``".step-"``) that holds a
+    writer mark (``.tmp``, ``.tmp-<pid>``, ``.tmp-<pid>@<host>``), or any of the given ``prefixes`` when one ends in
+    ``-`` and the name has no mark (older spool folders); with ``prefixes`` None, any name starting with ``.`` that
+    holds a mark. ``recursive`` looks in subfolders too (not inside temporary folders).
+
+    Its writer is dead when, in this order: never when it is this process; always when ``only_writer`` (no other
+    process writes there: the caller holds the folder's writer lock, :func:`lock_folder`, or is the one job Snakemake
+    runs for that output folder); its name gives a pid of this host
+    that is not running (or runs a process started after the file was last written: a reused pid); with ``by_age``,
+    its name gives no pid of this host (older names, another host) and it was last written before ``started`` (default:
+    this process's start, :data:`PROCESS_START`). Callers pass ``by_age=False`` where other live jobs write beside
+    (a disk check over the whole results folder): only a pid known dead counts there.
+    """
+    folder = Path(folder)
+    started = PROCESS_START if started is None else started
+    wanted = tuple(prefixes) if prefixes is not None else None
+    found: list[Temporary] = []
+
+    def scan(where: Path) -> None:
+        try:
+            entries = list(os.scandir(where))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            name = entry.name
+            if wanted is None:
+                hit = name.startswith(".") and _TMP_MARK.search(name) is not None
+            else:
+                hit = any(name.startswith(p) and (_TMP_MARK.search(name[len(p):]) is not None or p.endswith("-"))
+                          for p in wanted)
+            if hit:
+                judged = _judge(Path(entry.path), started=started, only_writer=only_writer, by_age=by_age)
+                if judged is not None:
+                    found.append(judged)
+            elif recursive and entry.is_dir(follow_symlinks=False):
+                scan(Path(entry.path))
+
+    scan(folder)
+    return sorted(found, key=lambda t: str(t.path))
+
+
+def remove_dead_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] | None = None, *,
+                            recursive: bool = False, only_writer: bool = False, by_age: bool = True,
+                            started: float | None = None, what: str = "") -> tuple[list[Temporary], list[Temporary]]:
+    """Remove the temporaries of dead writers in ``folder`` (:func:`find_temporaries`, same arguments) and log how many,
+    their names and bytes (a warning on the ``draftsmith.io`` logger: the job's log); name the others, which are
+    kept, in the log too. ``what`` names the stage or folder in the messages.
+
+    Returns:
+        ``(removed, kept)``: the temporaries removed and those kept (a live or unknown writer's: a disk check counts
+        their bytes, :func:`temporaries_note`).
+    """
+    removed, kept = [], []
+    for t in find_temporaries(folder, prefixes, recursive=recursive, only_writer=only_writer, by_age=by_age,
+                              started=started):
+        if not t.dead:
+            if t.why != _OWN:
+                kept.append(t)
+            continue
+        try:
+            if t.path.is_dir() and not t.path.is_symlink():
+                shutil.rmtree(t.path)
+            else:
+                t.path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot remove %s (%s)", t.path, exc)
+            kept.append(t)
+            continue
+        removed.append(t)
+    label = f"{what}: " if what else ""
+    if removed:
+        log.warning("%sremoved %d temporary file(s) of dead writers, %.3f GB: %s", label, len(removed),
+                    sum(t.bytes for t in removed) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
+                                                                   for t in removed))
+    if kept:
+        log.warning("%skept %d temporary file(s) of writers that may still run, %.3f GB: %s", label, len(kept),
+                    sum(t.bytes for t in kept) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
+                                                                for t in kept))
+    return removed, kept
+
+
+def temporaries_note(kept: Iterable[Temporary], *, shown: int = 3) -> str:
+    """What a disk check adds to its message about temporaries it could not remove: ``""`` when none, else
+    ``" N temporary file(s) of writers that may still run hold X GB (a, b, ...): delete them if no run writes
+    them."``"""
+    kept = list(kept)
+    if not kept:
+        return ""
+    names = ", ".join(str(t.path) for t in kept[:shown]) + (", ..." if len(kept) > shown else "")
+    return (f" {len(kept)} temporary file(s) of writers that may still run hold {sum(t.bytes for t in kept) / 1e9:.3f}"
+            f" GB ({names}): delete them if no run writes them.")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
 
-    The temporary file is removed when the block raises. ``suffix`` keeps an extension some
-    writers insist on (e.g. ``.parquet``).
+    The temporary file (``.<name>.<random>.tmp-<pid>@<host><suffix>``, :func:`writer_mark`) is removed when the block
+    raises; those an earlier writer of ``path`` left when it was killed are removed first
+    (:func:`remove_dead_temporaries`). ``suffix`` keeps an extension some writers insist on (e.g. ``.parquet``).
 
     Raises:
         DiskFullError: the disk filled up while writing or renaming (``ENOSPC``): the file and the free bytes named.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    remove_dead_temporaries(path.parent, [f".{path.name}."], what=f"writing {path}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{writer_mark()}{suffix}", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     umask = os.umask(0)
@@ -178,14 +395,16 @@ def save_pretrained_atomic(model: Any, folder: str | os.PathLike, **kwargs: Any)
     """``model.save_pretrained(folder, **kwargs)`` (a transformers model: ``config.json``, ``model.safetensors``),
     written into a temporary folder beside ``folder`` and each file renamed into ``folder`` only once all are
     written and synced: a save killed midway leaves ``folder``'s earlier files, never a half-written weight file;
-    the temporary folder is removed whatever happens. Other files in ``folder`` are kept.
+    the temporary folder is removed whatever happens (and those of earlier writers killed meanwhile, first:
+    :func:`remove_dead_temporaries`). Other files in ``folder`` are kept.
 
     Raises:
         DiskFullError: the disk filled up while writing (``ENOSPC``): the folder and the free bytes named.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    remove_dead_temporaries(folder.parent, [f".{folder.name}."], what=f"writing {folder}")
+    tmp = temporary_dir(folder)
     try:
         model.save_pretrained(tmp, **kwargs)
         files = sorted(f for f in tmp.iterdir() if f.is_file())
@@ -296,6 +515,11 @@ def lock_folder(folder: str | os.PathLike, *, name: str = "writer.lock", what: s
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _FOLDER_LOCKS[key] = fd
     return path
+
+
+def holds_lock(folder: str | os.PathLike) -> bool:
+    """Whether this process holds ``folder``'s writer lock (:func:`lock_folder`)."""
+    return str(Path(folder).resolve()) in _FOLDER_LOCKS
 
 
 def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:

@@ -234,3 +234,71 @@ def test_a_safetensors_write_on_a_full_disk_is_a_disk_full_error_naming_the_fina
         with io.atomic_path(tmp_path / "chunk-00000.safetensors") as tmp:
             full(tmp)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+def _killed_writer(code: str) -> int:
+    """Run ``code`` in a Python process that SIGKILLs itself where the code calls ``die()``; returns its pid (dead)."""
+    prelude = "import os, signal\ndef die():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    proc = subprocess.Popen([sys.executable, "-c", prelude + code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    return proc.pid
+
+
+def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_named(tmp_path, caplog):
+    """Issue 46 item 2: a writer killed (SIGKILL) inside atomic_path leaves its temporary file; the next write of the
+    same file removes it and names it in the log, while a live writer's temporary (its pid runs on this host) and one
+    whose writer cannot be told (another host's, newer than this run) are kept and named."""
+    import logging
+    import time
+
+    from draftsmith import io
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    out = tmp_path / "out"
+    pid = _killed_writer(f"from draftsmith.io import atomic_path\n"
+                         f"with atomic_path({str(out / 'train.parquet')!r}, suffix='.parquet') as tmp:\n"
+                         f"    tmp.write_bytes(b'half a parquet')\n"
+                         f"    die()\n")
+    (left,) = out.glob(".train.parquet.*")
+    assert left.name.endswith(f".tmp-{pid}@{io.HOST}.parquet")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        alive = out / f".train.parquet.abcd1234.tmp-{live.pid}@{io.HOST}.parquet"
+        alive.write_bytes(b"being written")
+        other = out / ".train.parquet.efgh5678.tmp-12@elsewhere.parquet"
+        other.write_bytes(b"another host's")
+        old = out / ".train.parquet.ijkl9012.tmp.parquet"  # the name main's atomic_path gave: no writer in it
+        old.write_bytes(b"an older run's")
+        os.utime(old, (io.PROCESS_START - 3600, io.PROCESS_START - 3600))
+        unrelated = out / ".eval.parquet.mnop3456.tmp.parquet"
+        os.link(old, unrelated)
+        io.write_text(out / "train.parquet", "done")
+        assert sorted(p.name for p in out.iterdir()) == sorted([alive.name, other.name, unrelated.name,
+                                                                "train.parquet"])
+        assert "removed 2 temporary file(s) of dead writers, 0.000 GB: " in caplog.text
+        assert f"{left} (14 bytes, pid {pid} is not running on {io.HOST})" in caplog.text
+        assert f"{old} (14 bytes, older than this run's start)" in caplog.text
+        assert "kept 2 temporary file(s) of writers that may still run" in caplog.text
+        assert f"{alive} (13 bytes, pid {live.pid} runs on {io.HOST})" in caplog.text
+        assert f"{other} (14 bytes, pid 12 on elsewhere, not known to be gone)" in caplog.text
+        # a disk check over a whole folder (other jobs write there): only what is known dead goes
+        kept = io.find_temporaries(tmp_path, recursive=True, by_age=False)
+        assert [(t.path, t.dead) for t in kept] == [(unrelated, False), (alive, False), (other, False)]
+        note = io.temporaries_note(kept)
+        assert note.startswith(" 3 temporary file(s) of writers that may still run hold 0.000 GB (")
+        assert str(alive) in note
+        # a running pid that started after the file was last written is a reused pid, not its writer
+        reused = out / f".train.parquet.qrst7890.tmp-{live.pid}@{io.HOST}.parquet"
+        reused.write_bytes(b"x")
+        os.utime(reused, (time.time() - 3600, time.time() - 3600))
+        io.write_text(out / "train.parquet", "done")
+        assert not reused.exists() and alive.exists()
+    finally:
+        live.kill()
+        live.wait()
+    # the pid is gone now: the next writer removes its temporary
+    io.write_text(out / "train.parquet", "again")
+    assert not alive.exists()

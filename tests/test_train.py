@@ -471,6 +471,47 @@ def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypat
     assert sorted(p.name for p in ckpt_dir.iterdir()) == before
 
 
+def test_a_save_killed_midway_leaves_a_temporary_folder_the_next_run_removes(qwen3_setup, tmp_path, caplog):
+    """Issue 46 item 2: kill -9 during a checkpoint save leaves ``.step-N.tmp-<pid>@<host>`` (a checkpoint's size:
+    230 MB on the tiny model, ~10 GB at 27B). The next run of train removes it (its writer's pid is not running),
+    in every run folder, and names it in the log; the checkpoints themselves stay."""
+    from draftsmith.io import HOST
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    cfg = dict(TINY_TRAIN, max_steps=4, save_every=2, tokens_per_batch=64)
+    out = tmp_path / "drafter"
+    assert train(qwen3_setup["index"], qwen3_setup["target_dir"], out, settings(cfg), threads=1,
+                 stop_after_steps=2)["stopped_at"] == 2
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    other = out / "checkpoints" / "run-0123456789ab"  # another configuration's folder
+    code = ("import os, signal, sys, torch\n"
+            "from draftsmith.train import checkpoint\n"
+            "real = checkpoint.save_file\n"
+            "def save(tensors, path, metadata=None):\n"
+            "    real(tensors, path, metadata=metadata)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after the first file\n"
+            "checkpoint.save_file = save\n"
+            "w = torch.nn.Parameter(torch.ones(1000))\n"
+            "opt = torch.optim.AdamW([w])\n"
+            "model = type('M', (), {'trainable_state_dict': lambda self: {'w': w.detach()}})()\n"
+            "checkpoint.save_checkpoint(__import__('pathlib').Path(sys.argv[1]), 3, model, opt, {})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ckpts)], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    left = [ckpts / f".step-00000003.tmp-{proc.pid}@{HOST}", other / f".step-00000001.tmp-{proc.pid}@{HOST}"]
+    assert [p.name for p in ckpts.glob(".step-*")] == [left[0].name] and (left[0] / "model.safetensors").is_file()
+    shutil.copytree(left[0], left[1])
+    caplog.clear()
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], out, settings(cfg), threads=1)
+    assert state["resumed_from_step"] == 2
+    assert not left[0].exists() and not left[1].exists()
+    for folder in left:
+        assert f"{folder} (" in caplog.text
+    assert caplog.text.count(f"pid {proc.pid} is not running on {HOST}") == 2
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000004"]
+
+
 def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_run_trains(qwen3_setup, tmp_path,
                                                                                            caplog):
     """Issue 33 item 6. A finished run whose trained/ is gone (Snakemake removes a rule's outputs before it reruns

@@ -37,7 +37,7 @@ from draftsmith.features import (
     write_chunk,
 )
 from draftsmith.gpu import GpuOptions
-from draftsmith.io import read_json, sha256_file, target_fingerprint, write_json
+from draftsmith.io import read_json, remove_dead_temporaries, sha256_file, target_fingerprint, write_json
 from draftsmith.progress import progress
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import (
@@ -374,9 +374,8 @@ def _resume_chunks(folder: Path, name: str, layout: str, chunks: list[_ChunkWork
         else:
             log.warning("%s: %s was made for another layout (plan, data, target or config "
                         "changed): recomputing every chunk", name, progress_path)
-    for tmp in folder.glob(".chunk-*.tmp*"):
-        log.warning("%s: removing partial file %s left by a killed job", name, tmp.name)
-        tmp.unlink()
+    # partial files of a killed job: the shard's job is its folder's only writer (Snakemake runs one per output)
+    remove_dead_temporaries(folder, [".chunk-"], only_writer=True, what=name)
     wanted = {chunk_name(c.index) for c in chunks}
     for stale in folder.glob("chunk-*.safetensors"):
         if stale.name not in wanted:

@@ -27,7 +27,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.features import index_content_sha256
-from draftsmith.io import DiskFullError, disk_full, fsync_dir, is_disk_full, read_json, sha256_file, write_json
+from draftsmith.io import (
+    DiskFullError,
+    disk_full,
+    fsync_dir,
+    holds_lock,
+    is_disk_full,
+    read_json,
+    remove_dead_temporaries,
+    sha256_file,
+    write_json,
+    writer_mark,
+)
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
 
@@ -112,7 +123,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}"
-    tmp = ckpt_dir / f".step-{step:08d}.tmp-{os.getpid()}"
+    tmp = ckpt_dir / f".step-{step:08d}.{writer_mark()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     name = ""
@@ -152,6 +163,20 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
         if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def remove_dead_saves(checkpoints: Path) -> int:
+    """Remove the temporary folders of checkpoint saves whose writer died (``run-*/.step-N.tmp-<pid>@<host>``,
+    :func:`draftsmith.io.remove_dead_temporaries`) in every run folder under ``checkpoints`` (the folder holding the
+    ``run-*`` folders); the log names each with its bytes. A process that holds ``checkpoints``' writer lock
+    (:func:`draftsmith.io.lock_folder`) is its only writer: every other save's folder is dead. Returns the bytes
+    removed."""
+    only = holds_lock(checkpoints) if checkpoints.is_dir() else False
+    removed = 0
+    for run in sorted(checkpoints.glob("run-*")) if checkpoints.is_dir() else []:
+        gone, _ = remove_dead_temporaries(run, [".step-"], only_writer=only, what=f"checkpoints {run}")
+        removed += sum(t.bytes for t in gone)
+    return removed
 
 
 def verify_checkpoint(path: Path) -> dict | None:

@@ -36,6 +36,7 @@ from draftsmith.train.checkpoint import (
     other_runs,
     read_finished,
     remove_checkpoints,
+    remove_dead_saves,
     resume,
     run_fingerprint,
     save_checkpoint,
@@ -186,11 +187,16 @@ class Trainer:
         self.writer = None
 
     def use_checkpoints(self, fingerprint: str) -> None:
-        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/``. Other runs' folders (other settings or
-        data) are left alone, to resume if the config goes back; a warning names them and the bytes they hold
-        (:func:`~draftsmith.train.checkpoint.other_runs`), which no disk check counts as free."""
+        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/``. Rank 0 first removes the temporary folders
+        of saves killed midway in every run folder (:func:`~draftsmith.train.checkpoint.remove_dead_saves`, named in
+        the log). Other runs' folders (other settings or data) are left alone, to resume if the config goes back; a
+        warning names them and the bytes they hold (:func:`~draftsmith.train.checkpoint.other_runs`), which no disk
+        check counts as free."""
         self.fingerprint = fingerprint
         self.ckpt_dir = self.out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
+        if self.ranks.main:  # saves killed midway leave their temporary folders (a checkpoint's size each)
+            remove_dead_saves(self.ckpt_dir.parent)
+        barrier()
         others = other_runs(self.ckpt_dir)
         if others and self.ranks.main:
             held = sum(others.values())
