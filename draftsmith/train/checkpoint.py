@@ -273,6 +273,56 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the chunk files a run verified
+
+VERIFIED_FORMAT = "draftsmith.verified-chunks/1"
+
+
+def verified_path(ckpt_dir: Path) -> Path:
+    """The record of the chunk files a run verified: ``ckpt_dir/verified-chunks.json``."""
+    return ckpt_dir / "verified-chunks.json"
+
+
+def read_verified(ckpt_dir: Path) -> dict[str, dict]:
+    """The chunk files this run verified (:data:`VERIFIED_FORMAT`): ``{resolved path: {"sha256", "bytes",
+    "mtime_ns"}}`` as they were when hashed; ``{}`` when there is no record or it is unreadable (everything is hashed
+    again)."""
+    path = verified_path(ckpt_dir)
+    if not path.is_file():
+        return {}
+    try:
+        doc = read_json(path)
+    except ValueError:
+        log.warning("%s is unreadable: every chunk file is hashed again", path)
+        return {}
+    chunks = doc.get("chunks") if isinstance(doc, dict) and doc.get("format") == VERIFIED_FORMAT else None
+    return dict(chunks) if isinstance(chunks, dict) else {}
+
+
+def chunks_to_verify(index, record: dict[str, dict], *, full: bool) -> tuple[list[int], dict[str, dict]]:
+    """Which chunk files of ``index`` (a :class:`~draftsmith.features.FeatureIndex`) must be hashed: all with
+    ``full``, else those whose sha256 in the index, size or ``mtime_ns`` differ from ``record``'s entry (a file
+    rewritten, or not yet verified by this run). Returns ``(their chunk numbers, the record entry of every chunk as
+    it is now)``; the entries are taken before hashing, so a file changed while it is hashed differs next time."""
+    todo, entries = [], {}
+    for ci, file in enumerate(index.files):
+        stat = file.stat()
+        entry = {"sha256": index.meta["chunks"][ci]["sha256"], "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        key = str(file.resolve())
+        entries[key] = entry
+        if full or {k: (record.get(key) or {}).get(k) for k in entry} != entry:
+            todo.append(ci)
+    return todo, entries
+
+
+def record_verified(ckpt_dir: Path, record: dict[str, dict], entries: dict[str, dict]) -> None:
+    """Write the record (atomically): ``record`` with ``entries`` (chunks just verified or found unchanged) added;
+    entries of files that no longer exist (a stream-mode slice deleted after its phase) are dropped."""
+    chunks = {k: v for k, v in {**record, **entries}.items() if Path(k).is_file()}
+    write_json(verified_path(ckpt_dir), {"format": VERIFIED_FORMAT, "chunks": dict(sorted(chunks.items()))})
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # finished runs
 
 
