@@ -211,7 +211,9 @@ class Temporary:
     Attributes:
         path: the file or folder. bytes: what it holds (a folder: its files).
         pid, host: its writer as its name says (None when the name does not say).
-        dead: its writer is gone (see :func:`find_temporaries`); a live or unknown writer's temporary is kept.
+        state: ``"dead"`` (its writer is gone: removed), ``"live"`` (its writer runs, or it was written since this
+            process started: being written, left alone) or ``"stale"`` (written before this process started by a
+            writer that cannot be told from here, another host's or a name without a pid: kept and named).
         why: the reason, for the log (``"pid 123 is not running on node1"``).
     """
 
@@ -219,8 +221,12 @@ class Temporary:
     bytes: int
     pid: int | None
     host: str | None
-    dead: bool
+    state: str
     why: str
+
+    @property
+    def dead(self) -> bool:
+        return self.state == "dead"
 
 
 def _size(path: Path) -> int:
@@ -232,9 +238,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-_OWN = "written by this process"
-
-
 def _judge(path: Path, *, started: float, only_writer: bool, by_age: bool) -> Temporary | None:
     marks = list(_TMP_MARK.finditer(path.name))
     pid = int(marks[-1]["pid"]) if marks and marks[-1]["pid"] else None
@@ -243,38 +246,40 @@ def _judge(path: Path, *, started: float, only_writer: bool, by_age: bool) -> Te
         mtime = path.lstat().st_mtime
     except FileNotFoundError:
         return None
+    writer = f"pid {pid} on {host or 'an unnamed host'}" if pid is not None else "an unnamed writer"
     if pid == os.getpid() and host in (None, HOST):
-        dead, why = False, _OWN
+        state, why = "live", "written by this process"
     elif only_writer:
-        dead, why = True, "this process is its folder's only writer"
+        state, why = "dead", "this process is its folder's only writer"
     elif pid is not None and host == HOST:
         alive = _pid_is_writer(pid, mtime)
-        dead, why = not alive, f"pid {pid} {'runs' if alive else 'is not running'} on {HOST}"
-    elif by_age and mtime < started:
-        dead, why = True, f"older than this run's start{f' (writer pid {pid} on {host})' if pid else ''}"
+        state, why = ("live", f"pid {pid} runs on {HOST}") if alive else ("dead", f"pid {pid} is not running on {HOST}")
+    elif mtime >= started:
+        state, why = "live", f"{writer}, written since this run started"
+    elif by_age:
+        state, why = "dead", f"older than this run's start{f' (writer pid {pid} on {host})' if pid else ''}"
     else:
-        where = f"pid {pid} on {host or 'an unnamed host'}" if pid is not None else "an unnamed writer"
-        dead, why = False, f"{where}, not known to be gone"
-    return Temporary(path, _size(path), pid, host, dead, why)
+        state, why = "stale", f"{writer}, not known to be gone, last written before this run started"
+    return Temporary(path, _size(path), pid, host, state, why)
 
 
 def find_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] | None = None, *, recursive: bool = False,
                      only_writer: bool = False, by_age: bool = True, started: float | None = None
                      ) -> list[Temporary]:
-    """The temporaries in ``folder`` (sorted by path), each judged dead or not.
+    """The temporaries in ``folder`` (sorted by path), each judged dead, live or stale (:class:`Temporary`).
 
     A temporary is a name starting with one of ``prefixes`` (e.g. ``".train.parquet."``, ``".step-"``) that holds a
     writer mark (``.tmp``, ``.tmp-<pid>``, ``.tmp-<pid>@<host>``), or any of the given ``prefixes`` when one ends in
     ``-`` and the name has no mark (older spool folders); with ``prefixes`` None, any name starting with ``.`` that
     holds a mark. ``recursive`` looks in subfolders too (not inside temporary folders).
 
-    Its writer is dead when, in this order: never when it is this process; always when ``only_writer`` (no other
-    process writes there: the caller holds the folder's writer lock, :func:`lock_folder`, or is the one job Snakemake
-    runs for that output folder); its name gives a pid of this host
-    that is not running (or runs a process started after the file was last written: a reused pid); with ``by_age``,
-    its name gives no pid of this host (older names, another host) and it was last written before ``started`` (default:
-    this process's start, :data:`PROCESS_START`). Callers pass ``by_age=False`` where other live jobs write beside
-    (a disk check over the whole results folder): only a pid known dead counts there.
+    In this order: this process's own is live; with ``only_writer`` every other one is dead (no other process writes
+    there: the caller holds the folder's writer lock, :func:`lock_folder`, or is the one job Snakemake runs for that
+    output folder); one whose name gives a pid of this host is dead when that pid is not running, or runs a process
+    started after the file was last written (a reused pid), else live; one whose writer cannot be told (another
+    host's, or a name without a pid) is live when written since ``started`` (default: this process's start,
+    :data:`PROCESS_START`), else dead with ``by_age`` and stale without. Callers pass ``by_age=False`` where other
+    jobs may write beside (a disk check over the whole results folder): only a pid known dead counts there.
     """
     folder = Path(folder)
     started = PROCESS_START if started is None else started
@@ -308,19 +313,20 @@ def remove_dead_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] |
                             recursive: bool = False, only_writer: bool = False, by_age: bool = True,
                             started: float | None = None, what: str = "") -> tuple[list[Temporary], list[Temporary]]:
     """Remove the temporaries of dead writers in ``folder`` (:func:`find_temporaries`, same arguments) and log how many,
-    their names and bytes (a warning on the ``draftsmith.io`` logger: the job's log); name the others, which are
-    kept, in the log too. ``what`` names the stage or folder in the messages.
+    their names and bytes (a warning on the ``draftsmith.io`` logger: the job's log); name the stale ones, which are
+    kept, in the log too (live ones are being written: left alone). ``what`` names the stage or folder in the
+    messages.
 
     Returns:
-        ``(removed, kept)``: the temporaries removed and those kept (a live or unknown writer's: a disk check counts
-        their bytes, :func:`temporaries_note`).
+        ``(removed, stale)``: the temporaries removed, and those kept that may be a dead writer's (a disk check
+        counts their bytes, :func:`temporaries_note`).
     """
-    removed, kept = [], []
+    removed, stale = [], []
     for t in find_temporaries(folder, prefixes, recursive=recursive, only_writer=only_writer, by_age=by_age,
                               started=started):
+        if t.state == "stale":
+            stale.append(t)
         if not t.dead:
-            if t.why != _OWN:
-                kept.append(t)
             continue
         try:
             if t.path.is_dir() and not t.path.is_symlink():
@@ -331,7 +337,7 @@ def remove_dead_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] |
             continue
         except OSError as exc:
             log.warning("cannot remove %s (%s)", t.path, exc)
-            kept.append(t)
+            stale.append(t)
             continue
         removed.append(t)
     label = f"{what}: " if what else ""
@@ -339,22 +345,22 @@ def remove_dead_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] |
         log.warning("%sremoved %d temporary file(s) of dead writers, %.3f GB: %s", label, len(removed),
                     sum(t.bytes for t in removed) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
                                                                    for t in removed))
-    if kept:
-        log.warning("%skept %d temporary file(s) of writers that may still run, %.3f GB: %s", label, len(kept),
-                    sum(t.bytes for t in kept) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
-                                                                for t in kept))
-    return removed, kept
+    if stale:
+        log.warning("%skept %d temporary file(s) whose writer may still run, %.3f GB: %s", label, len(stale),
+                    sum(t.bytes for t in stale) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
+                                                                 for t in stale))
+    return removed, stale
 
 
 def temporaries_note(kept: Iterable[Temporary], *, shown: int = 3) -> str:
     """What a disk check adds to its message about temporaries it could not remove: ``""`` when none, else
-    ``" N temporary file(s) of writers that may still run hold X GB (a, b, ...): delete them if no run writes
+    ``" N temporary file(s) whose writer may still run hold X GB (a, b, ...): delete them if no run writes
     them."``"""
     kept = list(kept)
     if not kept:
         return ""
     names = ", ".join(str(t.path) for t in kept[:shown]) + (", ..." if len(kept) > shown else "")
-    return (f" {len(kept)} temporary file(s) of writers that may still run hold {sum(t.bytes for t in kept) / 1e9:.3f}"
+    return (f" {len(kept)} temporary file(s) whose writer may still run hold {sum(t.bytes for t in kept) / 1e9:.3f}"
             f" GB ({names}): delete them if no run writes them.")
 
 

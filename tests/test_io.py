@@ -246,10 +246,12 @@ def _killed_writer(code: str) -> int:
     return proc.pid
 
 
-def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_named(tmp_path, caplog):
+def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_kept(tmp_path, caplog):
     """Issue 46 item 2: a writer killed (SIGKILL) inside atomic_path leaves its temporary file; the next write of the
-    same file removes it and names it in the log, while a live writer's temporary (its pid runs on this host) and one
-    whose writer cannot be told (another host's, newer than this run) are kept and named."""
+    same file removes it and names it in the log. A live writer's temporary (its pid runs on this host) and one
+    whose writer cannot be told (another host's) but written since this run started are left alone; one of an unknown
+    writer older than the run is removed by the next writer of that file, and kept but named and counted by a check
+    over a whole folder (where other jobs write)."""
     import logging
     import time
 
@@ -263,6 +265,7 @@ def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_named(tm
                          f"    die()\n")
     (left,) = out.glob(".train.parquet.*")
     assert left.name.endswith(f".tmp-{pid}@{io.HOST}.parquet")
+    hour_ago = io.PROCESS_START - 3600
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.2)
@@ -272,7 +275,7 @@ def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_named(tm
         other.write_bytes(b"another host's")
         old = out / ".train.parquet.ijkl9012.tmp.parquet"  # the name main's atomic_path gave: no writer in it
         old.write_bytes(b"an older run's")
-        os.utime(old, (io.PROCESS_START - 3600, io.PROCESS_START - 3600))
+        os.utime(old, (hour_ago, hour_ago))
         unrelated = out / ".eval.parquet.mnop3456.tmp.parquet"
         os.link(old, unrelated)
         io.write_text(out / "train.parquet", "done")
@@ -281,21 +284,26 @@ def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_named(tm
         assert "removed 2 temporary file(s) of dead writers, 0.000 GB: " in caplog.text
         assert f"{left} (14 bytes, pid {pid} is not running on {io.HOST})" in caplog.text
         assert f"{old} (14 bytes, older than this run's start)" in caplog.text
-        assert "kept 2 temporary file(s) of writers that may still run" in caplog.text
-        assert f"{alive} (13 bytes, pid {live.pid} runs on {io.HOST})" in caplog.text
-        assert f"{other} (14 bytes, pid 12 on elsewhere, not known to be gone)" in caplog.text
-        # a disk check over a whole folder (other jobs write there): only what is known dead goes
-        kept = io.find_temporaries(tmp_path, recursive=True, by_age=False)
-        assert [(t.path, t.dead) for t in kept] == [(unrelated, False), (alive, False), (other, False)]
-        note = io.temporaries_note(kept)
-        assert note.startswith(" 3 temporary file(s) of writers that may still run hold 0.000 GB (")
-        assert str(alive) in note
+        assert str(alive) not in caplog.text and str(other) not in caplog.text  # being written: left alone
+
+        # a check over a whole folder (other jobs write there): only what is known dead goes; an unknown writer's
+        # temporary older than this run is kept, named and counted
+        found = {t.path: t.state for t in io.find_temporaries(tmp_path, recursive=True, by_age=False)}
+        assert found == {unrelated: "stale", alive: "live", other: "live"}
+        os.utime(other, (hour_ago, hour_ago))
+        caplog.clear()
+        removed, stale = io.remove_dead_temporaries(tmp_path, recursive=True, by_age=False, what="disk check")
+        assert removed == [] and [t.path for t in stale] == [unrelated, other]
+        assert f"disk check: kept 2 temporary file(s) whose writer may still run, 0.000 GB: {unrelated}" in caplog.text
+        assert "pid 12 on elsewhere, not known to be gone, last written before this run started" in caplog.text
+        note = io.temporaries_note(stale)
+        assert note.startswith(" 2 temporary file(s) whose writer may still run hold 0.000 GB (") and str(other) in note
         # a running pid that started after the file was last written is a reused pid, not its writer
         reused = out / f".train.parquet.qrst7890.tmp-{live.pid}@{io.HOST}.parquet"
         reused.write_bytes(b"x")
         os.utime(reused, (time.time() - 3600, time.time() - 3600))
-        io.write_text(out / "train.parquet", "done")
-        assert not reused.exists() and alive.exists()
+        io.write_text(out / "train.parquet", "done")  # the next writer of train.parquet: another host's old one goes
+        assert not reused.exists() and not other.exists() and alive.exists()
     finally:
         live.kill()
         live.wait()
