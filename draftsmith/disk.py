@@ -5,9 +5,12 @@
 * :func:`drafter_parameters`, :func:`reserve_bytes`: the disk a run writes besides the features (training
   checkpoints, ``trained/``, ``final/``), from the target's config and the drafter keys (:class:`DrafterSize`);
 * :func:`disk_fit` (:class:`DiskFit`): whether the features (whole, or cut into ``stream.slices``) plus that reserve
-  fit the free disk, the smallest ``stream.slices`` that does, and what float8 storage would change; its message
-  is the refusal of extract_plan, stream_plan and disk_plan;
-* :func:`free_disk_bytes`, :class:`DiskSpaceError`.
+  fit the free disk, the smallest ``stream.slices`` that does (within those ``train.max_steps`` gives every phase a
+  step), and what float8 storage would change; its message is the refusal of extract_plan, stream_plan, disk_plan
+  and the extraction shards;
+* :func:`measure_room` (:class:`Room`): the free disk where the bytes go, the features' file system and, when it is
+  another, the drafter's (the reserve), after removing dead writers' temporaries;
+* :func:`free_disk_bytes`, :func:`same_file_system`, :class:`DiskSpaceError`.
 
 Sizes are bytes; messages print GB = 1e9 bytes. Importing this module imports neither torch nor transformers
 (:func:`drafter_parameters` imports transformers when it reads a target's config).
@@ -401,8 +404,9 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
     about equal); it fits when ``ceil(slice x min(slices_on_disk, slices) x headroom) + reserve + kept <= free``.
     ``slices`` above ``num_samples`` are never proposed.
 
-    Used by extract_plan (``slices`` 1: the offline features), stream_plan (the configured slicing) and disk_plan
-    (an upper bound of the tokens before regeneration): ``disk_fit(...).check()`` refuses with :meth:`DiskFit.message`.
+    Used by extract_plan (``slices`` 1: the offline features), stream_plan (the configured slicing), disk_plan (the
+    expected and the upper size before regeneration) and the extraction shards' refusals:
+    ``disk_fit(...).check()`` refuses with :meth:`DiskFit.message`.
 
     Args:
         num_tokens, num_samples: one pass over the training data (held-out samples kept apart: ``kept_bytes``).

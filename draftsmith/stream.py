@@ -6,12 +6,14 @@ Two rules (docs/stream.md):
   (:class:`draftsmith.batch_plan.StreamPlan`) into phases, writes one extraction plan per phase's slice and one for
   the held-out samples (the extraction plan format, ``subset`` set), and ``results/stream/plan.json`` with every
   phase's steps and the disk budget. It fails when a slice does not fit the disk.
-* ``disk_plan`` (before regeneration): :func:`check_disk_before_regeneration` projects an upper bound of the features
-  from the curated conversations (their prompt tokens plus the answer budget of every regenerated turn) and refuses
-  a run that neither the offline mode nor the configured slicing can hold.
+* ``disk_plan`` (before regeneration): :func:`check_disk_before_regeneration` projects the features from the curated
+  conversations (their prompt tokens plus each regenerated answer as long as the curated one: the expected size; at
+  the full answer budget: an upper bound) and refuses a run whose expected size the configured mode cannot hold;
+  when only the upper bound exceeds the disk it warns (the exact checks after tokenize decide).
 
-Both name the smallest ``stream.slices`` that fits and what fp8 storage would change
-(:func:`draftsmith.disk.fits_message`).
+Both measure the disk where the bytes go (:func:`draftsmith.disk.measure_room`) and name the smallest
+``stream.slices`` that fits, within those ``train.max_steps`` leaves an optimizer step to every phase
+(:func:`draftsmith.batch_plan.max_stream_slices`), and what fp8 storage would change (:class:`draftsmith.disk.DiskFit`).
 """
 
 from __future__ import annotations
