@@ -119,7 +119,7 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
     # chunk of its slice, a resumed one those changed since this run verified them, and the held-out features once
     rerun = run.rerun_of_finished(f"phase-{phase}")
     if rerun:
-        run.verify_features(index, full=True)
+        run.verify_features(index, full=True, rerun=True)
     run.restart_finished(f"phase-{phase}", steps=range(current.first_step + 1, current.end_step + 1))
     start_step, start_sha, resumed = resume_phase(run, data.plan, current, prev, previous, content)
     if start_step < current.end_step:

@@ -121,7 +121,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # the rerun with the finished run's checkpoints in place
     rerun = run.rerun_of_finished("run")
     if rerun:
-        run.verify_features(data.index, full=True)
+        run.verify_features(data.index, full=True, rerun=True)
     finished = run.restart_finished("run")
     start_step, run.history, resumed = resume(run.ckpt_dir, run.fingerprint, run.model, run.optimizer, device,
                                               run.total_steps)
@@ -238,7 +238,8 @@ class Trainer:
         record, in_place = read_finished(self.ckpt_dir, name)
         return record is not None and not in_place
 
-    def verify_features(self, index: FeatureIndex, *, full: bool, resuming: int | None = None) -> None:
+    def verify_features(self, index: FeatureIndex, *, full: bool, resuming: int | None = None,
+                        rerun: bool = False) -> None:
         """Before training on ``index``: its chunk files against the sha256 the index records, this rank's share on
         torch's CPU threads (:func:`~draftsmith.features.verify_chunk_sha256`), before anything of a finished run is
         removed.
@@ -250,7 +251,8 @@ class Trainer:
 
         Raises:
             ValueError: a chunk whose sha256 is not the index's (the index, the chunk, its file and both digests
-                named); ``resuming`` (the step resumed from) adds that the run's checkpoints are kept and what to do.
+                named); ``resuming`` (the step resumed from) or ``rerun`` (a finished run rerun) add that the run's
+                checkpoints are kept and what to do.
         """
         t0 = time.time()
         record = read_verified(self.ckpt_dir)  # kept for the other indexes' chunks (a slice, the held-out features)
@@ -259,11 +261,13 @@ class Trainer:
             nbytes = verify_chunk_sha256(index, threads=torch.get_num_threads(),
                                          share=(self.ranks.rank, self.ranks.world), chunks=todo)
         except ValueError as exc:
-            if resuming is None:
+            if resuming is None and not rerun:
                 raise
-            raise ValueError(f"{exc}; resuming run {self.ckpt_dir} from step {resuming}: its checkpoints are kept. "
-                             "Put the chunk file back as merge indexed it and rerun, or rerun extract and merge "
-                             "(features of other content train a new run)") from None
+            doing = f"resuming run {self.ckpt_dir} from step {resuming}" if resuming is not None else \
+                f"rerunning the finished run {self.ckpt_dir}"
+            raise ValueError(f"{exc}; {doing}: its checkpoints are kept. Put the chunk file back as merge indexed it "
+                             "and rerun, or rerun extract and merge (features of other content train a new run)"
+                             ) from None
         barrier()
         seconds = time.time() - t0
         if self.ranks.main:
