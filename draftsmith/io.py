@@ -18,10 +18,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -106,9 +110,19 @@ def reading(path: str | os.PathLike, expected: str, action: str = "") -> Iterato
                                            "that writes it") from exc
 
 
+#: How libraries word ``ENOSPC`` when they do not raise an ``OSError`` with its errno: the C library's text (pyarrow's
+#: ``OSError``, whose errno is None) and Rust's ``io::Error`` (safetensors' ``SafetensorError: Error while
+#: serializing: I/O error: No space left on device (os error 28)``).
+DISK_FULL_TEXTS = ("No space left on device", f"(os error {errno.ENOSPC})")
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """An ``ENOSPC`` error (pyarrow's I/O errors carry it in their message only)."""
-    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
+    """An ``ENOSPC`` error: an ``OSError`` with that errno, or any error whose message says it
+    (:data:`DISK_FULL_TEXTS`: pyarrow's I/O errors, safetensors' ``SafetensorError``, which is no ``OSError``)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    return any(t in text for t in DISK_FULL_TEXTS)
 
 
 #: What :func:`reading` says a stage's parquet inputs should be.
@@ -117,9 +131,10 @@ TOKENIZED_PARQUET = ("a tokenized parquet written by rule tokenize (columns id, 
                      "num_tokens)")
 
 
-def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
-    """The :class:`DiskFullError` of a write to ``path`` that raised ``exc`` (``ENOSPC``): the file, the free bytes
-    of its file system (``shutil.disk_usage``) and what to do."""
+def disk_full(path: str | os.PathLike, exc: BaseException) -> DiskFullError:
+    """The :class:`DiskFullError` of a write to ``path`` that raised ``exc`` (:func:`is_disk_full`: an ``OSError``,
+    a ``SafetensorError``...): the file, the free bytes of its file system (``shutil.disk_usage``) and what to do.
+    Its ``errno`` is ``ENOSPC`` and its ``filename`` ``path``."""
     folder = Path(path).parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -132,19 +147,238 @@ def disk_full(path: str | os.PathLike, exc: OSError) -> DiskFullError:
                          str(path))
 
 
+# -- temporaries: their names, and those of dead writers -----------------------------------------------------
+
+log = logging.getLogger("draftsmith.io")
+
+#: This host's name as temporaries carry it: the short host name, other characters than ``[A-Za-z0-9_-]`` as ``-``.
+HOST = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]) or "host"
+#: The writer mark in a temporary's name: ``.tmp``, ``.tmp-<pid>`` (older checkpoints) or ``.tmp-<pid>@<host>``,
+#: followed by a dot (a kept extension) or the end of the name.
+_TMP_MARK = re.compile(r"\.tmp(?:-(?P<pid>\d+)(?:@(?P<host>[A-Za-z0-9_-]+))?)?(?=\.|$)")
+#: Slack (seconds) between a process's start time as /proc gives it (boot time in whole seconds) and a file's mtime.
+_START_SLACK_S = 2.0
+
+
+def writer_mark() -> str:
+    """``tmp-<pid>@<host>``: what every temporary this process writes carries in its name (``.<mark>``), so a later
+    run tells a dead writer's leftovers from a live one's (:func:`remove_dead_temporaries`)."""
+    return f"tmp-{os.getpid()}@{HOST}"
+
+
+def temporary_dir(beside: str | os.PathLike, *, kind: str = "") -> Path:
+    """A new temporary folder beside ``beside`` (in its parent folder), named ``.<name>.[<kind>-]<random>.<mark>``
+    (:func:`writer_mark`); the caller renames it into place or removes it."""
+    beside = Path(beside)
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{beside.name}.{kind + '-' if kind else ''}", suffix=f".{writer_mark()}",
+                                 dir=beside.parent))
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` of this host started (epoch seconds, from /proc, to about a second); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime, in clock ticks since boot
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+#: When this process started (the run's start for :func:`remove_dead_temporaries`' age rule).
+PROCESS_START = _process_start(os.getpid()) or time.time()
+
+
+def _pid_is_writer(pid: int, mtime: float) -> bool:
+    """Whether a live process ``pid`` of this host may have written a file last modified at ``mtime``: it exists
+    and it did not start after that (a pid reused by a later process is not the writer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    started = _process_start(pid)
+    return started is None or started <= mtime + _START_SLACK_S
+
+
+@dataclass(frozen=True)
+class Temporary:
+    """A temporary file or folder left beside a stage's outputs (:func:`find_temporaries`).
+
+    Attributes:
+        path: the file or folder. bytes: what it holds (a folder: its files).
+        pid, host: its writer as its name says (None when the name does not say).
+        state: ``"dead"`` (its writer is gone: removed), ``"live"`` (its writer runs, or it was written since this
+            process started: being written, left alone) or ``"stale"`` (written before this process started by a
+            writer that cannot be told from here, another host's or a name without a pid: kept and named).
+        why: the reason, for the log (``"pid 123 is not running on node1"``).
+    """
+
+    path: Path
+    bytes: int
+    pid: int | None
+    host: str | None
+    state: str
+    why: str
+
+    @property
+    def dead(self) -> bool:
+        return self.state == "dead"
+
+
+def _size(path: Path) -> int:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        return path.lstat().st_size
+    except OSError:  # removed meanwhile
+        return 0
+
+
+def _judge(path: Path, *, started: float, only_writer: bool, by_age: bool) -> Temporary | None:
+    marks = list(_TMP_MARK.finditer(path.name))
+    pid = int(marks[-1]["pid"]) if marks and marks[-1]["pid"] else None
+    host = marks[-1]["host"] if marks else None
+    try:
+        mtime = path.lstat().st_mtime
+    except FileNotFoundError:
+        return None
+    writer = f"pid {pid} on {host or 'an unnamed host'}" if pid is not None else "an unnamed writer"
+    if pid == os.getpid() and host in (None, HOST):
+        state, why = "live", "written by this process"
+    elif only_writer:
+        state, why = "dead", "this process is its folder's only writer"
+    elif pid is not None and host == HOST:
+        alive = _pid_is_writer(pid, mtime)
+        state, why = ("live", f"pid {pid} runs on {HOST}") if alive else ("dead", f"pid {pid} is not running on {HOST}")
+    elif mtime >= started:
+        state, why = "live", f"{writer}, written since this run started"
+    elif by_age:
+        state, why = "dead", f"older than this run's start{f' (writer pid {pid} on {host})' if pid else ''}"
+    else:
+        state, why = "stale", f"{writer}, not known to be gone, last written before this run started"
+    return Temporary(path, _size(path), pid, host, state, why)
+
+
+def find_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] | None = None, *, recursive: bool = False,
+                     only_writer: bool = False, by_age: bool = True, started: float | None = None
+                     ) -> list[Temporary]:
+    """The temporaries in ``folder`` (sorted by path), each judged dead, live or stale (:class:`Temporary`).
+
+    A temporary is a name starting with one of ``prefixes`` (e.g. ``".train.parquet."``, ``".step-"``) that holds a
+    writer mark (``.tmp``, ``.tmp-<pid>``, ``.tmp-<pid>@<host>``), or any of the given ``prefixes`` when one ends in
+    ``-`` and the name has no mark (older spool folders); with ``prefixes`` None, any name starting with ``.`` that
+    holds a mark. ``recursive`` looks in subfolders too (not inside temporary folders).
+
+    In this order: this process's own is live; with ``only_writer`` every other one is dead (no other process writes
+    there: the caller holds the folder's writer lock, :func:`lock_folder`, or is the one job Snakemake runs for that
+    output folder); one whose name gives a pid of this host is dead when that pid is not running, or runs a process
+    started after the file was last written (a reused pid), else live; one whose writer cannot be told (another
+    host's, or a name without a pid) is live when written since ``started`` (default: this process's start,
+    :data:`PROCESS_START`), else dead with ``by_age`` and stale without. Callers pass ``by_age=False`` where other
+    jobs may write beside (a disk check over the whole results folder): only a pid known dead counts there.
+    """
+    folder = Path(folder)
+    started = PROCESS_START if started is None else started
+    wanted = tuple(prefixes) if prefixes is not None else None
+    found: list[Temporary] = []
+
+    def scan(where: Path) -> None:
+        try:
+            entries = list(os.scandir(where))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            name = entry.name
+            if wanted is None:
+                hit = name.startswith(".") and _TMP_MARK.search(name) is not None
+            else:
+                hit = any(name.startswith(p) and (_TMP_MARK.search(name[len(p):]) is not None or p.endswith("-"))
+                          for p in wanted)
+            if hit:
+                judged = _judge(Path(entry.path), started=started, only_writer=only_writer, by_age=by_age)
+                if judged is not None:
+                    found.append(judged)
+            elif recursive and entry.is_dir(follow_symlinks=False):
+                scan(Path(entry.path))
+
+    scan(folder)
+    return sorted(found, key=lambda t: str(t.path))
+
+
+def remove_dead_temporaries(folder: str | os.PathLike, prefixes: Iterable[str] | None = None, *,
+                            recursive: bool = False, only_writer: bool = False, by_age: bool = True,
+                            started: float | None = None, what: str = "") -> tuple[list[Temporary], list[Temporary]]:
+    """Remove the temporaries of dead writers in ``folder`` (:func:`find_temporaries`, same arguments) and log how many,
+    their names and bytes (a warning on the ``draftsmith.io`` logger: the job's log); name the stale ones, which are
+    kept, in the log too (live ones are being written: left alone). ``what`` names the stage or folder in the
+    messages.
+
+    Returns:
+        ``(removed, stale)``: the temporaries removed, and those kept that may be a dead writer's (a disk check
+        counts their bytes, :func:`temporaries_note`).
+    """
+    removed, stale = [], []
+    for t in find_temporaries(folder, prefixes, recursive=recursive, only_writer=only_writer, by_age=by_age,
+                              started=started):
+        if t.state == "stale":
+            stale.append(t)
+        if not t.dead:
+            continue
+        try:
+            if t.path.is_dir() and not t.path.is_symlink():
+                shutil.rmtree(t.path)
+            else:
+                t.path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot remove %s (%s)", t.path, exc)
+            stale.append(t)
+            continue
+        removed.append(t)
+    label = f"{what}: " if what else ""
+    if removed:
+        log.warning("%sremoved %d temporary file(s) of dead writers, %.3f GB: %s", label, len(removed),
+                    sum(t.bytes for t in removed) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
+                                                                   for t in removed))
+    if stale:
+        log.warning("%skept %d temporary file(s) whose writer may still run, %.3f GB: %s", label, len(stale),
+                    sum(t.bytes for t in stale) / 1e9, "; ".join(f"{t.path} ({t.bytes:,} bytes, {t.why})"
+                                                                 for t in stale))
+    return removed, stale
+
+
+def temporaries_note(kept: Iterable[Temporary], *, shown: int = 3) -> str:
+    """What a disk check adds to its message about temporaries it could not remove: ``""`` when none, else
+    ``" N temporary file(s) whose writer may still run hold X GB (a, b, ...): delete them if no run writes
+    them."``"""
+    kept = list(kept)
+    if not kept:
+        return ""
+    names = ", ".join(str(t.path) for t in kept[:shown]) + (", ..." if len(kept) > shown else "")
+    return (f" {len(kept)} temporary file(s) whose writer may still run hold {sum(t.bytes for t in kept) / 1e9:.3f}"
+            f" GB ({names}): delete them if no run writes them.")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
 
-    The temporary file is removed when the block raises. ``suffix`` keeps an extension some
-    writers insist on (e.g. ``.parquet``).
+    The temporary file (``.<name>.<random>.tmp-<pid>@<host><suffix>``, :func:`writer_mark`) is removed when the block
+    raises; those an earlier writer of ``path`` left when it was killed are removed first
+    (:func:`remove_dead_temporaries`). ``suffix`` keeps an extension some writers insist on (e.g. ``.parquet``).
 
     Raises:
         DiskFullError: the disk filled up while writing or renaming (``ENOSPC``): the file and the free bytes named.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    remove_dead_temporaries(path.parent, [f".{path.name}."], what=f"writing {path}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{writer_mark()}{suffix}", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     umask = os.umask(0)
@@ -167,14 +401,16 @@ def save_pretrained_atomic(model: Any, folder: str | os.PathLike, **kwargs: Any)
     """``model.save_pretrained(folder, **kwargs)`` (a transformers model: ``config.json``, ``model.safetensors``),
     written into a temporary folder beside ``folder`` and each file renamed into ``folder`` only once all are
     written and synced: a save killed midway leaves ``folder``'s earlier files, never a half-written weight file;
-    the temporary folder is removed whatever happens. Other files in ``folder`` are kept.
+    the temporary folder is removed whatever happens (and those of earlier writers killed meanwhile, first:
+    :func:`remove_dead_temporaries`). Other files in ``folder`` are kept.
 
     Raises:
         DiskFullError: the disk filled up while writing (``ENOSPC``): the folder and the free bytes named.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    remove_dead_temporaries(folder.parent, [f".{folder.name}."], what=f"writing {folder}")
+    tmp = temporary_dir(folder)
     try:
         model.save_pretrained(tmp, **kwargs)
         files = sorted(f for f in tmp.iterdir() if f.is_file())
@@ -186,8 +422,11 @@ def save_pretrained_atomic(model: Any, folder: str | os.PathLike, **kwargs: Any)
             os.replace(f, folder / f.name)
         fsync_dir(folder)
     except BaseException as exc:
-        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
-            raise disk_full(folder / "model.safetensors", exc) from exc
+        if is_disk_full(exc):  # named under its final name: the temporary folder is removed below
+            written = Path(exc.filename) if isinstance(exc, DiskFullError) and exc.filename else None
+            name = written.name if written is not None and written.parent == tmp else "model.safetensors"
+            cause = exc.__cause__ if isinstance(exc, DiskFullError) and exc.__cause__ is not None else exc
+            raise disk_full(folder / name, cause) from cause
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -304,6 +543,11 @@ def folder_lock_holder(folder: str | os.PathLike, *, name: str = "writer.lock") 
         return None
     finally:
         os.close(fd)
+
+
+def holds_lock(folder: str | os.PathLike) -> bool:
+    """Whether this process holds ``folder``'s writer lock (:func:`lock_folder`)."""
+    return str(Path(folder).resolve()) in _FOLDER_LOCKS
 
 
 def sha256_file(path: str | os.PathLike, *, bufsize: int = 1 << 20) -> str:

@@ -137,8 +137,9 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "drafter": {"runtime": ("target_layer_ids", "num_target_features", "num_layers", "intermediate_size",
                                 "num_attention_heads", "num_key_value_heads", "head_dim", "export_dtype",
                                 "architecture", "conv_kernel_size", "conv_group_size", "selector_rank")},
-        "train": {"runtime": ("keep_checkpoints",)},
-        "stream": {"runtime": ("slices", "slices_on_disk", "reserve_gb")},
+        "train": {"runtime": ("keep_checkpoints", "gpus", "seed", "epochs", "max_steps", "tokens_per_batch",
+                              "grad_accum", "eval_fraction")},
+        "stream": {"runtime": ("slices", "slices_on_disk", "reuse", "reserve_gb", "accept_disk_risk")},
         "target": {"runtime": ("trust_remote_code",)},
     },
     "evaluate": {

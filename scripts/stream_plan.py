@@ -15,7 +15,9 @@ from draftsmith.stream import StreamPlanSettings, build_stream_plan  # noqa: E40
 
 settings = StreamPlanSettings.from_rule(snakemake.params.settings, snakemake.config)
 try:
-    build_stream_plan(snakemake.input.train, snakemake.input.target, Path(snakemake.output.plan).parent, settings)
+    out = Path(snakemake.output.plan).parent  # results/stream: the slices and the held-out features go there
+    build_stream_plan(snakemake.input.train, snakemake.input.target, out, settings, drafter_dir=out.parent / "drafter",
+                      results_dir=out.parent)
 except DiskSpaceError as exc:
     log.error("%s", exc)
     raise SystemExit(1) from None

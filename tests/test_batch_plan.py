@@ -125,3 +125,25 @@ def test_heldout_subset_is_a_seeded_ordered_choice():
     sub = heldout_subset(held, 10, 3)
     assert len(sub) == 10 and sub == sorted(sub) and set(sub) <= set(held)
     assert heldout_subset(held, 10, 3) == sub and heldout_subset(held, 10, 4) != sub
+
+
+def test_max_stream_slices_is_the_largest_count_stream_plan_accepts():
+    """max_stream_slices (what disk_plan and the disk refusals advise within) equals, with reuse 1, the largest
+    stream.slices whose StreamPlan gives every phase a step under train.max_steps (tried one by one)."""
+    from draftsmith.batch_plan import max_stream_slices, steps_per_pass
+
+    lengths = [10 + (13 * i) % 70 for i in range(90)]
+    train_ids = list(range(80))
+    for epochs, max_steps in ((1, None), (1, 9), (2, 20), (2, 13), (1.5, 18), (3, 5)):
+        passes = steps_per_pass(lengths, train_ids, 100, seed=1, world=1, grad_accum=1, epochs=epochs)
+        accepted = []
+        for slices in range(1, min(passes) + 2):
+            try:
+                StreamPlan(lengths, train_ids, 100, seed=1, world=1, grad_accum=1, epochs=epochs, max_steps=max_steps,
+                           slices=slices)
+            except ValueError:
+                continue
+            accepted.append(slices)
+        want = max([s for s in accepted if s > 1], default=1)
+        assert max_stream_slices(passes, max_steps=max_steps) == want, (epochs, max_steps, passes, accepted)
+        assert [s for s in accepted if s > 1] == list(range(2, want + 1))  # every count up to it, none above

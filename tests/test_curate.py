@@ -292,11 +292,47 @@ def test_a_full_disk_while_spooling_names_the_spool_not_a_read_error(tmp_path, m
     monkeypatch.setattr(pipeline, "open", lambda *args, **kwargs: Full(), raising=False)
     path = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(3)])
     out = tmp_path / "out"
-    with pytest.raises(DiskFullError, match=rf"no space left on device writing {out}/\.curate-spool-\w+/0\.jsonl "
+    with pytest.raises(DiskFullError, match=rf"no space left on device writing {out}/\.curate-spool-[^/]+/0\.jsonl "
                                             r"\([\d,]+ bytes free on "):
         curate([src("a", path)], out / "train.parquet", out / "eval.parquet", out / "report.json",
                CurateSettings.from_config(data={}))
     assert sorted(p.name for p in out.iterdir()) == []  # no spool, no temporary parquet left
+
+
+def test_a_killed_curate_leaves_temporaries_the_next_run_removes(tmp_path, caplog):
+    """Issue 46 item 2: curate killed (SIGKILL) while writing leaves its spool folder and its temporary train / eval
+    parquet files; the next run removes them (their writer's pid is not running) and names them in the log."""
+    import logging
+    import subprocess
+    import sys
+
+    from draftsmith.io import HOST
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    path = write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(20)])
+    out = tmp_path / "out"
+    code = ("import os, signal, sys\n"
+            "from draftsmith.curate import pipeline, curate, CurateSettings\n"
+            "real = pipeline._emit_source\n"
+            "def emit(*args, **kwargs):\n"
+            "    real(*args, **kwargs)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "pipeline._emit_source = emit\n"
+            "out = sys.argv[2]\n"
+            "curate([{'name': 'a', 'path': sys.argv[1], 'adapter': 'openai'}], out + '/train.parquet',\n"
+            "       out + '/eval.parquet', out + '/report.json', CurateSettings.from_config(data={}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), str(out)], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    left = sorted(out.iterdir())
+    assert [p.name[:14] for p in left] == [".curate-spool-", ".eval.parquet.", ".train.parquet"], left
+    assert all(p.name.endswith((f".tmp-{proc.pid}@{HOST}", f".tmp-{proc.pid}@{HOST}.parquet")) for p in left), left
+    report, train, _ = run(tmp_path, [src("a", path)])
+    assert sorted(p.name for p in out.iterdir()) == ["eval.parquet", "report.json", "train.parquet"]
+    assert report["totals"]["kept"] == 20
+    assert "curate: removed 3 temporary file(s) of dead writers" in caplog.text
+    assert all(f"{p} (" in caplog.text for p in left) and f"pid {proc.pid} is not running on {HOST}" in caplog.text
 
 
 def test_a_json_file_of_lines_with_a_malformed_first_line_is_read_as_lines(tmp_path):

@@ -23,7 +23,6 @@ import torch
 from draftsmith import disk
 from draftsmith import extract as ex
 from draftsmith.config import schema_defaults
-from draftsmith.extract import shard as extract_shard_module
 from draftsmith.features import balance_shards, dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeSettings
@@ -407,7 +406,7 @@ def test_changed_config_restarts_the_shard(tmp_path, targets):
 
 def test_refuses_when_the_disk_cannot_hold_the_projection(tmp_path, targets, monkeypatch):
     setup_run(tmp_path, targets["llama"])
-    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: 10_000)
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: 10_000)
     with pytest.raises(disk.DiskSpaceError, match=r"still to write x headroom 1.05 .* only 0.000 GB free"):
         run_shard(tmp_path, targets["llama"], disk_headroom=1.05)
     assert not list((tmp_path / "features/shard-0").glob("chunk-*"))
@@ -417,13 +416,11 @@ def test_plan_refuses_when_features_and_reserve_do_not_fit_naming_the_smallest_s
                                                                                                 monkeypatch):
     """extract_plan fails before any GPU work when features x headroom + reserve exceed the free disk; the message
     names the smallest stream.slices whose slice fits (checked here by trying every count) and fp8's bytes a token."""
-    from draftsmith.extract import plan as extract_plan_module
-
     write_tokenized(tmp_path / "train.parquet", LENGTHS)
     reserve = 5_000
     features = disk.projected_bytes(sum(LENGTHS), len(LENGTHS), 3, 64, "bfloat16", True)
     free = reserve + int(features * 1.05 / 3.5)
-    monkeypatch.setattr(extract_plan_module, "free_disk_bytes", lambda path: free)
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: free)
     settings = ex.ExtractPlanSettings.from_config({"drafter": {"target_layer_ids": LAYER_IDS},
                                                    "stream": {"reserve_gb": reserve / 1e9}})
     with pytest.raises(disk.DiskSpaceError) as info:
@@ -436,7 +433,7 @@ def test_plan_refuses_when_features_and_reserve_do_not_fit_naming_the_smallest_s
     assert f"With extract.storage_dtype: float8_e4m3fn ({fp8} bytes a token" in msg
     assert f"{disk.bytes_per_token(3, 64, 'bfloat16', True)} bytes a token in bfloat16" in msg
 
-    monkeypatch.setattr(extract_plan_module, "free_disk_bytes", lambda path: reserve + math.ceil(features * 1.05))
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: reserve + math.ceil(features * 1.05))
     assert ex.build_plan(tmp_path / "train.parquet", targets["llama"], settings)["reserve_bytes"] == reserve
 
 
@@ -452,7 +449,7 @@ def test_shard_disk_check_counts_every_shard_of_the_plan(tmp_path, targets, monk
     free = int(1.05 * 0.8 * sum(shares))
     assert free > 1.05 * max(shares) + 4096
     staging = tmp_path / ".staging"
-    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: free)
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: free)
     with pytest.raises(disk.DiskSpaceError, match=r"shard 0: .* by the 2 shards of the plan, which run at once "
                                                   r"\(shard 0: .*, shard 1: .*\).* only .* GB free"):
         run_shard(tmp_path, target, shard=0, staging_dir=staging / "shard-0")
@@ -460,7 +457,7 @@ def test_shard_disk_check_counts_every_shard_of_the_plan(tmp_path, targets, monk
 
     monkeypatch.undo()
     run_shard(tmp_path, target, shard=1, staging_dir=staging / "shard-1")
-    monkeypatch.setattr(extract_shard_module, "free_disk_bytes", lambda path: free)
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: free)
     man = run_shard(tmp_path, target, shard=0, staging_dir=staging / "shard-0")
     assert man["num_tokens"] == plan["shards"][0]["num_tokens"]
 
@@ -659,3 +656,107 @@ def test_hybrid_on_cpu_with_fla_installed_is_refused_with_a_sentence(targets, mo
     with pytest.raises(RuntimeError, match="flash-linear-attention is installed.*CUDA device"):
         tgt.load_target(targets["qwen3_5"], device="cpu")
     assert tgt.load_target(targets["llama"], device="cpu") is not None  # attention-only targets are unaffected
+
+
+def test_every_disk_check_measures_where_its_bytes_go_and_a_refusal_gives_the_advice(tmp_path, targets,
+                                                                                     monkeypatch):
+    """Issue 46 item 3. results/features on another mount than results/tokenized: extract_plan measures the disk
+    where the features go (main measured results/tokenized: the plan passed and the shards refused); a shard's own
+    refusal gives the advice (the smallest stream.slices that fits, fp8), which main's did not; the checkpoints'
+    reserve is held to results/drafter's file system when that is another one."""
+    import collections
+    import shutil
+
+    from draftsmith.stages import rule_params
+
+    results = tmp_path / "results"
+    (results / "features").mkdir(parents=True)
+    (results / "tokenized").mkdir()
+    write_tokenized(results / "tokenized" / "train.parquet", LENGTHS)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    free = {"features": 10**12, "drafter": 10**12, "other": 10**12}
+    real_usage = shutil.disk_usage
+    usage = collections.namedtuple("usage", "total used free")
+
+    def disk_usage(path):
+        path = Path(path).resolve()
+        for name in ("features", "drafter"):
+            if path == results / name or results / name in path.parents:
+                return usage(10**13, 0, free[name])
+        return usage(10**13, 0, free["other"]) if results in path.parents or path == results else real_usage(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    config = with_defaults({"extract": {"shards": 2, "token_budget": 200, "chunk_tokens": 100},
+                            "target": {"dtype": "float32"}, "stream": {"reserve_gb": 0},
+                            "drafter": {"num_layers": 1, "target_layer_ids": None, "num_target_features": None},
+                            "gpu": {"cpu_fallback": True}})
+    logs = tmp_path / "logs"
+
+    def run(script: str, output: Path, **extra):
+        root_handlers = logging.getLogger().handlers[:]
+        try:
+            runpy.run_path(str(REPO / "scripts" / f"{script}.py"), init_globals={"snakemake": SimpleNamespace(
+                input=SimpleNamespace(train=str(results / "tokenized" / "train.parquet"), target=str(targets["llama"]),
+                                      plan=str(results / "features" / "plan.json")),
+                output=[str(output)], log=[str(logs / f"{script}.log")],
+                params=SimpleNamespace(settings=rule_params(config, script)), config=config, **extra)})
+        finally:
+            for h in logging.getLogger().handlers[:]:
+                if h not in root_handlers:
+                    logging.getLogger().removeHandler(h)
+                    h.close()
+
+    # leftovers of killed writers under results/: one whose pid is known dead (removed by the check), one of another
+    # host last written before this run (kept, named and counted in the refusal)
+    import subprocess
+    import sys
+
+    from draftsmith.io import HOST, PROCESS_START
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = results / "features" / f".plan.json.abcd1234.tmp-{int(gone.stdout)}@{HOST}"
+    dead.write_bytes(b"x" * 100)
+    stale = results / "tokenized" / ".train.parquet.efgh5678.tmp-77@elsewhere.parquet"
+    stale.write_bytes(b"y" * 2_000_000)
+    os.utime(stale, (PROCESS_START - 3600, PROCESS_START - 3600))
+
+    # the features' file system has room for about a third of them: the plan refuses, measured where they go
+    projected = disk.projected_bytes(sum(LENGTHS), len(LENGTHS), 1, 64, "bfloat16", True)
+    free["features"] = int(projected / 2.9)
+    smallest = next(s for s in range(1, len(LENGTHS)) if math.ceil(-(-projected // s) * 1.05) <= free["features"])
+    with pytest.raises(disk.DiskSpaceError) as info:
+        run("extract_plan", results / "features" / "plan.json")
+    message = str(info.value)
+    assert not dead.exists() and stale.exists()
+    assert f"1 temporary file(s) whose writer may still run hold 0.002 GB ({stale}): delete them" in message
+    stale.unlink()
+    assert f"free under {results / 'features'}: does not fit" in message
+    assert f"The smallest stream.slices that fits is {smallest} with stream.slices_on_disk 1." in message
+    assert "With extract.storage_dtype: float8_e4m3fn" in message
+
+    # room at plan time, less when the shards run (another job wrote meanwhile): the shard's refusal advises too
+    free["features"] = 10**12
+    run("extract_plan", results / "features" / "plan.json")
+    plan = read_json(results / "features" / "plan.json")
+    assert plan["disk"]["drafter_dir"] == "../drafter" and plan["disk"]["results_dir"] == ".."
+    free["features"] = int(projected / 2.9)
+    with pytest.raises(disk.DiskSpaceError) as info:
+        run("extract_shard", results / "features" / "shard-0" / "manifest.json",
+            wildcards=SimpleNamespace(shard="0"), resources=SimpleNamespace(gpu=1), threads=1)
+    message = str(info.value)
+    assert f"only {free['features'] / 1e9:.3f} GB free under {results / 'features' / 'shard-0'}" in message
+    assert "For the whole run" in message and f"The smallest stream.slices that fits is {smallest}" in message
+    assert "With extract.storage_dtype: float8_e4m3fn" in message
+
+    # results/drafter on its own file system: the reserve is held to it, the features to theirs
+    free["features"] = 10**12
+    free["drafter"] = 1000
+    (results / "drafter").mkdir()  # a mount point exists
+    config["stream"]["reserve_gb"] = 0.001
+    monkeypatch.setattr(disk, "same_file_system", lambda a, b: False, raising=False)
+    with pytest.raises(disk.DiskSpaceError) as info:
+        run("extract_plan", results / "features" / "plan.json")
+    message = str(info.value)
+    assert f"a reserve of 0.001 GB for checkpoints and the trained drafter, with 0.000 GB free under " \
+           f"{results / 'drafter'} (another file system): does not fit" in message
+    assert f"the reserve alone exceeds the free disk under {results / 'drafter'}" in message

@@ -198,3 +198,115 @@ def test_save_pretrained_atomic_writes_the_models_files_or_leaves_the_folder_as_
         io.save_pretrained_atomic(Dies(), folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "trained"]  # no temporary folder left
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def test_a_safetensors_write_on_a_full_disk_is_a_disk_full_error_naming_the_final_file(tmp_path, monkeypatch):
+    """Issue 46 item 2: safetensors reports ENOSPC as ``SafetensorError`` (not an OSError). A trained/ or final/
+    folder (save_pretrained_atomic) and a chunk (atomic_path) written on a full disk raise DiskFullError naming the
+    file under its final name and the free bytes; no temporary file or folder is left."""
+    import torch
+    from safetensors import SafetensorError
+
+    from draftsmith import io, modeling
+    from draftsmith.drafter_config import build_drafter_config
+    from tiny import tiny_config
+
+    def full(*args, **kwargs):
+        raise SafetensorError(SAFETENSORS_FULL)
+
+    assert io.is_disk_full(SafetensorError(SAFETENSORS_FULL)) and not io.is_disk_full(SafetensorError("bad header"))
+    cfg = build_drafter_config(tiny_config("qwen3"), num_layers=1, block_size=4, target_layer_ids=[1],
+                               mask_token_id=3)
+    model = modeling.DFlashDraftModel(cfg)
+    monkeypatch.setattr(modeling, "save_file", full)
+    folder = tmp_path / "drafter" / "final"
+    with pytest.raises(io.DiskFullError) as info:
+        io.save_pretrained_atomic(model, folder, dtype=torch.bfloat16)
+    message = str(info.value)
+    assert f"no space left on device writing {folder / 'model.safetensors'} (" in message
+    assert " bytes free on " in message and info.value.filename == str(folder / "model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == []  # no temporary folder left
+
+    with pytest.raises(io.DiskFullError, match=rf"writing {tmp_path / 'chunk-00000.safetensors'} \(.* bytes free"):
+        with io.atomic_path(tmp_path / "chunk-00000.safetensors") as tmp:
+            full(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+def _killed_writer(code: str) -> int:
+    """Run ``code`` in a Python process that SIGKILLs itself where the code calls ``die()``; returns its pid (dead)."""
+    prelude = "import os, signal\ndef die():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    proc = subprocess.Popen([sys.executable, "-c", prelude + code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    return proc.pid
+
+
+def test_temporaries_of_dead_writers_are_removed_and_those_of_live_ones_kept(tmp_path, caplog):
+    """Issue 46 item 2: a writer killed (SIGKILL) inside atomic_path leaves its temporary file; the next write of the
+    same file removes it and names it in the log. A live writer's temporary (its pid runs on this host) and one
+    whose writer cannot be told (another host's) but written since this run started are left alone; one of an unknown
+    writer older than the run is removed by the next writer of that file, and kept but named and counted by a check
+    over a whole folder (where other jobs write)."""
+    import logging
+    import time
+
+    from draftsmith import io
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    out = tmp_path / "out"
+    pid = _killed_writer(f"from draftsmith.io import atomic_path\n"
+                         f"with atomic_path({str(out / 'train.parquet')!r}, suffix='.parquet') as tmp:\n"
+                         f"    tmp.write_bytes(b'half a parquet')\n"
+                         f"    die()\n")
+    (left,) = out.glob(".train.parquet.*")
+    assert left.name.endswith(f".tmp-{pid}@{io.HOST}.parquet")
+    hour_ago = io.PROCESS_START - 3600
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        alive = out / f".train.parquet.abcd1234.tmp-{live.pid}@{io.HOST}.parquet"
+        alive.write_bytes(b"being written")
+        other = out / ".train.parquet.efgh5678.tmp-12@elsewhere.parquet"
+        other.write_bytes(b"another host's")
+        old = out / ".train.parquet.ijkl9012.tmp.parquet"  # the name main's atomic_path gave: no writer in it
+        old.write_bytes(b"an older run's")
+        os.utime(old, (hour_ago, hour_ago))
+        unrelated = out / ".eval.parquet.mnop3456.tmp.parquet"
+        os.link(old, unrelated)
+        io.write_text(out / "train.parquet", "done")
+        assert sorted(p.name for p in out.iterdir()) == sorted([alive.name, other.name, unrelated.name,
+                                                                "train.parquet"])
+        assert "removed 2 temporary file(s) of dead writers, 0.000 GB: " in caplog.text
+        assert f"{left} (14 bytes, pid {pid} is not running on {io.HOST})" in caplog.text
+        assert f"{old} (14 bytes, older than this run's start)" in caplog.text
+        assert str(alive) not in caplog.text and str(other) not in caplog.text  # being written: left alone
+
+        # a check over a whole folder (other jobs write there): only what is known dead goes; an unknown writer's
+        # temporary older than this run is kept, named and counted
+        found = {t.path: t.state for t in io.find_temporaries(tmp_path, recursive=True, by_age=False)}
+        assert found == {unrelated: "stale", alive: "live", other: "live"}
+        os.utime(other, (hour_ago, hour_ago))
+        caplog.clear()
+        removed, stale = io.remove_dead_temporaries(tmp_path, recursive=True, by_age=False, what="disk check")
+        assert removed == [] and [t.path for t in stale] == [unrelated, other]
+        assert f"disk check: kept 2 temporary file(s) whose writer may still run, 0.000 GB: {unrelated}" in caplog.text
+        assert "pid 12 on elsewhere, not known to be gone, last written before this run started" in caplog.text
+        note = io.temporaries_note(stale)
+        assert note.startswith(" 2 temporary file(s) whose writer may still run hold 0.000 GB (") and str(other) in note
+        # a running pid that started after the file was last written is a reused pid, not its writer
+        reused = out / f".train.parquet.qrst7890.tmp-{live.pid}@{io.HOST}.parquet"
+        reused.write_bytes(b"x")
+        os.utime(reused, (time.time() - 3600, time.time() - 3600))
+        io.write_text(out / "train.parquet", "done")  # the next writer of train.parquet: another host's old one goes
+        assert not reused.exists() and not other.exists() and alive.exists()
+    finally:
+        live.kill()
+        live.wait()
+    # the pid is gone now: the next writer removes its temporary
+    io.write_text(out / "train.parquet", "again")
+    assert not alive.exists()

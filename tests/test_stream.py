@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from draftsmith import disk
 from draftsmith import stream as st
 from draftsmith.batch_plan import StreamPlan, split_samples
 from draftsmith.disk import DiskSpaceError
@@ -77,7 +78,7 @@ def test_a_plan_whose_slices_do_not_fit_is_refused_naming_what_fits(tmp_path, ta
     plan = st.build_stream_plan(tmp_path / "train.parquet", target, tmp_path / "ok", settings)
     largest = plan["disk"]["largest_slice_bytes"]
     # room for about half a slice: slices = 3 does not fit; the message names the smallest that does, and fp8
-    monkeypatch.setattr(st, "free_disk_bytes", lambda path: largest // 2 + plan["disk"]["heldout_bytes"])
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: largest // 2 + plan["disk"]["heldout_bytes"])
     with pytest.raises(DiskSpaceError) as err:
         st.build_stream_plan(tmp_path / "train.parquet", target, tmp_path / "refused", settings)
     text = str(err.value)
@@ -137,7 +138,7 @@ def test_regeneration_is_refused_when_the_disk_cannot_hold_it(tmp_path, target, 
     report = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "disk.json",
                                                _disk_settings())
     assert report["fits"] and read_json(tmp_path / "disk.json") == report
-    monkeypatch.setattr(st, "free_disk_bytes", lambda path: report["features_bytes_at_most"] // 3)
+    monkeypatch.setattr(disk, "free_disk_bytes", lambda path: report["features_bytes_at_most"] // 3)
     with pytest.raises(DiskSpaceError, match="refused before regeneration") as err:
         st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "no.json",
                                           _disk_settings())
@@ -147,3 +148,106 @@ def test_regeneration_is_refused_when_the_disk_cannot_hold_it(tmp_path, target, 
     ok = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "sliced.json",
                                            _disk_settings(stream={"slices": 4}))
     assert ok["fits"] and ok["on_disk_bytes_at_most"] < report["features_bytes_at_most"]
+
+
+# -- issue 46 item 3: refuse only what cannot fit, and advice that stream_plan accepts
+
+MANY = [[_msg("user", f"question number {i} " * (1 + i % 5)), _msg("assistant", f"answer {i} " * (1 + i % 3))]
+        for i in range(60)]
+
+
+def _free_disk(monkeypatch, free: int) -> None:
+    """Every file system has ``free`` bytes free (shutil.disk_usage, what every disk check reads)."""
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**13, 0, free))
+
+
+def test_before_regeneration_only_what_cannot_fit_is_refused(tmp_path, target, monkeypatch, caplog):
+    """The upper bound (every answer at regenerate.max_new_tokens) exceeds the disk, the expected size (each answer as
+    long as its curated one) fits: a warning with both numbers, no refusal (main refused: on the gpu-proof data it
+    projected 13.6M tokens where the run made 7.7M). The expected size not fitting is refused, naming both and the
+    key that accepts the risk; the prompts alone not fitting is refused whatever the key."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    _curated(tmp_path / "train.parquet", MANY)
+    base = {"regenerate": {"max_new_tokens": 64}, "stream": {"slices": 1, "reserve_gb": 0}}
+    report = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "roomy.json",
+                                               _disk_settings(**base))
+    upper, expected = report["need_bytes"], report["need_bytes_expected"]
+    assert report["tokens_at_least"] < report["tokens_expected"] < report["tokens_at_most"] and expected < upper
+    _free_disk(monkeypatch, (upper + expected) // 2)
+    caplog.clear()
+    ok = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "warned.json",
+                                           _disk_settings(**base))
+    assert ok["fits_expected"] and not ok["fits"] and read_json(tmp_path / "warned.json") == ok
+    assert "at the expected size the features fit the disk, at the upper bound they do not" in caplog.text
+    assert f"about {ok['tokens_expected']:,} tokens" in caplog.text
+    assert f"at most {ok['tokens_at_most']:,}" in caplog.text
+
+    _free_disk(monkeypatch, expected - 1)
+    with pytest.raises(DiskSpaceError, match="refused before regeneration") as err:
+        st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "no.json",
+                                          _disk_settings(**base))
+    assert f"about {ok['tokens_expected']:,} tokens" in str(err.value)
+    assert "Set stream.accept_disk_risk: true" in str(err.value)
+    risky = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "risky.json",
+                                              _disk_settings(**{**base, "stream": {**base["stream"],
+                                                                                   "accept_disk_risk": True}}))
+    assert risky["accepted_risk"] and not risky["fits_expected"]
+    _free_disk(monkeypatch, 1000)
+    with pytest.raises(DiskSpaceError, match="even the prompts alone do not fit"):
+        st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "never.json",
+                                          _disk_settings(**{**base, "stream": {**base["stream"],
+                                                                               "accept_disk_risk": True}}))
+    assert not (tmp_path / "no.json").exists() and not (tmp_path / "never.json").exists()
+
+
+def test_the_advised_slices_pass_stream_plan_with_max_steps(tmp_path, target, monkeypatch):
+    """With train.max_steps set, the stream.slices disk_plan advises is one stream_plan accepts on the data
+    regenerated anywhere between the expected and the upper size (main advised 4 on the gpu-proof data, and
+    stream_plan then failed: "phase 3 has no optimizer steps"); where the disk needs more slices than the steps
+    allow, it says so instead."""
+    import re
+
+    _curated(tmp_path / "train.parquet", MANY)
+    train = {"epochs": 1, "max_steps": 32, "tokens_per_batch": 128, "eval_fraction": 0.1, "gpus": 1, "seed": 0,
+             "grad_accum": 1}
+    keys = {"regenerate": {"max_new_tokens": 64}, "stream": {"slices": 1, "reserve_gb": 0}, "train": train}
+    roomy = st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "roomy.json",
+                                              _disk_settings(**keys))
+    assert roomy["max_slices"] == 2  # 42 / 54 steps a pass (expected / upper lengths): 3 slices leave no step
+    projection = st.project_tokens([{"messages": m, "tools": None} for m in MANY], tiny_tokenizer(),
+                                   _disk_settings(**keys))
+
+    def stream_plan_accepts(slices: int) -> None:
+        _free_disk(monkeypatch, 10**13)
+        for name, lengths in (("expected", projection.expected), ("at_most", projection.at_most)):
+            write_tokenized(tmp_path / f"{name}.parquet", lengths)
+            plan = st.build_stream_plan(tmp_path / f"{name}.parquet", target, tmp_path / f"plan-{name}-{slices}",
+                                        _settings(stream={"slices": slices, "reuse": 1, "heldout_samples": 5,
+                                                          "reserve_gb": 0}, train=train))
+            assert len(plan["phases"]) == slices
+
+    for slices_needed in (3, 2):  # the expected features need 3 slices (more than the steps allow), then 2
+        features = roomy["features_bytes_expected"]
+        _free_disk(monkeypatch, -(-features // slices_needed) * 105 // 100 + 2)
+        with pytest.raises(DiskSpaceError) as err:
+            st.check_disk_before_regeneration(tmp_path / "train.parquet", target, tmp_path / "no.json",
+                                              _disk_settings(**keys))
+        text = str(err.value)
+        advised = re.search(r"The smallest stream.slices that fits is (\d+) with", text)
+        if slices_needed == 3:
+            assert advised is None, text
+            assert "The smallest stream.slices that fits is 3, but with about 54 optimizer steps a pass" in text
+            assert "train.max_steps 32, at most 2 give every phase an optimizer step: raise train.max_steps" in text
+        else:
+            assert advised is not None and int(advised[1]) == 2, text
+            stream_plan_accepts(int(advised[1]))
+    # stream_plan's own refusal names the largest count these data and max_steps allow
+    with pytest.raises(ValueError, match=r"has no optimizer steps.*at most 2 stream.slices give every phase"):
+        st.build_stream_plan(tmp_path / "at_most.parquet", target, tmp_path / "plan-3",
+                             _settings(stream={"slices": 3, "reuse": 1, "heldout_samples": 5}, train=train))

@@ -37,7 +37,7 @@ from draftsmith.train import (
     split_samples,
     train,
 )
-from extraction import rewrite_index_chunk
+from extraction import rewrite_chunk, rewrite_index_chunk
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -447,6 +447,69 @@ def test_a_failed_checkpoint_save_leaves_no_temporary_folder(tmp_path, monkeypat
     assert " bytes free on " in str(info.value)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == before
     assert load_latest_checkpoint(ckpt_dir)[1]["step"] == 1  # the earlier checkpoint is untouched
+    # safetensors reports a full disk as SafetensorError, not OSError (issue 46 item 2): the same DiskFullError
+    from safetensors import SafetensorError
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(checkpoint, "save_file", failing(full))
+    with pytest.raises(DiskFullError) as info:
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    assert f"writing {ckpt_dir / 'step-00000002' / 'optimizer.safetensors'} (" in str(info.value)
+    assert " bytes free on " in str(info.value) and isinstance(info.value.__cause__, SafetensorError)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
+    # state.json (written through atomic_path, whose error names the temporary folder) is named under its final name
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    from draftsmith import io
+
+    def full_replace(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io.os, "replace", full_replace)
+    with pytest.raises(DiskFullError, match=rf"writing {re.escape(str(ckpt_dir / 'step-00000002' / 'state.json'))} "):
+        checkpoint.save_checkpoint(ckpt_dir, 2, model, opt, {"fingerprint": "x"})
+    monkeypatch.undo()
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == before
+
+
+def test_a_save_killed_midway_leaves_a_temporary_folder_the_next_run_removes(qwen3_setup, tmp_path, caplog):
+    """Issue 46 item 2: kill -9 during a checkpoint save leaves ``.step-N.tmp-<pid>@<host>`` (a checkpoint's size:
+    230 MB on the tiny model, ~10 GB at 27B). The next run of train removes it (its writer's pid is not running),
+    in every run folder, and names it in the log; the checkpoints themselves stay."""
+    from draftsmith.io import HOST
+
+    caplog.set_level(logging.INFO, logger="draftsmith")
+    cfg = dict(TINY_TRAIN, max_steps=4, save_every=2, tokens_per_batch=64)
+    out = tmp_path / "drafter"
+    assert train(qwen3_setup["index"], qwen3_setup["target_dir"], out, settings(cfg), threads=1,
+                 stop_after_steps=2)["stopped_at"] == 2
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    other = out / "checkpoints" / "run-0123456789ab"  # another configuration's folder
+    code = ("import os, signal, sys, torch\n"
+            "from draftsmith.train import checkpoint\n"
+            "real = checkpoint.save_file\n"
+            "def save(tensors, path, metadata=None):\n"
+            "    real(tensors, path, metadata=metadata)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after the first file\n"
+            "checkpoint.save_file = save\n"
+            "w = torch.nn.Parameter(torch.ones(1000))\n"
+            "opt = torch.optim.AdamW([w])\n"
+            "model = type('M', (), {'trainable_state_dict': lambda self: {'w': w.detach()}})()\n"
+            "checkpoint.save_checkpoint(__import__('pathlib').Path(sys.argv[1]), 3, model, opt, {})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ckpts)], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    left = [ckpts / f".step-00000003.tmp-{proc.pid}@{HOST}", other / f".step-00000001.tmp-{proc.pid}@{HOST}"]
+    assert [p.name for p in ckpts.glob(".step-*")] == [left[0].name] and (left[0] / "model.safetensors").is_file()
+    shutil.copytree(left[0], left[1])
+    caplog.clear()
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], out, settings(cfg), threads=1)
+    assert state["resumed_from_step"] == 2
+    assert not left[0].exists() and not left[1].exists()
+    for folder in left:
+        assert f"{folder} (" in caplog.text
+    assert caplog.text.count(f"pid {proc.pid} is not running on {HOST}") == 2
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000004"]
 
 
 def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_run_trains(qwen3_setup, tmp_path,
@@ -516,6 +579,79 @@ def test_the_run_identity_covers_the_features_content_and_a_rerun_of_a_finished_
     with pytest.raises(ValueError, match=rf"chunk 1 file {re.escape(str(chunk))} has sha256 [0-9a-f]{{64}}, the "
                                          rf"index records {meta['chunks'][1]['sha256']}"):
         train(changed / "index.json", target, out, settings(cfg), threads=1)
+
+
+def test_a_resume_checks_the_chunks_it_reads(qwen3_setup, tmp_path, monkeypatch, caplog):
+    """Issue 46 item 3: the chunk files are verified on a resume too, as cheaply as it must. A fresh start hashes every
+    chunk and records each one's sha256, size and mtime in the run's checkpoint folder; a resume hashes only the
+    chunks whose size or mtime differ from that record. A chunk rewritten (same size, other features) while the run
+    was interrupted stops the resume naming the chunk and what to do; on main it was trained on silently."""
+    from draftsmith import features as features_module
+
+    caplog.set_level(logging.INFO, logger="draftsmith.train")
+    folder = tmp_path / "features"
+    shutil.copytree(qwen3_setup["index"].parent, folder)
+    index, target, out = folder / "index.json", qwen3_setup["target_dir"], tmp_path / "drafter"
+    meta = json.loads(index.read_text())
+    chunks = [folder / c["path"] for c in meta["chunks"]]
+    hashed = []
+    real = features_module.sha256_file
+    monkeypatch.setattr(features_module, "sha256_file", lambda path, **kw: hashed.append(Path(path)) or real(path))
+    cfg = dict(TINY_TRAIN, max_steps=6, save_every=2, tokens_per_batch=64)
+
+    assert train(index, target, out, settings(cfg), threads=1, stop_after_steps=2)["stopped_at"] == 2
+    assert sorted(hashed) == chunks  # a fresh start: every chunk
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    record = json.loads((ckpts / "verified-chunks.json").read_text())
+    entry = record["chunks"][str(chunks[1].resolve())]
+    assert entry["sha256"] == meta["chunks"][1]["sha256"] and entry["bytes"] == chunks[1].stat().st_size
+    assert entry["mtime_ns"] == chunks[1].stat().st_mtime_ns
+
+    hashed.clear()  # resumed, nothing changed: no chunk hashed
+    assert train(index, target, out, settings(cfg), threads=1, stop_after_steps=4)["stopped_at"] == 4
+    assert hashed == [] and "resuming interrupted run from step 2 of 6" in caplog.text
+    assert f"0 of {len(chunks)} chunk file(s) hashed" in caplog.text
+
+    # chunk 1 rewritten while the run was interrupted: same size and counts, other features
+    original = chunks[1].read_bytes()
+    rewrite_chunk(chunks[1], lambda t: dict(t, hidden_states=t["hidden_states"] * 2), meta["storage_dtype"])
+    assert chunks[1].stat().st_size == len(original) and chunks[1].read_bytes() != original
+    hashed.clear()
+    with pytest.raises(ValueError, match=rf"chunk 1 file {re.escape(str(chunks[1]))} has sha256 [0-9a-f]{{64}}, the "
+                                         rf"index records {meta['chunks'][1]['sha256']}.*resuming run") as info:
+        train(index, target, out, settings(cfg), threads=1)
+    assert "its checkpoints are kept" in str(info.value)
+    assert hashed == [chunks[1]]
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002", "step-00000004"]
+
+    # the file put back (a new mtime, the same bytes): hashed again once, then the run resumes and finishes
+    chunks[1].write_bytes(original)
+    hashed.clear()
+    state = train(index, target, out, settings(cfg), threads=1)
+    assert state["resumed_from_step"] == 4 and hashed == [chunks[1]]
+
+
+def test_a_rerun_of_a_finished_run_over_a_damaged_chunk_keeps_its_checkpoints(qwen3_setup, tmp_path):
+    """Issue 46: ``--forcerun train`` (trained/ removed) over a chunk damaged after merge fails on its sha256 before
+    anything of the finished run is removed: its checkpoints and its record stay (main removed them first)."""
+    folder = tmp_path / "features"
+    shutil.copytree(qwen3_setup["index"].parent, folder)
+    index, target, out = folder / "index.json", qwen3_setup["target_dir"], tmp_path / "drafter"
+    cfg = dict(TINY_TRAIN, max_steps=4, save_every=2, tokens_per_batch=64)
+    train(index, target, out, settings(cfg), threads=1)
+    (ckpts,) = (out / "checkpoints").glob("run-*")
+    before = sorted(p.name for p in ckpts.iterdir())
+    assert "finished-run.json" in before and "step-00000004" in before
+    meta = json.loads(index.read_text())
+    chunk = folder / meta["chunks"][0]["path"]
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    shutil.rmtree(out / "trained")
+    with pytest.raises(ValueError, match=rf"chunk 0 file {re.escape(str(chunk))} has sha256 .*; rerunning the "
+                                         rf"finished run {re.escape(str(ckpts))}: its checkpoints are kept"):
+        train(index, target, out, settings(cfg), threads=1)
+    assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
 def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path):

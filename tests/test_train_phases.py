@@ -36,7 +36,7 @@ from draftsmith.train import (
     train_final,
     train_phase,
 )
-from extraction import rewrite_index_chunk
+from extraction import rewrite_chunk, rewrite_index_chunk
 from tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,6 +244,31 @@ def test_reused_slices_run_and_a_stopped_phase_resumes_to_the_same_weights(strea
     state = finish(stream_setup, settings, cut)
     assert state["heldout"] is None and state["steps"] == plan.total_steps
     assert_same_weights(whole, cut)
+
+
+def test_a_resumed_phase_checks_its_slice_s_chunks(stream_setup, tmp_path, caplog):
+    """Issue 46 item 3, stream mode: a phase stopped inside whose slice chunk is rewritten meanwhile (same size, other
+    features) stops on resume, naming the chunk; put back, only that chunk is hashed again and the phase ends."""
+    caplog.set_level(logging.INFO, logger="draftsmith.train")
+    settings = phase_settings(dict(TRAIN, epochs=2, save_every=1, keep_checkpoints=2, eval_fraction=0.0),
+                              slices=2, reuse=2)
+    plan, _ = stream_plan(stream_setup, settings)
+    out = tmp_path / "checked"
+    middle = plan.phases[0].first_step + plan.phases[0].steps // 2
+    run_phases(stream_setup, settings, out, phases=[0], stop_after_steps=middle)
+    folder = stream_setup["root"] / "bfloat16" / f"{out.name}-slice-0"
+    chunk = folder / "shard-0" / "chunk-00001.safetensors"
+    original = chunk.read_bytes()
+    rewrite_chunk(chunk, lambda t: dict(t, hidden_states=t["hidden_states"] * 2), "bfloat16")
+    assert chunk.stat().st_size == len(original)
+    with pytest.raises(ValueError, match=rf"chunk 1 file {chunk} has sha256 .*; resuming run .* from step {middle}: "
+                                         "its checkpoints are kept"):
+        run_phases(stream_setup, settings, out, phases=[0])
+    chunk.write_bytes(original)
+    caplog.clear()
+    marker = run_phases(stream_setup, settings, out, phases=[0])[0]
+    assert marker["resumed_from_step"] == middle
+    assert f"1 of {len(list(folder.glob('shard-0/chunk-*')))} chunk file(s) hashed" in caplog.text
 
 
 def test_a_rerun_phase_trains_again_and_a_changed_slice_is_not_resumed(stream_setup, tmp_path, caplog):

@@ -22,7 +22,15 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from draftsmith.io import InputError, atomic_path, disk_full, is_disk_full, write_json
+from draftsmith.io import (
+    InputError,
+    atomic_path,
+    disk_full,
+    is_disk_full,
+    remove_dead_temporaries,
+    write_json,
+    writer_mark,
+)
 from draftsmith.settings import SectionSettings, StageSettings
 
 from .adapters import ADAPTERS, COLUMN_FIELDS
@@ -535,9 +543,11 @@ def curate(sources: list[dict | Source], train_path: str | Path, eval_path: str 
 
     train_path, eval_path, report_path = Path(train_path), Path(eval_path), Path(report_path)
     train_path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in train_path.parent.glob(".curate-spool-*"):  # left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
-    spool_dir = Path(tempfile.mkdtemp(prefix=".curate-spool-", dir=train_path.parent))
+    # spool folders and temporary parquet files left by a killed run (the next writes of train / eval / report
+    # remove their own temporaries as well; these are named in the log)
+    remove_dead_temporaries(train_path.parent, [".curate-spool-", f".{train_path.name}.", f".{eval_path.name}."],
+                            what="curate")
+    spool_dir = Path(tempfile.mkdtemp(prefix=".curate-spool-", suffix=f".{writer_mark()}", dir=train_path.parent))
     meta = {b"draftsmith.curate": json.dumps({
         "format": "draftsmith.curated/1", "seed": seed, "eval_fraction": eval_fraction,
         "max_chars": max_chars, "sources": [s.name for s in srcs]}).encode()}

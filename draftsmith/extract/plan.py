@@ -20,7 +20,7 @@ from draftsmith.disk import (
     PlanDrafterOptions,
     bytes_per_token,
     disk_fit,
-    free_disk_bytes,
+    measure_room,
     reserve_bytes,
 )
 from draftsmith.features import shard_plan, storage_torch_dtype
@@ -101,18 +101,28 @@ def resolve_layer_ids(drafter: PlanDrafterOptions, num_target_layers: int) -> li
     return ids
 
 
-def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,
-               settings: ExtractPlanSettings) -> dict:
+def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike, settings: ExtractPlanSettings, *,
+               features_dir: str | os.PathLike | None = None, drafter_dir: str | os.PathLike | None = None,
+               results_dir: str | os.PathLike | None = None) -> dict:
     """The shard plan (``draftsmith.plan/1``, :func:`draftsmith.features.shard_plan`) of the whole tokenized train
     set into ``settings.extract.shards`` shards, with the disk reserve of the run recorded.
 
     Reads only ``id``/``num_tokens`` of the parquet and the target's config.json (no weights). Projects the
     features' bytes and the reserve (checkpoints, trained and exported drafter: :func:`draftsmith.disk.reserve_bytes`)
-    and refuses when they do not fit the free disk under the tokenized set's folder.
+    and refuses when they do not fit: the features against the free disk where they are written (``features_dir``,
+    the plan's folder), the reserve against ``drafter_dir``'s when that is another file system
+    (:func:`draftsmith.disk.measure_room`; temporaries of dead writers under ``results_dir`` are removed first, those
+    that may not be are counted). The plan records those folders, relative to ``features_dir``, for the shard jobs'
+    own checks and advice.
+
+    Args:
+        features_dir: where the features go (rule extract_plan: ``results/features``); default the tokenized
+            parquet's folder. drafter_dir: where the checkpoints and the trained drafter go (``results/drafter``);
+            default with the features. results_dir: the results folder swept for leftover temporaries (default none).
 
     Returns:
-        ``{"format", "num_shards", "layer_ids", "hidden_size", "num_target_layers",
-        "tokenized_rows", "tokenized_tokens", "reserve_bytes", "shards": [{"shard", "rows", "num_tokens"}]}``.
+        ``{"format", "num_shards", "layer_ids", "hidden_size", "num_target_layers", "tokenized_rows",
+        "tokenized_tokens", "reserve_bytes", "disk", "shards": [{"shard", "rows", "num_tokens"}]}``.
 
     Raises:
         DiskSpaceError: features x ``extract.disk_headroom`` + reserve exceed the free disk; the message names the
@@ -129,21 +139,27 @@ def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,
     if num_shards > len(tok.ids):
         log.warning("%d shards for %d rows: %d shard(s) will be empty", num_shards, len(tok.ids),
                     num_shards - len(tok.ids))
+    where = Path(features_dir) if features_dir is not None else Path(tokenized_path).resolve().parent
+    fit_args = {"num_tokens": int(tok.num_tokens.sum()), "num_samples": len(tok.ids), "num_layers": len(layer_ids),
+                "hidden_size": hidden, "reserve_bytes": reserve}
+    disk = {"drafter_dir": os.path.relpath(drafter_dir, where) if drafter_dir is not None else None,
+            "results_dir": os.path.relpath(results_dir, where) if results_dir is not None else None,
+            "drafter_reserve_bytes": reserve, "fit": fit_args}
     plan = shard_plan(range(len(tok.ids)), tok.num_tokens, num_shards, layer_ids=layer_ids, hidden_size=hidden,
                       num_target_layers=num_layers, tokenized_rows=len(tok.ids),
-                      tokenized_tokens=int(tok.num_tokens.sum()), reserve_bytes=reserve)
+                      tokenized_tokens=int(tok.num_tokens.sum()), reserve_bytes=reserve, disk=disk)
     loads = [s["num_tokens"] for s in plan["shards"]]
     log.info("plan: %d rows, %d tokens in %d shards (tokens per shard min %d / max %d); layer ids %s",
              plan["tokenized_rows"], plan["tokenized_tokens"], num_shards, min(loads), max(loads),
              layer_ids)
     storage, want_tt = settings.extract.storage_dtype, bool(settings.extract.store_target_tokens)
-    where = Path(tokenized_path).resolve().parent
-    fit = disk_fit(num_tokens=plan["tokenized_tokens"], num_samples=plan["tokenized_rows"],
-                   num_layers=len(layer_ids), hidden_size=hidden, storage_dtype=storage, target_token=want_tt,
-                   free_bytes=free_disk_bytes(where), reserve_bytes=reserve,
-                   headroom=float(settings.extract.disk_headroom), where=where)
-    log.info("projected features: %.3f GB (%d bytes/token: %d layers x %d x %s%s); reserve %.3f GB; %.3f GB free",
-             fit.feature_bytes / 1e9, bytes_per_token(len(layer_ids), hidden, storage, want_tt), len(layer_ids),
-             hidden, storage, " + target tokens" if want_tt else "", reserve / 1e9, fit.free_bytes / 1e9)
+    room = measure_room(where, drafter_dir, results_dir=results_dir)
+    fit = disk_fit(**fit_args, storage_dtype=storage, target_token=want_tt, free_bytes=room.free_bytes,
+                   headroom=float(settings.extract.disk_headroom), where=where, room=room)
+    log.info("projected features: %.3f GB (%d bytes/token: %d layers x %d x %s%s); reserve %.3f GB; %.3f GB free "
+             "under %s%s", fit.feature_bytes / 1e9, bytes_per_token(len(layer_ids), hidden, storage, want_tt),
+             len(layer_ids), hidden, storage, " + target tokens" if want_tt else "", reserve / 1e9,
+             fit.free_bytes / 1e9, where, f" ({fit.reserve_free_bytes / 1e9:.3f} GB free under {fit.reserve_where} "
+             "for the reserve)" if fit.reserve_where else "")
     fit.check()
     return plan

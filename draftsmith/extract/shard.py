@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ClassVar, Sequence
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from draftsmith import fused
-from draftsmith.disk import DiskSpaceError, bytes_per_token, free_disk_bytes, needed_bytes, projected_bytes
+from draftsmith.disk import DiskSpaceError, bytes_per_token, disk_fit, measure_room, needed_bytes, projected_bytes
 from draftsmith.extract.folders import bytes_left, open_staging, publish, shard_folders
 from draftsmith.features import (
     FEATURES_FORMAT,
@@ -37,7 +37,7 @@ from draftsmith.features import (
     write_chunk,
 )
 from draftsmith.gpu import GpuOptions
-from draftsmith.io import read_json, sha256_file, target_fingerprint, write_json
+from draftsmith.io import read_json, remove_dead_temporaries, sha256_file, target_fingerprint, write_json
 from draftsmith.progress import progress
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import (
@@ -374,9 +374,8 @@ def _resume_chunks(folder: Path, name: str, layout: str, chunks: list[_ChunkWork
         else:
             log.warning("%s: %s was made for another layout (plan, data, target or config "
                         "changed): recomputing every chunk", name, progress_path)
-    for tmp in folder.glob(".chunk-*.tmp*"):
-        log.warning("%s: removing partial file %s left by a killed job", name, tmp.name)
-        tmp.unlink()
+    # partial files of a killed job: the shard's job is its folder's only writer (Snakemake runs one per output)
+    remove_dead_temporaries(folder, [".chunk-"], only_writer=True, what=name)
     wanted = {chunk_name(c.index) for c in chunks}
     for stale in folder.glob("chunk-*.safetensors"):
         if stale.name not in wanted:
@@ -482,7 +481,8 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     done = _resume_chunks(folder, name, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
     dirs = shard_folders(plan["num_shards"], out, staging_dir, shard_dirs)
-    _check_disk(folder, name, shard, plan, len(batches), chunks, todo, dirs, storage, want_tt, opts)
+    _check_disk(folder, name, shard, plan, len(batches), chunks, todo, dirs, storage, want_tt, opts,
+                Path(plan_path).parent)
 
     common = {"shard": shard, "num_shards": plan["num_shards"]}
     if "subset" in plan:
@@ -527,16 +527,21 @@ def _content_hash(tok: Tokenized, rows: list[int]) -> str:
 
 def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: int, chunks: list[_ChunkWork],
                 todo: list[_ChunkWork], dirs: list[list[Path]], storage: str, want_tt: bool,
-                opts: ShardExtractOptions) -> None:
+                opts: ShardExtractOptions, plan_dir: Path) -> None:
     """Log the shard's projected size and refuse to start when what **every** shard of the plan still has to
     write (they run at once), times the headroom, plus the plan's ``reserve_bytes`` does not fit the free disk.
 
     This shard's bytes still to write are its chunks not done; another shard's are its projection minus its
-    finished chunks on disk (:func:`draftsmith.extract.folders.bytes_left`).
+    finished chunks on disk (:func:`draftsmith.extract.folders.bytes_left`). The free disk is measured where the
+    chunks go (``folder``); when the plan names the drafter's folder (``disk.drafter_dir``) on another file system,
+    the part of the reserve written there is held to that one's free bytes instead
+    (:func:`draftsmith.disk.measure_room`, which also removes dead writers' temporaries under the plan's
+    ``disk.results_dir`` and counts the others).
 
     Raises:
         DiskSpaceError: free disk < :func:`draftsmith.disk.needed_bytes` (all shards' bytes still to write,
-            ``disk_headroom``, the plan's reserve); the message names the shards with bytes still to write.
+            ``disk_headroom``, the plan's reserve); the message names the shards with bytes still to write and, from
+            the plan's ``disk.fit``, the smallest ``stream.slices`` that fits the whole run and what fp8 would need.
     """
     n_layers, hidden, headroom = len(plan["layer_ids"]), int(plan["hidden_size"]), float(opts.disk_headroom)
     rows, tokens = sum(len(c.rows) for c in chunks), sum(c.num_tokens for c in chunks)
@@ -546,21 +551,45 @@ def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: in
     left = bytes_left(plan, shard, own_left, dirs, storage=storage, want_tt=want_tt,
                       chunk_tokens=int(opts.chunk_tokens))
     remaining, reserve = sum(left.values()), int(plan.get("reserve_bytes", 0))
-    free = free_disk_bytes(folder)
+    disk = plan.get("disk") or {}
+    drafter_dir = plan_dir / disk["drafter_dir"] if disk.get("drafter_dir") else None
+    results_dir = plan_dir / disk["results_dir"] if disk.get("results_dir") else None
+    room = measure_room(folder, drafter_dir, results_dir=results_dir if todo else None)
+    elsewhere = int(disk.get("drafter_reserve_bytes", 0)) if room.reserve_free_bytes is not None else 0
+    free = room.free_bytes
     log.info("%s: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
              "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write (%.3f GB by all %d shards of the "
              "plan), reserve %.3f GB, %.3f GB free", name, rows, tokens, num_batches, len(chunks),
              len(chunks) - len(todo), total / 1e9, bytes_per_token(n_layers, hidden, storage, want_tt), n_layers,
              hidden, storage, " + target tokens" if want_tt else "", own_left / 1e9, remaining / 1e9,
              plan["num_shards"], reserve / 1e9, free / 1e9)
-    need = needed_bytes(remaining, headroom, reserve)
-    if todo and free < need:
+    need = needed_bytes(remaining, headroom, reserve - elsewhere)
+    short_elsewhere = elsewhere > (room.reserve_free_bytes or 0)
+    if todo and (free < need or short_elsewhere):
         shares = ", ".join(f"shard {j}: {b / 1e9:.3f} GB" for j, b in sorted(left.items()) if b)
-        raise DiskSpaceError(
-            f"{name}: {remaining / 1e9:.3f} GB still to write x headroom {headroom} = "
-            f"{math.ceil(remaining * headroom) / 1e9:.3f} GB by the {len(left)} shards of the plan, which run at "
-            f"once ({shares}), plus a reserve of {reserve / 1e9:.3f} GB for checkpoints and the trained drafter = "
-            f"{need / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free under {folder}")
+        reserve_text = (f"plus a reserve of {reserve / 1e9:.3f} GB for checkpoints and the trained drafter"
+                        if not elsewhere else
+                        f"plus {(reserve - elsewhere) / 1e9:.3f} GB kept for other features (the reserve of "
+                        f"{elsewhere / 1e9:.3f} GB for checkpoints and the trained drafter goes to {drafter_dir}, "
+                        f"{room.reserve_free_bytes / 1e9:.3f} GB free there)")
+        message = (f"{name}: {remaining / 1e9:.3f} GB still to write x headroom {headroom} = "
+                   f"{math.ceil(remaining * headroom) / 1e9:.3f} GB by the {len(left)} shards of the plan, which run "
+                   f"at once ({shares}), {reserve_text} = {need / 1e9:.3f} GB, but only {free / 1e9:.3f} GB free "
+                   f"under {folder}")
+        if disk.get("fit"):  # the whole run's advice, the features written so far counted as free
+            chunk_tokens = int(opts.chunk_tokens)
+            whole = {int(s["shard"]): projected_bytes(int(s["num_tokens"]), len(s["rows"]), n_layers, hidden,
+                                                      storage, want_tt, -(-int(s["num_tokens"]) // chunk_tokens))
+                     for s in plan["shards"]}
+            whole[shard] = total  # as bytes_left counts each shard
+            done = sum(max(0, whole[j] - left.get(j, 0)) for j in whole)
+            fit = disk_fit(**disk["fit"], storage_dtype=storage, target_token=want_tt, free_bytes=free + done,
+                           headroom=headroom, room=replace(room, free_bytes=free + done))
+            message += (f". For the whole run (the {done / 1e9:.3f} GB of features written so far counted as "
+                        f"free): {fit.message()}")
+        else:
+            message += "." + room.leftovers_note
+        raise DiskSpaceError(message)
 
 
 def _compute_chunks(todo: list[_ChunkWork], num_chunks: int, model: nn.Module | None, target_dir,

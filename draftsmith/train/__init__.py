@@ -30,7 +30,9 @@ folder; a phase's checkpoints also record the phase and the ``state.json`` sha25
 (``"phase"``) and the digest of its slice's chunks, and its marker ``<out>/phases/phase-{p}.json``
 (:data:`PHASE_FORMAT`) names its last checkpoint. A finished run or phase records its output in
 ``finished-<run|phase-p>.json`` beside its checkpoints; once that output is gone (Snakemake reruns the job) it starts
-fresh instead of resuming (:mod:`.checkpoint`).
+fresh instead of resuming (:mod:`.checkpoint`). ``verified-chunks.json`` beside them records the feature chunks the
+run verified (sha256, size, mtime_ns): a resume hashes only the chunks that differ from it. A save killed midway
+leaves ``.step-XXXXXXXX.tmp-<pid>@<host>``, which the next run removes.
 """
 
 from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, pack_rows, seed_of, split_samples

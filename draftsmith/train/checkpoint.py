@@ -27,7 +27,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.features import index_content_sha256
-from draftsmith.io import DiskFullError, disk_full, fsync_dir, is_disk_full, read_json, sha256_file, write_json
+from draftsmith.io import (
+    DiskFullError,
+    disk_full,
+    fsync_dir,
+    holds_lock,
+    is_disk_full,
+    read_json,
+    remove_dead_temporaries,
+    sha256_file,
+    write_json,
+    writer_mark,
+)
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.train.settings import CADENCE_KEYS, TrainOptions
 
@@ -112,7 +123,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}"
-    tmp = ckpt_dir / f".step-{step:08d}.tmp-{os.getpid()}"
+    tmp = ckpt_dir / f".step-{step:08d}.{writer_mark()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     name = ""
@@ -140,8 +151,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
         os.replace(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
-            raise disk_full(final / name if name else final, exc) from exc
+        if is_disk_full(exc):  # named under its final name (state.json's DiskFullError named the temporary one)
+            cause = exc.__cause__ if isinstance(exc, DiskFullError) and exc.__cause__ is not None else exc
+            raise disk_full(final / name if name else final, cause) from cause
         raise
     fsync_dir(ckpt_dir)
     write_json(ckpt_dir / "latest.json", {"step": step, "path": final.name})
@@ -151,6 +163,20 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: DFlashDraftModel, opt: tor
         if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def remove_dead_saves(checkpoints: Path) -> int:
+    """Remove the temporary folders of checkpoint saves whose writer died (``run-*/.step-N.tmp-<pid>@<host>``,
+    :func:`draftsmith.io.remove_dead_temporaries`) in every run folder under ``checkpoints`` (the folder holding the
+    ``run-*`` folders); the log names each with its bytes. A process that holds ``checkpoints``' writer lock
+    (:func:`draftsmith.io.lock_folder`) is its only writer: every other save's folder is dead. Returns the bytes
+    removed."""
+    only = holds_lock(checkpoints) if checkpoints.is_dir() else False
+    removed = 0
+    for run in sorted(checkpoints.glob("run-*")) if checkpoints.is_dir() else []:
+        gone, _ = remove_dead_temporaries(run, [".step-"], only_writer=only, what=f"checkpoints {run}")
+        removed += sum(t.bytes for t in gone)
+    return removed
 
 
 def verify_checkpoint(path: Path) -> dict | None:
@@ -244,6 +270,56 @@ def resume(ckpt_dir: Path, fingerprint: str, model: DFlashDraftModel, optimizer:
     if step < total_steps:
         log.info("resuming interrupted run from step %d of %d (%s)", step, total_steps, path)
     return step, history, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the chunk files a run verified
+
+VERIFIED_FORMAT = "draftsmith.verified-chunks/1"
+
+
+def verified_path(ckpt_dir: Path) -> Path:
+    """The record of the chunk files a run verified: ``ckpt_dir/verified-chunks.json``."""
+    return ckpt_dir / "verified-chunks.json"
+
+
+def read_verified(ckpt_dir: Path) -> dict[str, dict]:
+    """The chunk files this run verified (:data:`VERIFIED_FORMAT`): ``{resolved path: {"sha256", "bytes",
+    "mtime_ns"}}`` as they were when hashed; ``{}`` when there is no record or it is unreadable (everything is hashed
+    again)."""
+    path = verified_path(ckpt_dir)
+    if not path.is_file():
+        return {}
+    try:
+        doc = read_json(path)
+    except ValueError:
+        log.warning("%s is unreadable: every chunk file is hashed again", path)
+        return {}
+    chunks = doc.get("chunks") if isinstance(doc, dict) and doc.get("format") == VERIFIED_FORMAT else None
+    return dict(chunks) if isinstance(chunks, dict) else {}
+
+
+def chunks_to_verify(index, record: dict[str, dict], *, full: bool) -> tuple[list[int], dict[str, dict]]:
+    """Which chunk files of ``index`` (a :class:`~draftsmith.features.FeatureIndex`) must be hashed: all with
+    ``full``, else those whose sha256 in the index, size or ``mtime_ns`` differ from ``record``'s entry (a file
+    rewritten, or not yet verified by this run). Returns ``(their chunk numbers, the record entry of every chunk as
+    it is now)``; the entries are taken before hashing, so a file changed while it is hashed differs next time."""
+    todo, entries = [], {}
+    for ci, file in enumerate(index.files):
+        stat = file.stat()
+        entry = {"sha256": index.meta["chunks"][ci]["sha256"], "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        key = str(file.resolve())
+        entries[key] = entry
+        if full or {k: (record.get(key) or {}).get(k) for k in entry} != entry:
+            todo.append(ci)
+    return todo, entries
+
+
+def record_verified(ckpt_dir: Path, record: dict[str, dict], entries: dict[str, dict]) -> None:
+    """Write the record (atomically): ``record`` with ``entries`` (chunks just verified or found unchanged) added;
+    entries of files that no longer exist (a stream-mode slice deleted after its phase) are dropped."""
+    chunks = {k: v for k, v in {**record, **entries}.items() if Path(k).is_file()}
+    write_json(verified_path(ckpt_dir), {"format": VERIFIED_FORMAT, "chunks": dict(sorted(chunks.items()))})
 
 
 # ---------------------------------------------------------------------------------------------------------------

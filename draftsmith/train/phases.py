@@ -57,8 +57,11 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
 
     Resumes from the newest checkpoint of this phase in ``[first_step, end_step]`` trained on this slice's content
     (a killed phase; at ``end_step`` nothing is left to train) or else the checkpoint at ``first_step`` (the previous
-    phase's end; none for phase 0's step 0), after verifying the slice's chunk sha256; a finished phase whose marker
-    is gone (Snakemake reruns it) removes its checkpoints after ``first_step`` and trains again; checkpoints at
+    phase's end; none for phase 0's step 0). Before training it verifies the chunk sha256 of the slice (every chunk
+    from ``first_step``, the chunks changed since this run verified them on a resume) and of the held-out features
+    (those this run has not verified: :meth:`~draftsmith.train.trainer.Trainer.verify_features`); a finished phase
+    whose marker is gone (Snakemake reruns it) verifies its slice, then removes its checkpoints after ``first_step``
+    and trains again; checkpoints at
     ``end_step``; keeps the checkpoints at the first steps of this and the previous phase out
     of ``train.keep_checkpoints``' pruning (a rerun of this phase starts from the first); writes the marker.
 
@@ -112,10 +115,19 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
                                   data.plan_identity)
     run.use_checkpoints(fingerprint)
     content = index_content_sha256(index.meta, index.path)
+    # the slice is verified before a finished phase that is rerun loses its checkpoints; a fresh phase hashes every
+    # chunk of its slice, a resumed one those changed since this run verified them, and the held-out features once
+    rerun = run.rerun_of_finished(f"phase-{phase}")
+    if rerun:
+        run.verify_features(index, full=True, rerun=True)
     run.restart_finished(f"phase-{phase}", steps=range(current.first_step + 1, current.end_step + 1))
     start_step, start_sha, resumed = resume_phase(run, data.plan, current, prev, previous, content)
-    if start_step == current.first_step < current.end_step:
-        run.verify_features(index)
+    if start_step < current.end_step:
+        fresh = start_step == current.first_step
+        if not rerun:
+            run.verify_features(index, full=fresh, resuming=None if fresh else start_step)
+        if data.heldout_index is not None:
+            run.verify_features(data.heldout_index, full=False, resuming=None if fresh else start_step)
     run.start(start_step, f"phase {phase} of {len(data.plan.phases)}: steps {current.first_step}.."
                           f"{current.end_step - 1}")
 
@@ -215,6 +227,8 @@ def train_final(marker_path: str | os.PathLike, heldout_path: str | os.PathLike 
                          f"(state sha256 {marker['checkpoint']['state_sha256'][:12]}); rerun the last phase")
     step, run.history = restore(path, state, fingerprint, run.model, None, device)
     log.info("final checkpoint %s (step %d of %d)", path, step, data.plan.total_steps)
+    if data.heldout_index is not None:  # what the final metrics read: those changed since the phases verified them
+        run.verify_features(data.heldout_index, full=False)
     run.start(step, f"{len(data.plan.phases)} phases")
     try:
         return run.final_outputs(t_start, resumed_from_step=int(marker["resumed_from_step"]), earlier=marker,

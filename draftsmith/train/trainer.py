@@ -32,10 +32,14 @@ from draftsmith.target import load_target_embeddings_and_head
 from draftsmith.train.batches import Prefetcher, TrainItem, batch_maker, loss_weight
 from draftsmith.train.checkpoint import (
     checkpoint_steps,
+    chunks_to_verify,
     mark_finished,
     other_runs,
     read_finished,
+    read_verified,
+    record_verified,
     remove_checkpoints,
+    remove_dead_saves,
     resume,
     run_fingerprint,
     save_checkpoint,
@@ -69,8 +73,10 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
 
     The checkpoint folder is the run fingerprint's (settings and the features' content,
     :func:`~draftsmith.train.checkpoint.run_fingerprint`). An interrupted run resumes from its newest checkpoint; a
-    finished run whose ``trained/trainer_state.json`` is gone (Snakemake removed it to rerun train) starts fresh;
-    a fresh start first verifies every chunk file against the sha256 the index records.
+    finished run whose ``trained/trainer_state.json`` is gone (Snakemake removed it to rerun train) starts fresh.
+    A fresh start first verifies every chunk file against the sha256 the index records (a rerun of a finished run
+    before its checkpoints are removed); a resume hashes the chunks whose size or mtime changed since this run
+    verified them (:meth:`Trainer.verify_features`).
 
     Writes ``<out_dir>/trained/{model.safetensors, config.json, trainer_state.json}`` (trainer_state last),
     checkpoints under ``<out_dir>/checkpoints/``, TensorBoard scalars under ``<out_dir>/tensorboard/``.
@@ -93,8 +99,8 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
 
     Raises:
         ValueError: inconsistent features / config (named), too few samples for one optimizer step, a checkpoint
-            from a different configuration in ``checkpoints/``, or (starting fresh) a chunk file whose sha256 is not
-            the index's.
+            from a different configuration in ``checkpoints/``, or a chunk file whose sha256 is not the index's
+            (the checkpoints kept).
         NonFiniteError: a step's loss or gradient norm is not finite (:meth:`Trainer.check_finite`: the step and
             its rows named; the newest checkpoint is the last good state).
     """
@@ -111,16 +117,21 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # it was interrupted, and starts fresh when it finished and Snakemake reruns it (its output is gone)
     run.use_checkpoints(run_fingerprint(drafter_config_dict(run.config), settings.train, data.index.meta,
                                         ranks.world))
+    # the features are verified before anything of a finished run that is rerun is removed: a damaged chunk stops
+    # the rerun with the finished run's checkpoints in place
+    rerun = run.rerun_of_finished("run")
+    if rerun:
+        run.verify_features(data.index, full=True, rerun=True)
     finished = run.restart_finished("run")
     start_step, run.history, resumed = resume(run.ckpt_dir, run.fingerprint, run.model, run.optimizer, device,
                                               run.total_steps)
-    if start_step == 0:
-        if ranks.main:
-            log.info("run %s: starting fresh", run.ckpt_dir)
-        run.verify_features(data.index)
+    if start_step == 0 and ranks.main:
+        log.info("run %s: starting fresh", run.ckpt_dir)
     elif ranks.main and start_step == run.total_steps:
         log.info("%s at step %d%s: nothing left to train; writing trained/ again", "previous run finished" if finished
                  else "resuming interrupted run", start_step, " and its output is in place" if finished else "")
+    if not rerun:  # a fresh start hashes every chunk; a resume those changed since this run verified them
+        run.verify_features(data.index, full=start_step == 0, resuming=start_step or None)
     run.start(start_step, f"{data.plan.steps_per_epoch[0]} per epoch")
     run.restore_measurements(resumed)
 
@@ -186,11 +197,16 @@ class Trainer:
         self.writer = None
 
     def use_checkpoints(self, fingerprint: str) -> None:
-        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/``. Other runs' folders (other settings or
-        data) are left alone, to resume if the config goes back; a warning names them and the bytes they hold
-        (:func:`~draftsmith.train.checkpoint.other_runs`), which no disk check counts as free."""
+        """Checkpoint under ``<out>/checkpoints/run-<fingerprint[:12]>/``. Rank 0 first removes the temporary folders
+        of saves killed midway in every run folder (:func:`~draftsmith.train.checkpoint.remove_dead_saves`, named in
+        the log). Other runs' folders (other settings or data) are left alone, to resume if the config goes back; a
+        warning names them and the bytes they hold (:func:`~draftsmith.train.checkpoint.other_runs`), which no disk
+        check counts as free."""
         self.fingerprint = fingerprint
         self.ckpt_dir = self.out_dir / "checkpoints" / f"run-{fingerprint[:12]}"
+        if self.ranks.main:  # saves killed midway leave their temporary folders (a checkpoint's size each)
+            remove_dead_saves(self.ckpt_dir.parent)
+        barrier()
         others = other_runs(self.ckpt_dir)
         if others and self.ranks.main:
             held = sum(others.values())
@@ -216,16 +232,51 @@ class Trainer:
         barrier()
         return record is not None and in_place
 
-    def verify_features(self, index: FeatureIndex) -> None:
-        """Before a fresh start: this rank's share of ``index``'s chunk files against the sha256 the index records,
-        on torch's CPU threads (:func:`~draftsmith.features.verify_chunk_sha256`; raises its ValueError)."""
+    def rerun_of_finished(self, name: str) -> bool:
+        """Whether ``name`` (``"run"``, ``"phase-<p>"``) finished and is rerun (its record names an output that is
+        gone: :meth:`restart_finished` will remove its checkpoints). Reads only."""
+        record, in_place = read_finished(self.ckpt_dir, name)
+        return record is not None and not in_place
+
+    def verify_features(self, index: FeatureIndex, *, full: bool, resuming: int | None = None,
+                        rerun: bool = False) -> None:
+        """Before training on ``index``: its chunk files against the sha256 the index records, this rank's share on
+        torch's CPU threads (:func:`~draftsmith.features.verify_chunk_sha256`), before anything of a finished run is
+        removed.
+
+        ``full`` (a fresh start) hashes every chunk; otherwise only the chunks whose size or mtime differ from the
+        run's record of the chunks it verified (:func:`~draftsmith.train.checkpoint.chunks_to_verify`; a chunk
+        never verified by this run has no entry), so a resume costs a ``stat`` per unchanged chunk. Rank 0 then
+        records every chunk as verified (``<checkpoint folder>/verified-chunks.json``: sha256, size, mtime_ns).
+
+        Raises:
+            ValueError: a chunk whose sha256 is not the index's (the index, the chunk, its file and both digests
+                named); ``resuming`` (the step resumed from) or ``rerun`` (a finished run rerun) add that the run's
+                checkpoints are kept and what to do.
+        """
         t0 = time.time()
-        nbytes = verify_chunk_sha256(index, threads=torch.get_num_threads(),
-                                     share=(self.ranks.rank, self.ranks.world))
+        record = read_verified(self.ckpt_dir)  # kept for the other indexes' chunks (a slice, the held-out features)
+        todo, entries = chunks_to_verify(index, record, full=full)
+        try:
+            nbytes = verify_chunk_sha256(index, threads=torch.get_num_threads(),
+                                         share=(self.ranks.rank, self.ranks.world), chunks=todo)
+        except ValueError as exc:
+            if resuming is None and not rerun:
+                raise
+            doing = f"resuming run {self.ckpt_dir} from step {resuming}" if resuming is not None else \
+                f"rerunning the finished run {self.ckpt_dir}"
+            raise ValueError(f"{exc}; {doing}: its checkpoints are kept. Put the chunk file back as merge indexed it "
+                             "and rerun, or rerun extract and merge (features of other content train a new run)"
+                             ) from None
+        barrier()
         seconds = time.time() - t0
         if self.ranks.main:
-            log.info("verified the sha256 of the chunk files of %s before training on them (rank 0's share: %.2f GB "
-                     "in %.1f s, %.2f GB/s)", index.path, nbytes / 1e9, seconds, nbytes / 1e9 / max(seconds, 1e-9))
+            record_verified(self.ckpt_dir, record, entries)
+            log.info("verified the sha256 of the chunk files of %s before training on them: %d of %d chunk file(s) "
+                     "hashed, %s (rank 0's share: %.2f GB in %.1f s, %.2f GB/s)", index.path, len(todo),
+                     len(index.files), "every one (a fresh start)" if full else
+                     "the others unchanged since this run verified them (size and mtime)", nbytes / 1e9, seconds,
+                     nbytes / 1e9 / max(seconds, 1e-9))
 
     def start(self, start_step: int, steps_note: str) -> None:
         """Log the drafter, wrap the step's module (DDP across ranks, compiled layers on a GPU), make the batch
