@@ -33,7 +33,9 @@ check_config_files(workflow.configfiles)
 for note in check_config(
     config,
     f"{workflow.basedir}/schemas/config.schema.yaml",
-    overlay_keys(workflow.config_settings.configfiles, workflow.config_settings.config, f"{workflow.basedir}/config.yaml"),
+    overlay_keys(
+        workflow.config_settings.configfiles, workflow.config_settings.config, f"{workflow.basedir}/config.yaml"
+    ),
 ):
     logger.info(note)
 
