@@ -395,12 +395,12 @@ def test_resume_and_a_rerun_of_a_finished_run_behave_as_without_a_start(setup, t
 
 
 def planner_start(dest: Path, *, hidden: int = 576, layers: int = 2, taps=(1, 14, 27), mask: int = 3,
-                  block: int = 16, extra: dict | None = None) -> Path:
+                  block: int = 16, vocab: int = 49152, extra: dict | None = None) -> Path:
     """A drafter folder for the SmolLM2-shaped planner target (test_target_checks): config.json and a safetensors
     file that is only a header (planning reads headers only)."""
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
            "num_hidden_layers": layers, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-           "intermediate_size": 1536, "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 1e5,
+           "intermediate_size": 1536, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 1e5,
            "num_target_layers": 30, "layer_types": ["full_attention"] * layers, "is_causal": False,
            "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": mask, "block_size": block}}
     dest.mkdir(parents=True)
@@ -434,9 +434,11 @@ def test_snakemake_plans_with_a_start_and_refuses_a_contradiction_before_anythin
     wide = planner_start(tmp_path / "wide", hidden=640, extra={"layers.0.self_attn.sinks": (9,)})
     proc, out = dry({"drafter": {"init_from": str(wide)}})
     assert proc.returncode != 0 and "layers.0.self_attn.sinks" in out
-    wide_ok = planner_start(tmp_path / "wide-ok", hidden=640)
-    proc, out = dry({"drafter": {"init_from": str(wide_ok)}})
-    assert proc.returncode != 0 and "hidden_size is 640" in out and "the target's 576" in out, out[-3000:]
+    other = planner_start(tmp_path / "other-target", hidden=640, vocab=50000)
+    proc, out = dry({"drafter": {"init_from": str(other)}})
+    assert proc.returncode != 0 and planned_jobs(out) == {}, out[-3000:]
+    assert "hidden_size is 640" in out and "the target's 576" in out
+    assert "vocab_size is 50000" in out and "the target has 49152 vocab_size" in out
 
 
 # ------------------------------------------------------------------------------------------------
