@@ -41,6 +41,7 @@ from draftsmith.warm_start import (
 )
 from test_evaluate import _stage_kwargs, make_drafter, stage_inputs  # noqa: F401  (stage_inputs: a fixture)
 from test_train import make_samples, write_features
+from test_train_phases import stream_setup  # noqa: F401  (a fixture)
 from tiny import tiny_target, tiny_tokenizer
 from workflow import copy_workflow, planned_jobs, snakemake
 
@@ -388,6 +389,43 @@ def test_resume_and_a_rerun_of_a_finished_run_behave_as_without_a_start(setup, t
                                                    "target_layer_ids": TAPS}), threads=1)
     assert plain["fingerprint"] != first["fingerprint"]
     assert len(list((a / "checkpoints").glob("run-*"))) == 2
+
+
+def test_stream_phases_start_from_the_folder_as_the_offline_run_does(stream_setup, tmp_path):  # noqa: F811
+    """Stream mode: the phases of a run with a start (phase 0 from the folder's weights, the next ones from their
+    predecessor's checkpoint) and its end give the offline run's weights from the same start, bit for bit."""
+    from transformers import AutoConfig
+
+    from draftsmith.train import TrainPhaseSettings, train_final
+    from test_train_phases import DRAFTER, LAYERS, run_phases, stream_plan
+    from test_train_phases import MASK as PHASE_MASK
+    from test_train_phases import TRAIN as PHASE_TRAIN
+
+    target_config = AutoConfig.from_pretrained(stream_setup["target_dir"])
+    cfg = build_drafter_config(target_config, num_layers=1, block_size=4, target_layer_ids=LAYERS,
+                               mask_token_id=PHASE_MASK)
+    torch.manual_seed(11)
+    model = model_class_for(cfg.architectures)(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / "start")
+    drafter = {**DRAFTER, "init_from": str(tmp_path / "start")}
+    train_cfg = dict(PHASE_TRAIN, epochs=2, save_every=2)
+    settings = TrainPhaseSettings.from_config(train=train_cfg, drafter=drafter,
+                                              stream={"slices": 2, "reuse": 1, "heldout_samples": 1024})
+    rows = list(range(stream_setup["num_rows"]))
+    offline = train(stream_setup["index_of"](rows, "offline"), stream_setup["target_dir"], tmp_path / "offline",
+                    TrainSettings.from_config(train=train_cfg, drafter=drafter), threads=1)
+    out = tmp_path / "stream"
+    markers = run_phases(stream_setup, settings, out)
+    assert offline["resumed_from_step"] == 0 and len({m["fingerprint"] for m in markers}) == 1
+    _, held = stream_plan(stream_setup, settings)
+    heldout = stream_setup["index_of"](held, "heldout") if held else None
+    train_final(out / "phases" / f"phase-{len(markers) - 1}.json", heldout, stream_setup["tokenized"],
+                stream_setup["target_dir"], out, TrainSettings.from_config(train=train_cfg, drafter=drafter), threads=1)
+    wa, wb = (load_file(str(p / "trained" / "model.safetensors")) for p in (tmp_path / "offline", out))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 # ------------------------------------------------------------------------------------------------
