@@ -133,7 +133,9 @@ wait)
   while ! finished && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
   echo "after $(( $(date +%s) - $(cat "$W/start") )) s"
   cat "$W/times" 2>/dev/null || true
-  for f in "$W"/*.rc; do [ "$(cat "$f")" = 0 ] || { echo "FAILED: $f"; tail -25 "${f%.rc}.log"; }; done
+  for f in "$W"/*.rc; do
+    if [ -e "$f" ] && [ "$(cat "$f")" != 0 ]; then echo "FAILED: $f"; tail -25 "${f%.rc}.log" || true; fi
+  done
   for p in base scratch adapt; do
     grep -h "draftsmith.train INFO train:" "$W/$p/logs/train/train.log" 2>/dev/null | tail -1 | cut -c1-200 || true
   done
