@@ -16,7 +16,10 @@ sys.path.insert(0, workflow.basedir)
 # (Set here, not required from the user: hence no `envvars:` declaration.)
 os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])))
 
+from snakemake.logging import logger
+
 from draftsmith.config import check_config, check_config_files
+from draftsmith.warm_start import overlay_keys
 
 min_version("9.0")
 
@@ -25,7 +28,16 @@ configfile: "config.yaml"
 
 
 check_config_files(workflow.configfiles)
-check_config(config, f"{workflow.basedir}/schemas/config.schema.yaml")
+# the keys the user set (--configfile files, --config; config.yaml's are defaults): a start drafter
+# (drafter.init_from) must not contradict them, and gives its own shape to the others
+for note in check_config(
+    config,
+    f"{workflow.basedir}/schemas/config.schema.yaml",
+    overlay_keys(
+        workflow.config_settings.configfiles, workflow.config_settings.config, f"{workflow.basedir}/config.yaml"
+    ),
+):
+    logger.info(note)
 
 
 include: "rules/common.smk"

@@ -204,11 +204,24 @@ def check_config_files(paths) -> None:
         raise ConfigError("invalid configuration file(s):\n  " + "\n  ".join(errors))
 
 
-def check_config(config: dict, schema_path: str) -> None:
-    """Validate ``config`` against the schema file and fill in defaults (in place).
+def check_config(config: dict, schema_path: str, overlay: dict | None = None, *,
+                 workdir: str | Path | None = None) -> list[str]:
+    """Validate ``config`` against the schema file and fill in defaults (in place); with ``drafter.init_from``, make
+    the start folder the drafter's shape (:func:`draftsmith.warm_start.resolve_init_from`) before the cross-key
+    rules run on the result.
+
+    Args:
+        overlay: the keys the user set (:func:`draftsmith.warm_start.overlay_keys`: ``--configfile`` files and
+            ``--config``, config.yaml left out), which a start folder must not contradict; None: every key is a
+            default.
+        workdir: the project folder (default: the current one).
+
+    Returns:
+        Lines to log (which drafter keys a start folder decided).
 
     Raises:
-        ConfigError: with one line per violation, naming the key.
+        ConfigError: with one line per violation, naming the key (:class:`draftsmith.warm_start.InitFromError`
+            for a start folder that cannot start the run).
     """
     from snakemake.utils import validate
 
@@ -231,9 +244,15 @@ def check_config(config: dict, schema_path: str) -> None:
                     + f"; the sets are {', '.join(sets) or 'none'}" for name in unknown))
             config["evaluate"]["sets"] = {name: s for name, s in sets.items() if name in only}
     validate(config, schema_path)  # fills in the documented defaults
+    notes = []
+    if (config.get("drafter") or {}).get("init_from"):
+        from draftsmith.warm_start import resolve_init_from
+
+        notes = resolve_init_from(config, overlay, workdir=workdir)
     errors = cross_key_errors(config)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return notes
 
 
 def cross_key_errors(config: dict) -> list[str]:

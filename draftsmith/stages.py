@@ -105,7 +105,9 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                   "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
                               "loader_workers", "progress_interval", "logits_chunk_mib",
                               "activation_checkpointing")},
-        "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
+        # init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning
+        # made the shape keys the folder's (draftsmith.warm_start.resolve_init_from)
+        "drafter": {"output": ("init_from", "num_layers", "block_size", "target_layer_ids", "num_target_features",
                                "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
                                "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
                                "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
@@ -121,7 +123,9 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                   "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
                               "loader_workers", "progress_interval", "logits_chunk_mib",
                               "activation_checkpointing")},
-        "drafter": {"output": ("num_layers", "block_size", "target_layer_ids", "num_target_features",
+        # init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning
+        # made the shape keys the folder's (draftsmith.warm_start.resolve_init_from)
+        "drafter": {"output": ("init_from", "num_layers", "block_size", "target_layer_ids", "num_target_features",
                                "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
                                "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
                                "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
@@ -148,6 +152,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
                      "runtime": ("gpus", "rollback", "static_cache", "progress_interval",
                                  "checkpoint_interval")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
+        # the start drafter (its files are inputs too): decoded beside the trained one, the report's before -> after
+        "drafter": {"output": ("init_from",)},
         "gpu": {"runtime": ("cpu_fallback",)},
     },
 }

@@ -8,7 +8,10 @@ imports this module at parse time) and every setting that can be checked against
 * ``drafter.mask_token_id`` inside the target's vocabulary ``0 .. V - 1``;
 * ``drafter.block_size`` and ``tokenize.max_length`` within the target's positions (``max_position_embeddings``);
 * the folder holds a tokenizer the stages can load: a vocabulary file, ``tokenizer_config.json`` and a chat
-  template.
+  template;
+* a start drafter (``drafter.init_from``) made for this target: its taps inside the decoder layers, its width and
+  vocabulary the target's, its mask token none the target emits unless confirmed
+  (:func:`draftsmith.warm_start.start_target_errors`).
 
 Hybrid and multimodal checkpoints (Qwen3.5 / 3.6 ``Qwen3_5ForConditionalGeneration``) nest the decoder's keys under
 ``text_config``; they are read from there, as :func:`draftsmith.target.text_config` does.
@@ -30,6 +33,7 @@ from pathlib import Path
 
 from draftsmith.config import ConfigError
 from draftsmith.target_layers import default_target_layer_ids, num_tapped_layers, tapped_layer_ids
+from draftsmith.warm_start import start_target_errors
 
 #: block sizes of the published DFlash drafters (z-lab's Qwen3 / LLaMA / gpt-oss drafters, arXiv 2602.06036)
 PUBLISHED_BLOCK_SIZES = (8, 16)
@@ -43,6 +47,7 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _VOCAB_KEYS = ("vocab_size", "padded_vocab_size")
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 
 
 class TargetSettingsError(ConfigError):
@@ -58,12 +63,14 @@ class TargetShape:
         num_hidden_layers: L, decoder layers.
         vocab_size: V, rows of the embedding (token ids ``0 .. V - 1``).
         max_position_embeddings: positions the target was built for.
+        hidden_size: H, the decoder's width.
     """
 
     path: Path
     num_hidden_layers: int | None
     vocab_size: int | None
     max_position_embeddings: int | None
+    hidden_size: int | None = None
 
 
 def _first(config: Mapping, keys: tuple[str, ...]) -> int | None:
@@ -91,7 +98,7 @@ def read_target_shape(folder: str | Path) -> TargetShape:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     merged = {**config, **text}  # the decoder's own keys win over the wrapper's
     return TargetShape(path, _first(merged, _LAYER_KEYS), _first(merged, _VOCAB_KEYS),
-                       _first(merged, _POSITION_KEYS))
+                       _first(merged, _POSITION_KEYS), _first(merged, _HIDDEN_KEYS))
 
 
 def missing_tokenizer_files(folder: str | Path) -> list[str]:
@@ -170,6 +177,7 @@ def target_setting_errors(config: Mapping, folder: str | Path) -> list[str]:
         errors.append(f"drafter.mask_token_id: {mask} is outside the vocabulary 0..{V - 1} of {shape.path} "
                       "(vocab_size); use an id inside it, or null (the tokenizer's mask token, else the first "
                       "unused embedding row)")
+    errors += start_target_errors(config, folder, num_layers=L, hidden_size=shape.hidden_size, vocab_size=V)
     P, block = shape.max_position_embeddings, drafter.get("block_size")
     if P is not None and block is not None and int(block) > P:
         errors.append(f"drafter.block_size: {block} is above the {P} positions of {shape.path} "

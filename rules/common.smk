@@ -104,6 +104,15 @@ def target_tokenizer_files(wildcards=None):
     return [] if model.startswith(EMBEDDED) else tokenizer_files(target_dir())
 
 
+def init_from_files(wildcards=None):
+    """The start drafter's config.json and model.safetensors (drafter.init_from; none without one): inputs of train
+    and evaluate, so that a start whose files change reruns them (its path is in their params too)."""
+    from draftsmith.warm_start import START_FILES
+
+    init = config["drafter"].get("init_from")
+    return [os.path.join(init, name) for name in START_FILES] if init else []
+
+
 # Settings checked against the target before any GPU hour (draftsmith/target_checks.py: its config.json and tokenizer
 # files read as JSON): here, when the workflow is planned, if its folder exists (a local target, or an embedded one
 # an earlier run materialised: its config.json is there); otherwise the first rules that read it (disk_plan,

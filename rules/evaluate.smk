@@ -17,6 +17,7 @@ rule evaluate:
         eval="results/curated/eval.parquet",
         tokenized="results/tokenized/eval.parquet",
         trainer_state="results/drafter/trained/trainer_state.json",
+        start=init_from_files(),
     output:
         json="results/eval/report.json",
         md=report("results/eval/report.md", category="Evaluation", labels={"figure": "report (tables)"}),

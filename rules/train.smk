@@ -4,7 +4,8 @@
 # scripts/train.py leases the GPUs and runs torchrun; output goes to the console (progress: step, rate, ETA)
 # and to the log. In stream mode (stream.slices > 1, docs/stream.md) train_phase trains one phase of the global plan
 # on its slice (resuming from the previous phase's last checkpoint), and train ends the run: the final held-out
-# metrics and trained/, as offline.
+# metrics and trained/, as offline. With drafter.init_from the drafter starts from that folder (its files are inputs:
+# a changed start retrains).
 
 
 if STREAM:
@@ -19,6 +20,7 @@ if STREAM:
             plan="results/stream/plan.json",
             target=target_dir(),
             previous=previous_phase,
+            start=init_from_files(),
         output:
             marker="results/drafter/phases/phase-{phase}.json",
         log:
@@ -43,6 +45,7 @@ if STREAM:
             heldout="results/stream/heldout",
             train="results/tokenized/train.parquet",
             target=target_dir(),
+            start=init_from_files(),
         output:
             weights="results/drafter/trained/model.safetensors",
             config="results/drafter/trained/config.json",
@@ -67,6 +70,7 @@ else:
         input:
             index="results/features/index.json",
             target=target_dir(),
+            start=init_from_files(),
         output:
             weights="results/drafter/trained/model.safetensors",
             config="results/drafter/trained/config.json",

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # the stage after HF_HUB_OFFLINE, which huggingface_hub reads when it is imported; the lease before CUDA starts
 from draftsmith.evaluate import EvaluateSettings, drafter_name, run_evaluate  # noqa: E402
+from draftsmith.evaluate.report import start_drops  # noqa: E402
 
 settings = EvaluateSettings.from_rule(snakemake.params.settings, snakemake.config)
 lease_gpus(snakemake.resources.gpu, logger=log, job="evaluate", record=LEASE_LOG,
@@ -43,7 +44,13 @@ fastest = mtp.get("fastest")
 mtp_text = (f"; the target's MTP head, fastest at k={fastest}: τ {_num(mtp['by_tokens'][str(fastest)]['tau'])} "
             f"speedup {_num(mtp['by_tokens'][str(fastest)].get('speedup'), 'x')}, the drafter "
             f"{'faster' if mtp.get('drafter_faster') else 'NOT faster'}" if fastest is not None else "")
-log.info("evaluate done: %d prompts, %s τ %s speedup %s; prompt lookup τ %s speedup %s%s (report.md)",
+start = o.get("start")
+start_text = (f"; from the start drafter τ {_num(start['before']['tau'])} -> {_num(o['dflash']['tau'])}, tok/s "
+              f"{_num(start['before']['tokens_per_s'])} -> {_num(o['dflash']['tokens_per_s'])}"
+              + "".join(f"; τ DROPPED on {name} ({before:.2f} -> {after:.2f})"
+                        for name, before, after in start_drops(report) if name != "all")
+              if start else "")
+log.info("evaluate done: %d prompts, %s τ %s speedup %s; prompt lookup τ %s speedup %s%s%s (report.md)",
          o["prompts"], drafter_name(report["run"]), _num(o["dflash"]["tau"]), _num(o["dflash"].get("speedup"), "x"),
-         _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"), mtp_text)
+         _num(o["prompt_lookup"]["tau"]), _num(o["prompt_lookup"].get("speedup"), "x"), mtp_text, start_text)
 log_peak_memory(log)

@@ -326,6 +326,42 @@ def test_an_interrupted_retrain_resumes_and_replaces_the_drafter_and_its_report(
         assert sha256_file(work / path) != before[path], f"{path} is still the previous configuration's"
 
 
+def test_a_run_from_the_finished_drafter_trains_from_it_and_reports_before_and_after(finished_run, tmp_path):
+    """Issue 44 under Snakemake: drafter.init_from = the finished run's own drafter (copied out of results/, its mask
+    token, the tiny target's eos, confirmed). train, export and evaluate run (the features are reused: the same
+    taps); the train log names the start; the report has the before -> after section; nothing is left to do after;
+    new weights in the start's file (its mtime) plan train, export and evaluate again."""
+    from safetensors.torch import load_file, save_file
+
+    work = _finished_copy(finished_run, tmp_path)
+    start_cfg, start = _start_copy(work, tmp_path)
+    overlay = tmp_path / "warm.yaml"
+    overlay.write_text(yaml.safe_dump({"drafter": {"init_from": start,
+                                                   "mask_token_id": start_cfg["dflash_config"]["mask_token_id"]},
+                                       "train": {"lr": 1e-4}}))
+    config = ("--configfile", str(overlay))
+    dry = snakemake(work, "-n", *config)
+    out = dry.stdout + dry.stderr
+    assert dry.returncode == 0, out[-3000:]
+    assert planned_jobs(out) == {"train": 1, "export": 1, "evaluate": 1, "all": 1}
+    assert f"drafter.init_from {start}: the drafter's shape is the folder's" in out
+    proc = snakemake(work, *config)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert f"drafter starts from {start}" in (work / "logs/train/train.log").read_text()
+    report = json.loads((work / "results/eval/report.json").read_text())
+    assert report["run"]["start_drafter"] == start and report["overall"]["start"]["paired"]["matched"] > 0
+    assert "## Before -> after" in (work / "results/eval/report.md").read_text()
+    assert "from the start drafter τ" in (work / "logs/evaluate/evaluate.log").read_text()
+    dry = snakemake(work, "-n", *config)
+    assert planned_jobs(dry.stdout + dry.stderr) == {}
+    # other weights in the start's file: train, export and evaluate again
+    weights = load_file(str(Path(start) / "model.safetensors"))
+    save_file({k: v * 1.01 for k, v in weights.items()}, str(Path(start) / "model.safetensors"),
+              metadata={"format": "pt"})
+    dry = snakemake(work, "-n", *config)
+    assert planned_jobs(dry.stdout + dry.stderr) == {"train": 1, "export": 1, "evaluate": 1, "all": 1}
+
+
 def test_a_drafter_older_than_an_unfinished_retrain_stops_planning_naming_it(finished_run, tmp_path):
     """The retrain stopped before its script began (or a project left so by a version without draftsmith.stale):
     trained/ is missing, Snakemake's record of it says a train job started after the drafter and the report were
@@ -519,6 +555,15 @@ def _changed_value(section: str, key: str, value, node: dict, config: dict):
     raise AssertionError(f"no changed value for {section}.{key} = {value!r}: add one to _changed_value")
 
 
+def _start_copy(work: Path, dest: Path) -> tuple[dict, str]:
+    """The finished run's exported drafter copied out of results/ (a start for drafter.init_from): its config.json and
+    the copy's path."""
+    start = dest / "start-drafter"
+    if not start.is_dir():
+        shutil.copytree(work / "results" / "drafter" / "final", start)
+    return json.loads((start / "config.json").read_text()), str(start)
+
+
 def _overlay(folder: Path, section: str, key: str, value) -> Path:
     """A config file that changes one key (Snakemake merges it over config.yaml)."""
     path = folder / f"{section}.{key}.yaml"
@@ -552,8 +597,19 @@ def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path)
         for key, node in (props.get("properties") or {}).items():
             if (section, key) in STRUCTURAL_KEYS:
                 continue
-            new = _changed_value(section, key, base[section].get(key), node, base)
             changed = json.loads(json.dumps(base))
+            if (section, key) == ("drafter", "init_from"):  # the finished run's drafter, copied out of results/
+                start, new = _start_copy(work, tmp_path)
+                changed["drafter"]["init_from"] = new
+                changed["drafter"]["mask_token_id"] = start["dflash_config"]["mask_token_id"]  # confirmed: eos
+                path = tmp_path / "drafter.init_from.yaml"
+                path.write_text(yaml.safe_dump({"drafter": {k: changed["drafter"][k]
+                                                            for k in ("init_from", "mask_token_id")}}))
+                readers = {stage for stage in STAGE_KEYS if stage in in_dag
+                           and rule_params(base, stage) != rule_params(changed, stage)}
+                cases.append(("drafter.init_from", path, affected(readers) & in_dag))
+                continue
+            new = _changed_value(section, key, base[section].get(key), node, base)
             changed[section][key] = new
             dag = in_dag
             if (section, key) == ("assets", "dir"):  # every asset moves to a fresh folder
@@ -587,6 +643,7 @@ def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path)
              for name, expect, got, rc, out in results if rc or got != expect]
     assert not wrong, "\n".join(wrong)
     by_name = {name: got for name, _, got, _, _ in results}
+    assert by_name["drafter.init_from"] == {"train", "export", "evaluate"}  # the same taps: no extraction
     assert by_name["drafter.export_dtype"] == {"export", "evaluate"}
     assert by_name["tokenize.threads"] == set()
     assert by_name["train.lr"] == {"train", "export", "evaluate"}

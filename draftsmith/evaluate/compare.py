@@ -100,8 +100,21 @@ def _ratio_interval(base: np.ndarray, new: np.ndarray, resamples: int, rng: np.r
     return float(lo), float(hi)
 
 
-def _paired(base_rows: dict[str, dict], new_rows: dict[str, dict], resamples: int, seed: int) -> dict:
-    """Paired τ and tokens/s on the prompts both reports decoded, and the bootstrap intervals of their ratios."""
+def paired(base_rows: dict[str, dict], new_rows: dict[str, dict], resamples: int = 2000, seed: int = 0, *,
+           base_method: str = "dflash", new_method: str = "dflash") -> dict:
+    """Paired τ and tokens/s on the prompts both row sets hold (matched by key), and the 95% bootstrap intervals of
+    their ratios new / base (:func:`_ratio_interval`).
+
+    Args:
+        base_rows, new_rows: ``{key: per-prompt row}`` (report.json ``per_prompt`` rows: ``<method>_committed``,
+            ``<method>_steps``, ``<method>_tokens``, ``<method>_s``), e.g. keyed by ``prompt_key``.
+        base_method, new_method: the method each side reads (``dflash``; evaluate's before -> after pairs
+            ``dflash_start`` against ``dflash`` rows of one report).
+
+    Returns:
+        ``{"matched", "base_only", "new_only"}`` prompt counts and, when any matched, per metric (``tau``,
+        ``tokens_per_s``) ``{"base", "new", "ratio", "ratio_low", "ratio_high"}`` (None where a sum is 0).
+    """
     keys = [k for k in base_rows if k in new_rows]
     out = {"matched": len(keys), "base_only": len(base_rows) - len(keys), "new_only": len(new_rows) - len(keys)}
     if not keys:
@@ -111,9 +124,9 @@ def _paired(base_rows: dict[str, dict], new_rows: dict[str, dict], resamples: in
     def cols(rows: dict[str, dict], a: str, b: str) -> np.ndarray:  # [prompts, 2] float64
         return np.array([[rows[k][a], rows[k][b]] for k in keys], dtype=np.float64)
 
-    for metric, (num, den) in {"tau": ("dflash_committed", "dflash_steps"),
-                               "tokens_per_s": ("dflash_tokens", "dflash_s")}.items():
-        b, w = cols(base_rows, num, den), cols(new_rows, num, den)
+    for metric, (num, den) in {"tau": ("committed", "steps"), "tokens_per_s": ("tokens", "s")}.items():
+        b = cols(base_rows, f"{base_method}_{num}", f"{base_method}_{den}")
+        w = cols(new_rows, f"{new_method}_{num}", f"{new_method}_{den}")
         vb = b[:, 0].sum() / b[:, 1].sum() if b[:, 1].sum() > 0 else None
         vw = w[:, 0].sum() / w[:, 1].sum() if w[:, 1].sum() > 0 else None
         lo, hi = _ratio_interval(b, w, resamples, rng)
@@ -166,7 +179,7 @@ def compare_reports(base: dict, new: dict, *, names: tuple[str, str] = ("base", 
             "new_faster_than_mtp": (n["tokens_per_s"] > n["mtp_tokens_per_s"]
                                     if None not in (n["tokens_per_s"], n["mtp_tokens_per_s"]) else None),
             "paired": (None if base_rows is None or new_rows is None
-                       else _paired(base_rows, new_rows, resamples, seed)),
+                       else paired(base_rows, new_rows, resamples, seed)),
         }
     return out
 

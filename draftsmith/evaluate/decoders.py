@@ -39,7 +39,7 @@ from draftsmith.evaluate.prompts import (
     load_sets,
     render,
 )
-from draftsmith.evaluate.report import METHODS, mtp_method, summarize
+from draftsmith.evaluate.report import METHODS, START_METHOD, mtp_method, summarize
 from draftsmith.evaluate.sampling import SamplingConfig
 from draftsmith.evaluate.settings import EvaluateOptions, EvaluateSettings
 
@@ -98,25 +98,30 @@ class Decoders:
     layer_ids: list[int]
     mask_token_id: int | None
     architecture: str  # the drafter's class: DFlashDraftModel or DFlash2DraftModel
+    start_dir: str | None = None  # drafter.init_from: the drafter training started from, decoded too; None: none
+    start_sha: str | None = None  # its model.safetensors' sha256 (the resume key, the report)
     mtp_tokens: list[int] = dataclasses.field(default_factory=list)  # the MTP decodings (k); [] without an MTP head
     mtp_status: dict = dataclasses.field(default_factory=dict)  # draftsmith.evaluate.mtp.MTPStatus.to_dict()
-    loader: object = None  # () -> (target, DFlashProposer, static or None, {k: MTPProposer})
+    loader: object = None  # () -> (target, DFlashProposer, static or None, {k: MTPProposer}, start proposer or None)
     target: nn.Module | None = None
     dflash: DFlashProposer | None = None
+    start: DFlashProposer | None = None  # the drafter training started from, once loaded
     static: object | None = None
     mtp: dict = dataclasses.field(default_factory=dict)  # k -> MTPProposer, once loaded
     warmed: bool = False
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The methods every prompt is decoded by: :data:`~draftsmith.evaluate.report.METHODS` and the MTP head's,
-        one per k (``mtp_<k>``)."""
-        return METHODS + tuple(mtp_method(k) for k in self.mtp_tokens)
+        """The methods every prompt is decoded by: :data:`~draftsmith.evaluate.report.METHODS`, the MTP head's, one
+        per k (``mtp_<k>``), and with a start drafter :data:`~draftsmith.evaluate.report.START_METHOD`."""
+        return (METHODS + tuple(mtp_method(k) for k in self.mtp_tokens)
+                + ((START_METHOD,) if self.start_dir else ()))
 
     def load(self) -> None:
-        """Load the target, the drafter and the MTP head and build the proposers and the static path (once)."""
+        """Load the target, the drafter, the start drafter and the MTP head and build the proposers and the static
+        path (once)."""
         if self.target is None:
-            self.target, self.dflash, self.static, self.mtp = self.loader()
+            self.target, self.dflash, self.static, self.mtp, self.start = self.loader()
 
     def fits(self, num_prompt_tokens: int, max_new: int) -> bool:
         """Whether a prompt of ``num_prompt_tokens`` tokens is decoded with a budget of ``max_new`` new tokens
@@ -152,7 +157,7 @@ class Decoders:
                                               sampling=self.sampling, generator=gen, static=self.static,
                                               on_tokens=on_tokens)
             else:
-                proposer = {"dflash": self.dflash, "prompt_lookup": self.lookup}.get(method)
+                proposer = {"dflash": self.dflash, "prompt_lookup": self.lookup, START_METHOD: self.start}.get(method)
                 if proposer is None:
                     proposer = self.mtp[int(method.rsplit("_", 1)[1])]
                 out[method] = speculative_generate(self.target, proposer, ids, max_new_tokens=max_new,
@@ -233,6 +238,20 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
         log.info("no MTP rows: %s", status.reason)
         mtp_tokens = []
 
+    start_dir = settings.drafter.init_from
+    start_sha = None
+    if start_dir:
+        from draftsmith.io import sha256_file
+
+        start_cfg = drafter_config(start_dir)  # FileNotFoundError / ValueError: not a drafter folder
+        start_ids = [int(i) for i in draft_value(types.SimpleNamespace(**start_cfg), "target_layer_ids", [])]
+        if start_ids != layer_ids:
+            raise ValueError(f"drafter.init_from {start_dir} taps target layers {start_ids}, the trained drafter "
+                             f"{drafter_dir} {layer_ids}: the trained drafter was not trained from it")
+        start_sha = sha256_file(Path(start_dir) / "model.safetensors")
+        log.info("the drafter training started from (%s) decodes every prompt too: one more decoding per prompt, "
+                 "for the report's before -> after", start_dir)
+
     def load_models():
         target = load_target(target_dir, dtype=target_options.dtype, device=device,
                              attn_implementation=target_options.attn_implementation, trust_remote_code=trust)
@@ -243,13 +262,18 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
             raise RuntimeError(f"{cfg_path}: the loaded drafter has block size {dflash.block_size}, target layer ids "
                                f"{dflash.layer_ids}, mask token {dflash.mask_token_id}; its config.json read "
                                f"{block_size}, {layer_ids}, {mask}")
+        start = None
+        if start_dir:  # verified at the trained drafter's verify width, on the same taps
+            first = load_drafter(start_dir, device=device, dtype=dtype, implementation=inputs.drafter_implementation)
+            check_pair(first, target)
+            start = DFlashProposer(first, target, block_size=block_size)
         mtp = {}
         if mtp_tokens:
             drafter_mtp = MTPDrafter(load_mtp_head(target_dir, target, status.num_layers), target)
             mtp = {k: MTPProposer(drafter_mtp, k) for k in mtp_tokens}
         static = static_target(target, options, dflash, lookup, max_prompt_tokens, max_positions, device,
-                               list(mtp.values()))
-        return target, dflash, static, mtp
+                               list(mtp.values()), start)
+        return target, dflash, static, mtp, start
 
     sampling = SamplingConfig(float(options.temperature), float(options.top_p), int(options.top_k))
     return Decoders(tokenizer=tokenizer, template_kwargs=template_kwargs, tokenizer_fingerprint=fingerprint,
@@ -257,12 +281,14 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
                     rollback=options.rollback, device=device, dtype=dtype,
                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions, block_size=block_size,
                     layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask),
-                    architecture=drafter_architecture(raw_drafter_cfg), mtp_tokens=list(mtp_tokens),
-                    mtp_status=status.to_dict(), loader=load_models)
+                    architecture=drafter_architecture(raw_drafter_cfg), start_dir=start_dir or None,
+                    start_sha=start_sha, mtp_tokens=list(mtp_tokens), mtp_status=status.to_dict(),
+                    loader=load_models)
 
 
 def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashProposer, lookup: PromptLookupProposer,
-                  max_prompt_tokens: int, max_positions: int, device: torch.device, mtp: list | None = None):
+                  max_prompt_tokens: int, max_positions: int, device: torch.device, mtp: list | None = None,
+                  start: DFlashProposer | None = None):
     """The :class:`~draftsmith.evaluate.static.StaticTarget` every decoder shares, or None (dynamic cache).
 
     ``evaluate.static_cache``: ``auto`` = on CUDA when the target qualifies (:func:`~draftsmith.evaluate.static
@@ -272,7 +298,8 @@ def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashPro
     DFlash's layers and, for the MTP proposers (``mtp``: :class:`~draftsmith.evaluate.mtp.MTPProposer`), the last
     layer; every proposer's verify forwards are padded to one width (the widest block), so the greedy lossless
     reference runs the very kernels each one's verification runs. The MTP head then drafts on its fixed K/V
-    buffers with CUDA graphs too.
+    buffers with CUDA graphs too. The start drafter (``start``: ``drafter.init_from``, the same taps and width) drafts
+    on buffers of its own.
 
     Raises:
         ValueError: ``static_cache: true`` for a target it cannot serve.
@@ -297,10 +324,13 @@ def static_target(target: nn.Module, options: EvaluateOptions, dflash: DFlashPro
                           verify_width=width)
     log.info("target decodes on a static cache of %d positions%s", length,
              " with CUDA graphs" if static.cuda_graphs else "")
-    if dflash.use_static(length, cuda_graphs=static.cuda_graphs):
-        log.info("the drafter drafts on static K/V buffers%s", " with CUDA graphs" if static.cuda_graphs else "")
-    else:
-        log.info("the drafter drafts on a dynamic cache (%s)", StaticDrafter.supported(dflash.drafter)[1])
+    for name, proposer in (("the drafter", dflash), ("the start drafter", start)):
+        if proposer is None:
+            continue
+        if proposer.use_static(length, cuda_graphs=static.cuda_graphs):
+            log.info("%s drafts on static K/V buffers%s", name, " with CUDA graphs" if static.cuda_graphs else "")
+        else:
+            log.info("%s drafts on a dynamic cache (%s)", name, StaticDrafter.supported(proposer.drafter)[1])
     if mtp:
         drafter = mtp[0].drafter
         drafter.cache.ensure(length + 2 * width)  # sized once: its CUDA graphs keep the buffers' addresses
@@ -438,8 +468,9 @@ def tau_so_far(so_far: dict[str, list[GenerationResult]]) -> str:
     """``, τ so far: dflash 2.10, lookup 1.80`` (empty before the first prompt is decoded)."""
     if not so_far.get("dflash"):
         return ""
+    start = (f", start drafter {summarize(so_far[START_METHOD])['tau']:.2f}" if so_far.get(START_METHOD) else "")
     return (f", τ so far: dflash {summarize(so_far['dflash'])['tau']:.2f}"
-            f", lookup {summarize(so_far['prompt_lookup'])['tau']:.2f}")
+            f", lookup {summarize(so_far['prompt_lookup'])['tau']:.2f}{start}")
 
 
 def aggregate(bset: BenchmarkSet, records: dict[str, dict]) -> dict:

@@ -22,6 +22,10 @@ The target's own MTP head (:mod:`draftsmith.evaluate.mtp`), when its checkpoint 
 once per ``evaluate.mtp.num_speculative_tokens`` entry k (method ``mtp_<k>``): a set's ``mtp`` section holds each k's
 metrics (``by_tokens``), the fastest k in tokens/s, and whether the drafter is faster than that one
 (:func:`mtp_metrics`).
+
+With ``drafter.init_from`` the drafter training started from decodes every prompt too (method ``dflash_start``): a
+set's ``start`` section holds its figures and the trained drafter's against them, paired by prompt with bootstrap
+intervals (:func:`start_metrics`, through :func:`draftsmith.evaluate.compare.paired`), and whether τ dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ METHODS = ("target_only", "dflash", "prompt_lookup")
 #: report.json's ``format`` (also part of the key of saved conversations: a new format decodes them again);
 #: 3: the MTP head's methods and the sets' ``mtp`` sections
 REPORT_FORMAT = "draftsmith.eval/3"
+
+
+#: the method of the drafter training started from (``drafter.init_from``): every prompt decoded once more
+START_METHOD = "dflash_start"
 
 
 def mtp_method(k: int) -> str:
@@ -229,7 +237,8 @@ def _prompt_row(results: dict[str, list[GenerationResult]], i: int, label: str, 
     b = results["target_only"][i]
     row = {"prompt": label, "prompt_key": key, "prompt_tokens": b.num_prompt_tokens, "new_tokens": len(b.tokens),
            "target_only_s": b.seconds}
-    for name in ("dflash", "prompt_lookup", *(m for _, m in mtp_methods(results))):
+    for name in ("dflash", "prompt_lookup", *(m for _, m in mtp_methods(results)),
+                 *((START_METHOD,) if START_METHOD in results else ())):
         r = results[name][i]
         row.update({f"{name}_s": r.seconds, f"{name}_tau": r.tau, f"{name}_tokens": len(r.tokens),
                     f"{name}_committed": sum(r.committed), f"{name}_steps": len(r.committed)})
@@ -243,6 +252,7 @@ def _decoder_metrics(results: dict[str, list[GenerationResult]], labels: list[st
     base = results["target_only"]
     reference = results.get("reference") or base
     mtp = mtp_methods(results)
+    start = (START_METHOD,) if START_METHOD in results else ()
     out = {
         "target_only": summarize(base),
         "dflash": summarize(results["dflash"], base, block_size),
@@ -250,12 +260,56 @@ def _decoder_metrics(results: dict[str, list[GenerationResult]], labels: list[st
         "mtp": None,
         "lossless": None if not sampling.greedy else {
             name: lossless_check(reference, results[name], labels)
-            for name in ("dflash", "prompt_lookup", *(m for _, m in mtp))},
+            for name in ("dflash", "prompt_lookup", *(m for _, m in mtp), *start)},
     }
     if mtp:
         out["mtp"] = mtp_metrics({k: summarize(results[m], base, k + 1) for k, m in mtp}, out["dflash"])
+    if start:
+        out["start"] = start_metrics(results, block_size)
     if results.get("reference"):  # how often bf16 1-token forwards flip a near-tie against verify-width ones
         out["target_only_vs_reference"] = lossless_check(reference, base, labels)
+    return out
+
+
+def start_metrics(results: dict[str, list[GenerationResult]], block_size: int, resamples: int = 2000,
+                  seed: int = 0) -> dict:
+    """The ``start`` section of a set (or of the "all" row): the drafter training started from (``dflash_start``)
+    before, the trained drafter (``dflash``) after, on the same prompts of the same run.
+
+    Returns:
+        ``{"before": summarize(dflash_start), "paired": draftsmith.evaluate.compare.paired(...)`` (before = base,
+        after = new: ``tau`` and ``tokens_per_s`` with ``base``, ``new``, ``ratio`` and its 95% bootstrap interval
+        over prompts), ``"tau_change"``: τ after - τ before (None without steps), ``"tau_dropped"``: whether τ
+        after < τ before}``.
+    """
+    from draftsmith.evaluate.compare import paired
+
+    base = results["target_only"]
+    before = summarize(results[START_METHOD], base, block_size)
+    after = summarize(results["dflash"], base, block_size)
+    rows = {}
+    for i in range(len(base)):
+        row = {}
+        for name in ("dflash", START_METHOD):
+            r = results[name][i]
+            row.update({f"{name}_committed": sum(r.committed), f"{name}_steps": len(r.committed),
+                        f"{name}_tokens": len(r.tokens), f"{name}_s": r.seconds})
+        rows[str(i)] = row
+    pair = paired(rows, rows, resamples, seed, base_method=START_METHOD, new_method="dflash")
+    change = (after["tau"] - before["tau"]) if None not in (after["tau"], before["tau"]) else None
+    return {"before": before, "paired": pair, "tau_change": change,
+            "tau_dropped": None if change is None else change < 0}
+
+
+def start_drops(report: dict) -> list[tuple[str, float, float]]:
+    """``[(set, τ before, τ after)]`` of the sets (and the "all" row) whose τ the trained drafter lowered against the
+    drafter training started from (report.json ``start`` sections; ``[]`` without a start)."""
+    out = []
+    sections = list(report.get("sets", {}).items()) + [("all", report.get("overall") or {})]
+    for name, section in sections:
+        start = section.get("start")
+        if start and start.get("tau_dropped"):
+            out.append((name, start["before"]["tau"], section["dflash"]["tau"]))
     return out
 
 
@@ -318,6 +372,7 @@ def run_metadata(decoders: Decoders, target_dir: str, drafter_dir: str, drafter_
     sampling = decoders.sampling
     return {
         "mtp": {**decoders.mtp_status, "num_speculative_tokens": decoders.mtp_tokens},
+        "start_drafter": decoders.start_dir, "start_sha256": decoders.start_sha,
         "target": str(target_dir), "drafter": str(drafter_dir), "drafter_sha256": drafter_sha,
         "drafter_implementation": drafter_implementation, "drafter_architecture": decoders.architecture,
         "block_size": decoders.block_size, "target_layer_ids": decoders.layer_ids,
@@ -409,6 +464,9 @@ def render_markdown(report: dict) -> str:
     if run.get("lossless_reference"):
         lines.append(f"- lossless reference: {run['lossless_reference']}")
     lines.append(f"- the target's MTP head: {_mtp_line(run.get('mtp'))}")
+    if run.get("start_drafter"):
+        lines.append(f"- the drafter training started from (drafter.init_from): `{run['start_drafter']}`, decoded on "
+                     "every prompt too (one more decoding per prompt): the before -> after section below")
     lines.append("")
     lines.append("τ = tokens committed per target verify forward (bonus included). Speedup = tokens/s against "
                  "target-only decoding of the same prompts in the same run (wall clock, prefill included). "
@@ -434,6 +492,7 @@ def render_markdown(report: dict) -> str:
                          "lossless"], rows))
     lines.append("")
     lines += _mtp_table(report, drafter)
+    lines += _start_table(report, drafter)
     tr = report.get("training")
     if tr:
         decoded = (report["sets"].get("heldout") or {}).get("dflash", {}).get("tau")
@@ -537,6 +596,43 @@ def _mtp_table(report: dict, drafter: str) -> list[str]:
     return ["## The target's own MTP head (the number to beat)", "",
             "Every prompt decoded again with the target's MTP head drafting k tokens a verify step (τ, tokens/s and "
             "speedup as above; bold: the fastest k in tokens/s).", "", _table(header, rows), ""]
+
+
+def _start_table(report: dict, drafter: str) -> list[str]:
+    """report.md's before -> after section (``drafter.init_from``): per set the starting drafter's τ and tokens/s, the
+    trained drafter's, their ratios with 95% bootstrap intervals over prompts, and the sets whose τ dropped, named.
+    Empty without a start."""
+    sections = [(name, s) for name, s in report["sets"].items() if s.get("start")]
+    o = report.get("overall")
+    if o and o.get("start"):
+        sections.append(("**all**", o))
+    if not sections:
+        return []
+
+    def ratio(p: dict) -> str:
+        if not p or p.get("ratio") is None:
+            return "–"
+        low, high = p.get("ratio_low"), p.get("ratio_high")
+        return f"{p['ratio']:.3f}x" + ("" if low is None else f" [{low:.3f}, {high:.3f}]")
+
+    rows = []
+    for name, s in sections:
+        st, p = s["start"], s["start"]["paired"]
+        change = st["tau_change"]
+        rows.append([name, s["prompts"], st["before"]["tau"], s["dflash"]["tau"],
+                     "–" if change is None else f"{change:+.2f}" + (" **dropped**" if st["tau_dropped"] else ""),
+                     ratio(p.get("tau")), st["before"]["tokens_per_s"], s["dflash"]["tokens_per_s"],
+                     ratio(p.get("tokens_per_s"))])
+    drops = start_drops(report)
+    verdict = ("τ dropped on " + "; ".join(f"{n} ({b:.2f} -> {a:.2f}, {a - b:+.2f})" for n, b, a in drops)
+               + ": training made the drafter worse there (speculators#761: training metrics can improve while "
+               "decoding gets worse)" if drops else "τ held or rose on every set.")
+    return ["## Before -> after: the drafter training started from (drafter.init_from)", "",
+            "Every prompt decoded once more with the starting drafter (same target, prompts and run). τ after / "
+            f"before and tokens/s after / before are paired by prompt, with a 95% bootstrap interval over prompts. "
+            f"{verdict}",
+            "", _table(["set", "prompts", "τ before", f"{drafter} τ after", "τ change", "τ after / before [95%]",
+                        "tok/s before", "tok/s after", "tok/s after / before [95%]"], rows), ""]
 
 
 def _mtp_lossless(lossless: dict | None, ks: list[int]) -> str:

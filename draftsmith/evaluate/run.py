@@ -2,7 +2,8 @@
 
 For each prompt of each set: target-only decoding (the baseline and the lossless reference), DFlash
 speculative decoding with the exported drafter, prompt-lookup speculative decoding (reference
-drafter) and, when the target's checkpoint carries an MTP head, speculative decoding with it once per
+drafter), with ``drafter.init_from`` the drafter training started from (method ``dflash_start``: the report's before
+-> after) and, when the target's checkpoint carries an MTP head, speculative decoding with it once per
 ``evaluate.mtp.num_speculative_tokens`` entry, in an order rotated from prompt to prompt so that no method is
 always timed first.
 
@@ -43,6 +44,7 @@ from draftsmith.evaluate.report import (
     render_markdown,
     run_metadata,
     set_report,
+    start_drops,
     training_summary,
 )
 from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, saved_file, set_key, unsaved
@@ -163,6 +165,16 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     plot_per_position(report, outputs["positions"])
     plot_histogram(report, outputs["histogram"])
     shutil.rmtree(partial, ignore_errors=True)
+    if decoders.start_dir:  # before -> after: name every set whose τ the training lowered, with its size
+        drops = start_drops(report)
+        for name, before, after in drops:
+            log.warning("!!! τ dropped on set %s: %.2f with the drafter training started from (%s), %.2f after "
+                        "training (%+.2f); report.md's before -> after section pairs them by prompt", name, before,
+                        decoders.start_dir, after, after - before)
+        if not drops:
+            log.info("before -> after (%s): τ held or rose on every set: %s", decoders.start_dir, ", ".join(
+                f"{n} {s['start']['before']['tau']:.2f} -> {s['dflash']['tau']:.2f}"
+                for n, s in set_reports.items() if s.get("start") and s["start"]["before"]["tau"] is not None))
     bad = [n for n, s in set_reports.items() if s["lossless"] is not None
            and not all(check["lossless"] for check in s["lossless"].values())]
     if bad:

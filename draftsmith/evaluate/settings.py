@@ -1,4 +1,5 @@
-"""The configuration the evaluate stage reads: :class:`EvaluateSettings`, its ``evaluate`` and ``target`` sections.
+"""The configuration the evaluate stage reads: :class:`EvaluateSettings`, its ``evaluate`` and ``target`` sections and
+``drafter.init_from``.
 
 Fields are exactly the keys :data:`draftsmith.stages.STAGE_KEYS` lists for rule ``evaluate`` (output and runtime);
 defaults come from the schema (``schemas/config.schema.yaml``). ``scripts/evaluate.py`` builds it once
@@ -80,10 +81,20 @@ class TargetOptions(SectionSettings):
 
 
 @dataclass(frozen=True)
+class StartOptions(SectionSettings):
+    """Config ``drafter.init_from``: the drafter training started from, decoded beside the trained one (the report's
+    before -> after); None: no start, no extra decoding."""
+
+    SECTION: ClassVar[str] = "drafter"
+    init_from: str | None
+
+
+@dataclass(frozen=True)
 class EvaluateSettings(StageSettings):
     """Everything rule ``evaluate`` reads from the config."""
 
     STAGE: ClassVar[str] = "evaluate"
     evaluate: EvaluateOptions
     target: TargetOptions
+    drafter: StartOptions
     gpu: GpuOptions

@@ -53,7 +53,7 @@ SHARED_FEATURE_KEYS = ("layer_ids", "target_fingerprint", "tokenizer_fingerprint
 
 
 def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: dict, world: int,
-                    plan_identity: dict | None = None) -> str:
+                    plan_identity: dict | None = None, *, start: str | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
     ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), the features' identity and the
@@ -66,6 +66,10 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     the tokenized rows' lengths: what decides the global plan) joins the payload, so every phase of a run has the
     same fingerprint, whatever its slice holds (a phase's checkpoints record its slice's content instead:
     :func:`draftsmith.train.phases.resume_phase`).
+
+    ``start`` (``drafter.init_from``'s :func:`draftsmith.warm_start.start_digest`: the sha256 of its files) joins the
+    payload when the run starts from a drafter folder, so another start, or the same folder with other weights, trains
+    a fresh run; a run from random weights keeps the fingerprint it always had.
 
     Raises:
         ValueError: offline, a chunk of the index without a sha256.
@@ -80,6 +84,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }
+    if start is not None:
+        payload["start"] = start
     if plan_identity is not None:
         payload["plan"] = plan_identity
     else:

@@ -62,6 +62,68 @@ def build_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, draf
         selector_top_k=drafter.selector_top_k)
 
 
+def start_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, drafter: DrafterOptions,
+                       vocab_size: int):
+    """The drafter's config for a run from ``drafter.init_from``: the start folder's own ``config.json``
+    (:func:`~draftsmith.drafter_config.drafter_config_from_dict`; its RoPE, norms and sizes as they were trained),
+    after the checks planning made, again, against what this process reads.
+
+    Checks (every failure in one message): the tensor set against the folder's config; a ``drafter`` setting that is
+    neither null, nor the schema's default, nor the folder's value (planning replaced the defaults with the folder's
+    values, so a library caller's defaults are not contradictions); the features' layer ids against the folder's
+    taps; ``num_target_layers``, ``hidden_size`` and ``vocab_size`` (``vocab_size``: the target embedding's rows)
+    against the target; the mask token against the target's whole stop policy
+    (:func:`draftsmith.chat.stop_token_ids`, chat template's end of turn included), unless ``drafter.mask_token_id``
+    confirms it.
+
+    Raises:
+        ValueError: the start cannot start this run (each reason named, with the folder's and the other value).
+    """
+    from transformers import AutoConfig
+
+    from draftsmith.chat import load_tokenizer, stop_token_ids
+    from draftsmith.config import schema_defaults
+    from draftsmith.drafter_config import drafter_config_from_dict
+    from draftsmith.target import text_config
+    from draftsmith.warm_start import read_start, start_config_errors
+
+    start = read_start(drafter.init_from)
+    defaults = schema_defaults("drafter")
+    given = {k: v for k, v in drafter.to_dict().items()
+             if k != "init_from" and v is not None and v != defaults.get(k)}
+    errors = start_config_errors(start, given, index.layer_ids)
+    target = text_config(AutoConfig.from_pretrained(target_dir))
+    cfg, where = start.config, start.config_path
+    L = int(target.num_hidden_layers)
+    if cfg.get("num_target_layers") is not None and int(cfg["num_target_layers"]) != L:
+        errors.append(f"{where} num_target_layers {cfg['num_target_layers']}, but the target {target_dir} has {L} "
+                      "decoder layers")
+    if int(cfg["hidden_size"]) != int(target.hidden_size):
+        errors.append(f"{where} hidden_size {cfg['hidden_size']}, the target's {target.hidden_size}")
+    if int(cfg["vocab_size"]) != int(vocab_size):
+        errors.append(f"{where} vocab_size {cfg['vocab_size']}, the target's embedding has {vocab_size} rows")
+    try:
+        tokenizer = load_tokenizer(target_dir)
+    except Exception as exc:  # a target folder without a tokenizer: planning refused it already, unless a test
+        log.warning("no tokenizer in %s (%s): the start's mask token is not checked against its stop policy",
+                    target_dir, exc)
+        tokenizer = None
+    if tokenizer is not None:
+        kwargs = (getattr(index, "meta", None) or {}).get("chat_template_kwargs") or {}
+        stops = stop_token_ids(tokenizer, target_dir, kwargs)
+        if start.mask_token_id in stops and drafter.mask_token_id != start.mask_token_id:
+            errors.append(f"{where} dflash_config.mask_token_id {start.mask_token_id} is one of the target's stop "
+                          f"tokens {stops}; if the drafter was trained with it for this target, confirm it with "
+                          f"drafter.mask_token_id: {start.mask_token_id}")
+    if errors:
+        raise ValueError(f"drafter.init_from: {start.folder} cannot start this run:\n  " + "\n  ".join(errors))
+    config = drafter_config_from_dict(start.config)
+    log.info("drafter config from %s: %s, %d layers, block %d, taps %s, mask token %d", where,
+             config.ARCHITECTURE, config.num_hidden_layers, config.block_size, config.target_layer_ids,
+             config.mask_token_id)
+    return config
+
+
 def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
                    ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
     """AdamW over the trainable parameters at ``train.lr``, ``train.weight_decay`` on matrices only (fused on a

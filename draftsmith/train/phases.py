@@ -112,7 +112,7 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
     # -- model, then the checkpoint this phase starts from
     run = Trainer(data, target_dir, out_dir, settings, device, ranks)
     fingerprint = run_fingerprint(drafter_config_dict(run.config), cfg, data.features.meta, world,
-                                  data.plan_identity)
+                                  data.plan_identity, start=run.start_digest)
     run.use_checkpoints(fingerprint)
     content = index_content_sha256(index.meta, index.path)
     # the slice is verified before a finished phase that is rerun loses its checkpoints; a fresh phase hashes every
@@ -215,7 +215,8 @@ def train_final(marker_path: str | os.PathLike, heldout_path: str | os.PathLike 
 
     # -- model: the final checkpoint's weights
     run = Trainer(data, target_dir, out_dir, settings, device, ranks)
-    fingerprint = run_fingerprint(drafter_config_dict(run.config), cfg, features.meta, world, data.plan_identity)
+    fingerprint = run_fingerprint(drafter_config_dict(run.config), cfg, features.meta, world, data.plan_identity,
+                                  start=run.start_digest)
     if fingerprint != marker["fingerprint"]:
         raise ValueError(f"{marker_path}: the phases trained run {marker['fingerprint'][:12]}, but these settings and "
                          f"data give run {fingerprint[:12]}: the settings or the data changed after the phases ran")

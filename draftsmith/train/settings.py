@@ -60,6 +60,7 @@ class DrafterOptions(SectionSettings):
     """The ``drafter`` section: the drafter's architecture and shape, its tapped target layers and its mask token."""
 
     SECTION: ClassVar[str] = "drafter"
+    init_from: str | None  # a drafter folder to start from (draftsmith.warm_start); None: random initialisation
     num_layers: int
     block_size: int
     target_layer_ids: tuple[int, ...] | None

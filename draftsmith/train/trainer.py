@@ -54,9 +54,10 @@ from draftsmith.train.metrics import (
     log_train_step,
     peak_memory_gib,
 )
-from draftsmith.train.model import build_model_config, make_optimizer
+from draftsmith.train.model import build_model_config, make_optimizer, start_model_config
 from draftsmith.train.plan import TrainData, lr_factor, plan_data, plan_summary
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
+from draftsmith.warm_start import load_start_weights, start_digest
 
 log = logging.getLogger("draftsmith.train")
 
@@ -116,7 +117,7 @@ def train(index_path: str | os.PathLike, target_dir: str | os.PathLike, out_dir:
     # configuration or dataset starts fresh and leaves the other run's checkpoints alone; the same one resumes when
     # it was interrupted, and starts fresh when it finished and Snakemake reruns it (its output is gone)
     run.use_checkpoints(run_fingerprint(drafter_config_dict(run.config), settings.train, data.index.meta,
-                                        ranks.world))
+                                        ranks.world, start=run.start_digest))
     # the features are verified before anything of a finished run that is rerun is removed: a damaged chunk stops
     # the rerun with the finished run's checkpoints in place
     rerun = run.rerun_of_finished("run")
@@ -178,7 +179,14 @@ class Trainer:
         self.warmup = int(round(cfg.warmup_ratio * self.total_steps))
 
         embed, head = load_target_embeddings_and_head(Path(target_dir))
-        self.config = build_model_config(data.features, Path(target_dir), settings.drafter, embed.shape[0])
+        #: drafter.init_from: the folder the drafter starts from (its config is the drafter's) and its digest
+        self.start_dir = settings.drafter.init_from
+        self.start_digest = None
+        if self.start_dir:
+            self.config = start_model_config(data.features, Path(target_dir), settings.drafter, embed.shape[0])
+            self.start_digest = start_digest(self.start_dir)
+        else:
+            self.config = build_model_config(data.features, Path(target_dir), settings.drafter, embed.shape[0])
         tied = head is embed
         self.embed = embed.to(device=device, dtype=self.feature_dtype)
         self.head = self.embed if tied else head.to(device=device, dtype=self.feature_dtype)
@@ -187,6 +195,14 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialised where it trains: a large drafter built on one CPU thread is slow
             self.model = model_class_for(self.config.architectures)(self.config)
+        if self.start_dir:  # the start's weights, exactly (a resumed checkpoint replaces them later)
+            loaded = load_start_weights(self.model, self.start_dir)
+            if ranks.main:
+                log.info("drafter starts from %s (digest %s): %d tensors (%s in the file, now %s)%s", self.start_dir,
+                         self.start_digest[:12], loaded["tensors"], ", ".join(loaded["dtypes"]),
+                         str(next(self.model.parameters()).dtype).replace("torch.", ""),
+                         "; read " + ", ".join(f"{a} as {b}" for a, b in loaded["aliases"].items())
+                         if loaded["aliases"] else "")
         self.model.train()
         self.selector = isinstance(self.model, DFlash2DraftModel)  # DFlash2: the selector's metrics too
         self.optimizer, self.params = make_optimizer(self.model, cfg, self.on_gpu)
