@@ -115,7 +115,13 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
     flex attention; matched to draftsmith's run: lr, cosine schedule and warmup ratio, tokens per packed row,
     anchors per packed row, steps, seed. Loader workers: ``num_workers``, else ``$SPECULATORS_WORKERS``, else 8
     (its default, 12 spawned workers with 4 batches each in flight, holds ~50 GB of pinned host memory at the 27B
-    shape). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers)."""
+    shape). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
+
+    Loss kernel: ``$SPECULATORS_LOSS`` (default ``eager``). Its default, ``fused`` (Triton kernels called inside its
+    compiled forward), stopped torch 2.11's dynamo on the H200 before the first step ("ListVariable ... is already
+    tracked for mutation" on ``loss_backward_kernel.configs``; docs/peers/throughput-2026-12-03/speculators.log), so
+    the bench runs its eager loss: the same loss, computed by torch ops, which costs it some speed (said beside its
+    figures)."""
     if num_workers is None:
         num_workers = int(os.environ.get("SPECULATORS_WORKERS", "8"))
     entry = ([str(Path(__file__).resolve().parent / "cpu_shim.py"), "speculators.train"] if cpu
@@ -131,6 +137,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
            "--save-path", str(out), "--seed", str(seed), "--num-workers", str(num_workers),
            "--logger", "tensorboard", "--log-dir", str(log_dir), "--run-name", "peers", "--log-freq", "1",
            "--no-resume-from-checkpoint"]
+    if not cpu:
+        cmd += ["--loss-implementation", os.environ.get("SPECULATORS_LOSS", "eager")]
     for key, value in (dflash2 or {}).items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if cpu:

@@ -62,6 +62,12 @@ setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$site" "$WHEELS/$site"/*.whl
   done
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/draftsmith/*.whl
+  # datasets 4.5.0's torch formatter imports torchvision.io.VideoReader once torchvision is imported, and the device
+  # image's torchvision has no VideoReader (measured 2026-12-03: speculators' loader workers died on the ImportError);
+  # no column here is a video, so that branch is switched off in the peers' copy of datasets
+  for f in /tmp/site-speculators/datasets/formatting/torch_formatter.py /tmp/site/datasets/formatting/torch_formatter.py; do
+    [ -f "$f" ] && sed -i 's/if config.TORCHVISION_AVAILABLE and "torchvision" in sys.modules:/if False:  # bench: no VideoReader/' "$f"
+  done
   PYTHONPATH=/tmp/site-speculators python3 -c "import speculators.train.cli, speculators.train.config, datasets, \
 torch, transformers; from importlib.metadata import version as v; print('speculators', v('speculators'), 'torch', \
 torch.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__)"
