@@ -402,6 +402,15 @@ from draftsmith import gpu
 from draftsmith.config import schema_defaults
 from draftsmith.stages import rule_params
 
+class Out(NS):  # Snakemake's named output list: by name, by key, and iterated as its paths
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(vars(self).values())
+
+
 schema = yaml.safe_load(open("schemas/config.schema.yaml"))
 cases, tmp = json.loads(sys.argv[1]), sys.argv[2]
 results = {}
@@ -419,11 +428,11 @@ for rule, n, fallback in cases:
                    input=NS(**{k: v for k, v in vars(files).items() if k not in ("state", "marker")}),
                    output=[f"{tmp}/out/{rule}"])
     if rule == "train":
-        snakemake.output = NS(state=files.state)
+        snakemake.output = Out(state=files.state)
     if rule == "train_phase":
-        snakemake.output = NS(marker=files.marker)
+        snakemake.output = Out(marker=files.marker)
     if rule == "evaluate":
-        snakemake.output = {k: f"{tmp}/out/{k}" for k in ("json", "md", "tau", "positions", "histogram")}
+        snakemake.output = Out(**{k: f"{tmp}/out/{k}" for k in ("json", "md", "tau", "positions", "histogram")})
     try:
         runpy.run_path(f"scripts/{rule}.py", init_globals={"snakemake": snakemake})
         results[f"{rule} {n} {fallback}"] = "ran"
