@@ -7,7 +7,10 @@ naming the key path (``extract.shards``), then lets Snakemake's validator fill i
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import os
 from pathlib import Path
 
 import yaml
@@ -25,6 +28,23 @@ class ConfigError(ValueError):
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
 
+@functools.lru_cache(maxsize=8)
+def _parsed_schema(path: str, mtime_ns: int, size: int) -> dict:
+    with open(path, encoding="utf-8") as fh:  # libyaml's parser where PyYAML has it: 10x the pure-Python one
+        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def load_schema(path: str | os.PathLike = SCHEMA_PATH) -> dict:
+    """The config schema at ``path`` as a dict (a fresh copy each call), parsed once per process and file version:
+    every job reads its defaults from it several times, and Snakemake parses the workflow for every dry run.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    st = os.stat(path)
+    return copy.deepcopy(_parsed_schema(os.fspath(path), st.st_mtime_ns, st.st_size))
+
+
 def schema_defaults(section: str) -> dict:
     """``{key: default}`` of one config section, read from :data:`SCHEMA_PATH` (defaults live only there).
 
@@ -35,7 +55,7 @@ def schema_defaults(section: str) -> dict:
     if not SCHEMA_PATH.is_file():
         raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
                                 "schema of its checkout")
-    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema = load_schema(SCHEMA_PATH)
     try:
         props = schema["properties"][section]["properties"]
     except KeyError:
@@ -55,7 +75,7 @@ def schema_entry_defaults(section: str, key: str) -> dict:
     if not SCHEMA_PATH.is_file():
         raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
                                 "schema of its checkout")
-    schema = yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema = load_schema(SCHEMA_PATH)
     try:
         props = schema["properties"][section]["properties"][key]["additionalProperties"]["properties"]
     except (KeyError, TypeError):
@@ -225,8 +245,7 @@ def check_config(config: dict, schema_path: str, overlay: dict | None = None, *,
     """
     from snakemake.utils import validate
 
-    with open(schema_path, encoding="utf-8") as fh:
-        schema = yaml.safe_load(fh)
+    schema = load_schema(schema_path)
     errors = config_errors(config, schema)
     if errors:
         raise ConfigError("invalid configuration (see schemas/config.schema.yaml):\n  "

@@ -12,6 +12,8 @@ that test_modeling, test_train and test_export compare draftsmith's drafter, exp
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import os
 import shutil
@@ -41,13 +43,33 @@ WHEEL_SHA256 = {
 }
 
 
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """An exclusive lock on ``CACHE/.lock-<name>`` for as long as the block runs: pytest-xdist workers (and two
+    test runs sharing ``$DRAFTSMITH_TEST_CACHE``) fetch and unpack a wheel one at a time, never into each other's
+    partial folder."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".lock-{name}", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _fetch(spec: str) -> Path:
     name, version = spec.split("==")
     stem = f"{name.replace('-', '_')}-{version}"
     target = CACHE / stem
     if (target / ".complete").exists():
         return target
-    CACHE.mkdir(parents=True, exist_ok=True)
+    with cache_lock(stem):
+        return _fetch_locked(spec, stem, target)
+
+
+def _fetch_locked(spec: str, stem: str, target: Path) -> Path:
+    if (target / ".complete").exists():  # another worker unpacked it while this one waited
+        return target
     wheel = None
     for folder in LOCAL_WHEELS + [CACHE / "wheels"]:
         hits = sorted(folder.glob(f"{stem}-*.whl")) if folder.is_dir() else []

@@ -217,8 +217,8 @@ def test_failed_job_stops_the_dag_and_its_log_holds_the_traceback(workflow, tmp_
     assert not (work / "results" / "curated" / "train.parquet").exists()
 
 
-def test_changed_features_with_the_same_counts_and_forcerun_train_train_new_weights(workflow, tmp_path):
-    """Issue 33 item 6 on the tiny DAG (up to train, in its own copy). Shard 0's first chunk rewritten with the
+def test_changed_features_with_the_same_counts_and_forcerun_train_train_new_weights(finished_run, tmp_path):
+    """Issue 33 item 6 on the tiny DAG (a copy of the finished run). Shard 0's first chunk rewritten with the
     features negated (same samples, same counts; its manifest entry updated as extract writes it): Snakemake reruns
     merge and train, and train starts a fresh run with other weights instead of handing back the finished
     checkpoint. Then ``--forcerun train``: the weights file is written again by a run from step 0 (the log says
@@ -227,11 +227,10 @@ def test_changed_features_with_the_same_counts_and_forcerun_train_train_new_weig
 
     from extraction import rewrite_chunk
 
-    work = copy_workflow(tmp_path / "workflow")
-    shutil.copy2(workflow / "config.yaml", work / "config.yaml")
+    work = _finished_copy(finished_run, tmp_path)
     weights, log = work / "results/drafter/trained/model.safetensors", work / "logs/train/train.log"
-    proc = snakemake(work, str(weights.relative_to(work)))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    proc = snakemake(work, "-n", str(weights.relative_to(work)))
+    assert proc.returncode == 0 and planned_jobs(proc.stdout + proc.stderr) == {}, (proc.stdout + proc.stderr)[-6000:]
     w0 = load_file(str(weights))
 
     manifest_path = work / "results/features/shard-0/manifest.json"
