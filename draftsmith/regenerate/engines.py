@@ -124,7 +124,7 @@ class ContinuousBatchingEngine(Engine):
         new = int(self.gen.max_new_tokens or 0)
         tokens = sum(len(p) + new for p in prompts)
         return ContinuousBatchingConfig(num_blocks=-(-tokens // page) + len(prompts),
-                                        max_batch_tokens=max(1, min(8192, tokens)))
+                                        max_batch_tokens=max(1, min(8192, tokens)))  # 8192: transformers' default
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], on_done=None, on_step=None) -> list[list[int]]:
