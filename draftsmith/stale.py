@@ -146,11 +146,12 @@ def _inside(path: str) -> bool:
 
 def made_from(paths: Iterable[str], graph: Mapping[str, list[str]]) -> list[str]:
     """The outputs made from ``paths``, directly or through other outputs (breadth first; ``paths`` themselves
-    excluded), whether they exist or not."""
-    start = {os.path.normpath(str(p)) for p in paths}
+    excluded), whether they exist or not. Deterministic: ``paths`` and each file's consumers are visited in sorted
+    order, whatever the process's string hash seed."""
+    start = sorted({os.path.normpath(str(p)) for p in paths})
     seen, order, queue = set(start), [], deque(start)
     while queue:
-        for nxt in graph.get(queue.popleft(), ()):
+        for nxt in sorted(graph.get(queue.popleft(), ())):
             if nxt not in seen:
                 seen.add(nxt)
                 order.append(nxt)
