@@ -273,3 +273,39 @@ def test_flops_model_counts_each_trainers_anchor_rule():
     f = epoch_work(masks, config, trainer="specforge", num_anchors=8, batch_size=2)
     assert f.blocks == 16 and f.steps == 2
     assert 0 < d.flops(config)["total"]
+
+
+PROBED_TRAINER = """
+import torch
+muon_like = torch.nn.Parameter(torch.zeros(4, 4))
+adamw_like = torch.nn.Parameter(torch.zeros(4))
+first = torch.optim.SGD([muon_like], lr=0.1)
+second = torch.optim.AdamW([adamw_like], lr=0.1)
+for _ in range(5):
+    (muon_like.sum() + adamw_like.sum()).backward()
+    first.step()
+    second.step()
+    first.zero_grad()
+    second.zero_grad()
+"""
+
+
+def test_the_step_probe_counts_a_step_of_two_optimizers_once_and_times_the_optimizer(tmp_path):
+    """bench/peers/probe, the passive probe every trainer of the throughput bench runs under: a trainer stepping two
+    optimizers a step (speculators' Muon + AdamW) is counted one step per pair, each record carries the optimizer
+    time, and step_rates gives the medians the throughput table prints (step ms, optimizer ms)."""
+    import os
+    import subprocess
+
+    import peer_run
+
+    probe = tmp_path / "probe"
+    env = dict(os.environ, PEERS_PROBE=str(probe), PYTHONPATH=str(BENCH / "probe"))
+    subprocess.run([sys.executable, "-c", PROBED_TRAINER], env=env, check=True, timeout=120)
+    rec = peer_run.read_probe(probe)
+    assert rec["steps"] == 5 and rec["optimizer"] == "SGD"
+    assert len(rec["opt_s"]) == 5 and all(o is not None and 0 <= o < 5 for o in rec["opt_s"])
+    assert rec["t"] == sorted(rec["t"])
+    rates = peer_run.step_rates(rec, 100.0, warmup=1)
+    assert rates["steps_timed"] == 3 and rates["median_optimizer_s"] == sorted(rec["opt_s"][2:])[1]
+    assert rates["median"] > 0 and rates["window"] > 0

@@ -108,14 +108,15 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
                     block_size: int, mask_token_id: int, architecture: str, train_ratio: float, total_seq_len: int,
                     max_anchors: int, lr: float, epochs: int, max_steps: int, warmup_ratio: float, log_dir: Path,
                     seed: int = 0, num_workers: int | None = None, dflash2: dict | None = None,
-                    cpu: bool = False) -> list[str]:
+                    optimizer: str | None = None, cpu: bool = False) -> list[str]:
     """``python -m speculators.train`` (speculators 0.9.0, file backend, no vLLM: ``--on-missing raise``) on the
     writer's folder. Kept from its recipe: Muon (``--optimizer muon``, its default), its loss (CE on the verifier's
     argmax with D-PACE for DFlash; KL + fixed-exp-decay for DFlash2), grad clip 1.0 (hard-coded), bf16 autocast,
     flex attention; matched to draftsmith's run: lr, cosine schedule and warmup ratio, tokens per packed row,
     anchors per packed row, steps, seed. Loader workers: ``num_workers``, else ``$SPECULATORS_WORKERS``, else 8
     (its default, 12 spawned workers with 4 batches each in flight, holds ~50 GB of pinned host memory at the 27B
-    shape). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
+    shape). ``optimizer``: ``--optimizer`` (None: its default, Muon; ``adamw``: draftsmith's optimizer, the matched
+    ablation). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
 
     Loss kernel: ``$SPECULATORS_LOSS`` (default ``eager``). Its default, ``fused`` (Triton kernels called inside its
     compiled forward), stopped torch 2.11's dynamo on the H200 before the first step ("ListVariable ... is already
@@ -141,6 +142,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
         cmd += ["--loss-implementation", os.environ.get("SPECULATORS_LOSS", "eager")]
     for key, value in (dflash2 or {}).items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if optimizer:
+        cmd += ["--optimizer", optimizer]
     if cpu:
         cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
     return cmd
@@ -322,6 +325,7 @@ def read_probe(probe: Path) -> dict:
     res = [s["mem_reserved_gib"] for s in steps if s.get("mem_reserved_gib") is not None]
     return {"steps": len(steps), "first_step_s": steps[0]["t"], "t": [s["t"] for s in steps],
             "wall": [s["wall"] for s in steps], "optimizer": steps[0]["opt"],
+            "opt_s": [s.get("opt_s") for s in steps],
             "peak_alloc_gib": max(mem) if mem else None, "peak_reserved_gib": max(res) if res else None,
             "process_start": best.get("process_start"), "file": best.get("file")}
 
@@ -329,7 +333,9 @@ def read_probe(probe: Path) -> dict:
 def step_rates(probe: dict, tokens_per_step: list[float] | float, warmup: int) -> dict:
     """Context tokens/s after ``warmup`` steps from the probe's step times: ``window`` = tokens of steps
     warmup+1..N / their time; ``median`` = median over those steps of tokens / step interval (robust to a
-    checkpoint or validation pass between two steps). ``tokens_per_step``: per step, or one mean for all."""
+    checkpoint or validation pass between two steps); ``median_optimizer_s`` = median over those steps of the probe's
+    optimizer time (``opt_s``: GPU-synchronised optimizer steps). ``tokens_per_step``: per step, or one mean for
+    all."""
     t = probe.get("t") or []
     if len(t) <= warmup + 1:
         return {"window": None, "median": None, "steps_timed": 0}
@@ -339,8 +345,25 @@ def step_rates(probe: dict, tokens_per_step: list[float] | float, warmup: int) -
     window = sum(n for _, n in intervals) / sum(d for d, _ in intervals)
     rates = sorted(n / d for d, n in intervals if d > 0)
     dts = sorted(d for d, _ in intervals)
+    opt = sorted(o for o in (probe.get("opt_s") or [])[warmup + 1:] if o is not None)
     return {"window": window, "median": rates[len(rates) // 2], "steps_timed": len(intervals),
-            "median_step_s": dts[len(dts) // 2], "mean_step_s": sum(dts) / len(dts)}
+            "median_step_s": dts[len(dts) // 2], "mean_step_s": sum(dts) / len(dts),
+            "median_optimizer_s": opt[len(opt) // 2] if opt else None}
+
+
+def speculators_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, list[float]]:
+    """speculators' TensorBoard scalars ``tags`` (e.g. ``profile/fwd_ms``), each a list in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, dict[int, float]] = {tag: {} for tag in tags}
+    for f in sorted(log_dir.rglob("events.out.tfevents*")):
+        ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        ea.Reload()
+        have = set(ea.Tags().get("scalars", []))
+        for tag in tags:
+            if tag in have:
+                found[tag].update({e.step: e.value for e in ea.Scalars(tag)})
+    return {tag: [v[k] for k in sorted(v)] for tag, v in found.items()}
 
 
 def speculators_step_tokens(log_dir: Path) -> list[float]:
@@ -360,6 +383,19 @@ def speculators_step_tokens(log_dir: Path) -> list[float]:
             if e.step in ms:
                 tokens[e.step] = e.value * ms[e.step] / 1000.0
     return [round(tokens[k]) for k in sorted(tokens)]
+
+
+def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
+    """speculators' own per-step profile (TensorBoard ``profile/{fetch,fwd,bwd,clip,opt,step}_ms``): the median of
+    each over the steps after ``warmup``, in milliseconds (empty when it logged none)."""
+    names = ("fetch", "h2d", "fwd", "bwd", "clip", "opt", "step")
+    scalars = speculators_scalars(log_dir, tuple(f"profile/{n}_ms" for n in names))
+    out = {}
+    for n in names:
+        values = sorted(scalars[f"profile/{n}_ms"][warmup:])
+        if values:
+            out[f"{n}_ms"] = values[len(values) // 2]
+    return out
 
 
 def speculators_checkpoints(out: Path) -> list[Path]:

@@ -10,14 +10,16 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
    ``--tokens`` tokens of random bf16 features in draftsmith's format, documents of ShareGPT's lengths (prompt 30%
    unsupervised, answer supervised; bench/bench_train.py's ``write_ddp_features``);
 2. for each trainer in ``--trainers`` (draftsmith, speculators, specforge; DFlash2: draftsmith-dflash2,
-   speculators-dflash2), its files written from those features (bench/peers/writers.py; speculators' pre-norm slot
+   speculators-dflash2; speculators-adamw: speculators with ``--optimizer adamw``, draftsmith's optimizer, where its
+   default is Muon), its files written from those features (bench/peers/writers.py; speculators' pre-norm slot
    random), ``--steps`` optimizer steps of the trainer with the step probe (bench/peers/probe), its files deleted;
 3. per trainer: context tokens/s after ``--warmup`` steps (per-step tokens where the trainer logs them: draftsmith's
    window rate, speculators' TensorBoard profile; SpecForge logs samples/s only: its mean sample length is used),
    supervised tokens/s (x the supervised fraction of the rows), useful FLOPs per context token of its anchor rule
    (bench/peers/flops_model.py) -> TFLOP/s and MFU against the bf16 matmul peak measured first, the probe's peak
    ``torch.cuda.max_memory_allocated`` / ``reserved`` and nvidia-smi's, the time from process start to the end of
-   the first optimizer step.
+   the first optimizer step, the median time of an optimizer step (the probe's, GPU-synchronised) and, for
+   speculators, its own split of a step (``profile/{fetch,fwd,bwd,clip,opt}_ms``).
 
 Matched settings (each trainer's sizes from the config's train section): tokens per optimizer step (draftsmith's
 ``tokens_per_batch``; speculators ``--total-seq-len``; SpecForge ``batch_size`` = tokens_per_batch / mean document
@@ -54,7 +56,7 @@ sys.path.insert(0, str(HERE.parent))
 import peer_run  # noqa: E402
 from peerlib import REPO, human_bytes, json_ready  # noqa: E402
 
-TRAINERS = ("draftsmith", "speculators", "specforge", "draftsmith-dflash2", "speculators-dflash2")
+TRAINERS = ("draftsmith", "speculators", "specforge", "draftsmith-dflash2", "speculators-dflash2", "speculators-adamw")
 
 
 def say(msg: str) -> None:
@@ -170,7 +172,7 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
             architecture="dflash2" if dflash2 else "dflash", train_ratio=wrep["train_data_ratio"],
             total_seq_len=sizes["speculators_total_seq_len"], max_anchors=sizes["speculators_max_anchors"],
             lr=float(train["lr"]), epochs=epochs, max_steps=steps, warmup_ratio=float(train["warmup_ratio"]),
-            log_dir=scratch / "tb", dflash2=extra, cpu=cpu)
+            log_dir=scratch / "tb", dflash2=extra, optimizer="adamw" if name.endswith("-adamw") else None, cpu=cpu)
         cmd += ["--checkpoint-freq", "1000"]
         work = epoch_work(masks, config, trainer="speculators", capacity=sizes["speculators_total_seq_len"],
                           num_anchors=sizes["speculators_max_anchors"])
@@ -183,6 +185,10 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         if not tokens_per_step:
             tokens_per_step = work.ctx_tokens / max(1.0, work.steps)
         res["tokens_per_step_source"] = "tensorboard profile" if isinstance(tokens_per_step, list) else "mean"
+        try:  # its own split of a step: loading, forward, backward, clip, optimizer (ms, medians after the warm-up)
+            res["trainer_reported"] = {"profile_ms": peer_run.speculators_profile(scratch / "tb", warmup)}
+        except Exception as exc:  # the TensorBoard files unreadable
+            res["trainer_reported"] = {"profile_ms": None, "profile_error": repr(exc)}
     elif kind == "specforge":
         if dflash2:
             return {"trainer": name, "skipped": "SpecForge 0.2.0 has no DFlash2 strategy"}
@@ -223,6 +229,7 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         "returncode": run["returncode"], "wall_s": run["wall_s"], "steps": probe_rec.get("steps"),
         "first_step_s": probe_rec.get("first_step_s"), "ctx_tokens_per_s": rate,
         "ctx_tokens_per_s_window": rates["window"], "median_step_s": rates.get("median_step_s"),
+        "median_optimizer_s": rates.get("median_optimizer_s"),
         "supervised_tokens_per_s": rate * sup_frac if rate else None,
         "useful": useful, "tflops": rate * useful["flops_per_ctx_token"] / 1e12 if rate else None,
         "peak_alloc_gib": probe_rec.get("peak_alloc_gib"), "peak_reserved_gib": probe_rec.get("peak_reserved_gib"),
@@ -237,18 +244,20 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
 
 
 def table(results: dict) -> str:
-    rows = ["| trainer | architecture | steps | first step s | ctx tok/s | supervised tok/s | TFLOP/s (useful) | "
-            "MFU | peak alloc GiB | nvidia-smi GiB |", "|" + "---|" * 10]
+    rows = ["| trainer | architecture | steps | first step s | step ms | optimizer ms | ctx tok/s | supervised tok/s | "
+            "TFLOP/s (useful) | MFU | peak alloc GiB | nvidia-smi GiB |", "|" + "---|" * 12]
 
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) and x is not None else "n/a"
 
     for name, r in results.items():
         if r.get("skipped"):
-            rows.append(f"| {name} | {r['skipped']} |" + " |" * 8)
+            rows.append(f"| {name} | {r['skipped']} |" + " |" * 10)
             continue
         smi = r.get("nvidia_smi_peak_mib")
+        step, opt = r.get("median_step_s"), r.get("median_optimizer_s")
         rows.append(f"| {name} | {r.get('architecture')} | {r.get('steps')} | {f(r.get('first_step_s'), '.1f')} | "
+                    f"{f(step * 1e3 if step else None, '.0f')} | {f(opt * 1e3 if opt else None, '.0f')} | "
                     f"{f(r.get('ctx_tokens_per_s'), ',.0f')} | {f(r.get('supervised_tokens_per_s'), ',.0f')} | "
                     f"{f(r.get('tflops'), '.1f')} | {f(100 * r['mfu'], '.1f') + '%' if r.get('mfu') else 'n/a'} | "
                     f"{f(r.get('peak_alloc_gib'), '.1f')} | {f(smi / 1024 if smi else None, '.1f')} |")

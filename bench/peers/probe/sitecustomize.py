@@ -3,12 +3,16 @@
 step to ``<file>.<pid>``:
 
 ``{"step": k, "t": seconds since the process started, "wall": unix time, "opt": optimizer class,
-"mem_alloc_gib": torch.cuda.max_memory_allocated, "mem_reserved_gib": torch.cuda.max_memory_reserved}``
+"opt_s": seconds in optimizer steps since the last record, "mem_alloc_gib": torch.cuda.max_memory_allocated,
+"mem_reserved_gib": torch.cuda.max_memory_reserved}``
 
-It registers torch's global optimizer step post hook (``torch.optim.optimizer.register_optimizer_step_post_hook``,
-public API) and, for the time, synchronises the GPU after the step (every trainer here already synchronises each
-logged step). A trainer with two optimizers stepping together (speculators' Muon + AdamW) counts the optimizer that
-stepped first as the step. Nothing else of the trainer is touched; without ``PEERS_PROBE`` this file does nothing.
+It registers torch's global optimizer step pre and post hooks (``torch.optim.optimizer.
+register_optimizer_step_pre_hook`` / ``register_optimizer_step_post_hook``, public API) and, for the times,
+synchronises the GPU before and after each optimizer step (every trainer here already synchronises each logged step;
+the extra sync before the step waits for the backward pass, which the step needs anyway). A trainer with two
+optimizers stepping together (speculators' Muon + AdamW) counts the optimizer that stepped first as the step; ``opt_s``
+then holds the second optimizer's time of the step before and the first one's of this step, which in a steady run is
+one step's optimizer time. Nothing else of the trainer is touched; without ``PEERS_PROBE`` this file does nothing.
 """
 
 import os
@@ -32,7 +36,7 @@ if _OUT:
             return time.time()
 
     _START = _process_start()
-    _state = {"first": None, "steps": 0, "fh": None, "installed": False}
+    _state = {"first": None, "steps": 0, "fh": None, "installed": False, "t_pre": None, "opt_s": 0.0}
 
     def _write(record: dict) -> None:
         if _state["fh"] is None:
@@ -41,20 +45,37 @@ if _OUT:
                                            "argv": __import__("sys").argv[:3]}) + "\n")
         _state["fh"].write(json.dumps(record) + "\n")
 
+    def _cuda() -> bool:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _pre_hook(optimizer, args, kwargs) -> None:
+        import torch
+
+        if _cuda():
+            torch.cuda.synchronize()
+        _state["t_pre"] = time.time()
+
     def _hook(optimizer, args, kwargs) -> None:
         import torch
 
         key = id(optimizer)
         if _state["first"] is None:
             _state["first"] = key
-        if key != _state["first"]:
-            return
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda = _cuda()
         if cuda:
             torch.cuda.synchronize()
         now = time.time()
+        if _state["t_pre"] is not None:
+            _state["opt_s"] += now - _state["t_pre"]
+            _state["t_pre"] = None
+        if key != _state["first"]:
+            return
         _state["steps"] += 1
+        opt_s, _state["opt_s"] = _state["opt_s"], 0.0
         _write({"step": _state["steps"], "t": now - _START, "wall": now, "opt": type(optimizer).__name__,
+                "opt_s": opt_s,
                 "mem_alloc_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                 "mem_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None})
 
@@ -66,8 +87,9 @@ if _OUT:
 
         if "torch" not in sys.modules:
             return False
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+        register_optimizer_step_pre_hook(_pre_hook)
         register_optimizer_step_post_hook(_hook)
         _state["installed"] = True
         return True
