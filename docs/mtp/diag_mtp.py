@@ -5,15 +5,20 @@ of 40. This decodes each variant and prints where it first differs from the refe
 top-2 logit gaps (a near tie would explain a flip that a wrong state would not):
 
 * the target with and without the random final norm the MTP test gives it;
-* the static target tapping [1, 2] (as the passing DFlash test) and [1, 2, 3] (the last layer, as MTP needs);
-* target-only and prompt lookup on that static target, prompt lookup on the dynamic one;
+* the static target tapping [1, 2] (as the passing DFlash test) and [1, 2, 3] (the last layer, as MTP needs: the
+  MTP rows run on that one only);
+* target-only on that static target (1-token forwards, and padded to the verify width: evaluate's lossless
+  reference), prompt lookup on it and on the dynamic target;
 * MTP k = 1, 2, 3 on the static target with its drafting step graphed and eager, and on the dynamic target.
+
+Each row prints as soon as it is decoded, with the reference's top-2 logit gap at its first difference.
 
 Run on the device after ``docs/mtp/run.sh setup .whl``: ``PYTHONPATH=/tmp/site:$PWD python3 docs/mtp/diag_mtp.py``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -45,39 +50,50 @@ class Folders:
 
 def main() -> None:
     _, folder, _ = te.mtp_target("qwen3_5", Folders())
-    dev, new = torch.device("cuda"), 40
+    dev, new = torch.device(os.environ.get("DIAG_DEVICE", "cuda")), 40  # DIAG_DEVICE=cpu: a rehearsal, no graphs
+    graphed = dev.type == "cuda"
     for random_norm in (False, True):
         base = tiny_target("qwen3_5", initializer_range=0.1, max_position_embeddings=256)
         tgt = (randomize_final_norm(base) if random_norm else base).to(dev)
         ids = te.prompt(1, length=150).to(dev)
         ref = te.target_generate(tgt, ids, max_new_tokens=new).tokens
-        for taps in ([1, 2], [1, 2, 3]):
-            static = StaticTarget(tgt, ids.shape[1] + new + te.BLOCK + 1, layer_ids=taps, cuda_graphs=True,
-                                  verify_width=te.BLOCK)
-            lookup = PromptLookupProposer(3, te.BLOCK - 1)
-            rows = {
-                "target-only static": te.target_generate(tgt, ids, max_new_tokens=new, static=static).tokens,
-                "lookup static": speculative_generate(tgt, lookup, ids, max_new_tokens=new, static=static).tokens,
-                "lookup dynamic": speculative_generate(tgt, lookup, ids, max_new_tokens=new).tokens,
-            }
-            for k in (1, 2, 3):
-                for graphs in (True, False):
-                    proposer = te._mtp_proposer(tgt, folder, k, device=dev if graphs else None)
-                    rows[f"mtp k={k} static graphs={graphs}"] = speculative_generate(
-                        tgt, proposer, ids, max_new_tokens=new, static=static).tokens
-                proposer = te._mtp_proposer(tgt, folder, k)
-                rows[f"mtp k={k} dynamic"] = speculative_generate(tgt, proposer, ids, max_new_tokens=new).tokens
-            for name, tokens in rows.items():
-                print(f"random norm {random_norm}, taps {taps}: {name}: first difference at "
-                      f"{first_diff(tokens, ref)}", flush=True)
         full = torch.cat([ids[0], torch.tensor(ref, device=dev)])[None]
         with torch.no_grad():
             logits = tgt(full).logits[0, ids.shape[1] - 1:-1].float()
         top2 = logits.topk(2, dim=-1).values
         gaps = top2[:, 0] - top2[:, 1]
         order = gaps.argsort()[:5].tolist()
-        print(f"random norm {random_norm}: smallest top-2 logit gaps along the reference "
-              f"{[round(gaps[i].item(), 5) for i in order]} at new tokens {order}", flush=True)
+        print(f"random norm {random_norm}: logit scale {logits.abs().max().item():.4f}; smallest top-2 logit gaps "
+              f"along the dynamic reference {[round(gaps[i].item(), 6) for i in order]} at new tokens {order}",
+              flush=True)
+
+        def show(taps, name, tokens):
+            at = first_diff(tokens, ref)
+            gap = f", reference top-2 gap there {gaps[at].item():.6f}" if at is not None and at < len(gaps) else ""
+            print(f"random norm {random_norm}, taps {taps}: {name}: first difference at {at}{gap}", flush=True)
+
+        for taps in ([1, 2], [1, 2, 3]):
+            static = StaticTarget(tgt, ids.shape[1] + new + te.BLOCK + 1, layer_ids=taps, cuda_graphs=graphed,
+                                  verify_width=te.BLOCK)
+            lookup = PromptLookupProposer(3, te.BLOCK - 1)
+            show(taps, "target-only static", te.target_generate(tgt, ids, max_new_tokens=new, static=static).tokens)
+            wide = te.target_generate(tgt, ids, max_new_tokens=new, static=static, width=None).tokens
+            show(taps, "target-only static at the verify width", wide)
+            show(taps, "lookup static",
+                 speculative_generate(tgt, lookup, ids, max_new_tokens=new, static=static).tokens)
+            show(taps, "lookup dynamic", speculative_generate(tgt, lookup, ids, max_new_tokens=new).tokens)
+            if 3 not in taps:  # the MTP head reads the last layer's post-norm state: the static target must tap it
+                continue
+            for k in (1, 2, 3):
+                for graphs in (True, False) if graphed else (False,):
+                    proposer = te._mtp_proposer(tgt, folder, k, device=dev if graphs else None)
+                    out = speculative_generate(tgt, proposer, ids, max_new_tokens=new, static=static).tokens
+                    show(taps, f"mtp k={k} static graphs={graphs}", out)
+                    print(f"    ... against the verify-width reference: first difference at {first_diff(out, wide)}",
+                          flush=True)
+                proposer = te._mtp_proposer(tgt, folder, k)
+                show(taps, f"mtp k={k} dynamic",
+                     speculative_generate(tgt, proposer, ids, max_new_tokens=new).tokens)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ evaluate)
       --paths true --mtp-tokens 1,2,3 --drafter-layers 5 --out "$2" --json "$2/bench-evaluate-stage-mtp.json" \
       > "$2/evaluate.log" 2>&1 || { tail -40 "$2/evaluate.log"; exit 1; }
   grep -v '^\[transformers\]' "$2/evaluate.log" | grep -E "MTP|static_cache|lossless|peak|graph|CUDA" | tail -20
+  # a device call returns at most 8 files: the report, its markdown and its plot travel as one tarball
+  (cd "$2" && tar czf evaluate-report.tgz static-true-* && rm -f static-true-*)
   echo "evaluate done after $(( $(date +%s) - t0 )) s"
   ;;
 cpu)  # the rehearsal here: tiny shapes, float32, eager (no GPU)
