@@ -351,8 +351,8 @@ def step_rates(probe: dict, tokens_per_step: list[float] | float, warmup: int) -
             "median_optimizer_s": opt[len(opt) // 2] if opt else None}
 
 
-def speculators_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, list[float]]:
-    """speculators' TensorBoard scalars ``tags`` (e.g. ``profile/fwd_ms``), each a list in step order."""
+def speculators_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, dict[int, float]]:
+    """speculators' TensorBoard scalars ``tags`` (e.g. ``profile/fwd_ms``): for each, ``{step: value}``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     found: dict[str, dict[int, float]] = {tag: {} for tag in tags}
@@ -363,26 +363,15 @@ def speculators_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, list[
         for tag in tags:
             if tag in have:
                 found[tag].update({e.step: e.value for e in ea.Scalars(tag)})
-    return {tag: [v[k] for k in sorted(v)] for tag, v in found.items()}
+    return found
 
 
 def speculators_step_tokens(log_dir: Path) -> list[float]:
     """speculators' context tokens per step (TensorBoard ``profile/tokens_per_s`` x ``profile/step_ms``: the
     packed row's non-padding tokens), in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tokens: dict[int, float] = {}
-    for f in sorted(log_dir.rglob("events.out.tfevents*")):
-        ea = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        ea.Reload()
-        tags = ea.Tags().get("scalars", [])
-        if "profile/tokens_per_s" not in tags:
-            continue
-        ms = {e.step: e.value for e in ea.Scalars("profile/step_ms")}
-        for e in ea.Scalars("profile/tokens_per_s"):
-            if e.step in ms:
-                tokens[e.step] = e.value * ms[e.step] / 1000.0
-    return [round(tokens[k]) for k in sorted(tokens)]
+    s = speculators_scalars(log_dir, ("profile/tokens_per_s", "profile/step_ms"))
+    rate, ms = s["profile/tokens_per_s"], s["profile/step_ms"]
+    return [round(rate[k] * ms[k] / 1000.0) for k in sorted(rate) if k in ms]
 
 
 def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
@@ -392,7 +381,8 @@ def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
     scalars = speculators_scalars(log_dir, tuple(f"profile/{n}_ms" for n in names))
     out = {}
     for n in names:
-        values = sorted(scalars[f"profile/{n}_ms"][warmup:])
+        by_step = scalars[f"profile/{n}_ms"]
+        values = sorted(by_step[k] for k in sorted(by_step)[warmup:])
         if values:
             out[f"{n}_ms"] = values[len(values) // 2]
     return out
