@@ -9,7 +9,9 @@ draftsmith run (``results/`` there), with the run's config files.
     python bench/peers/quality.py evaluate --peer specforge --config ... --out results/peers/   # -> <peer>/eval
     python bench/peers/quality.py compare  --config ... --out results/peers/   # compare-<peer>.{md,json}, summary.md
 
-Peers: ``speculators``, ``specforge``, ``speculators-dflash2`` (SpecForge 0.2.0 has no DFlash2). What each is told
+Peers: ``speculators``, ``specforge``, ``speculators-dflash2`` (SpecForge 0.2.0 has no DFlash2) and
+``speculators-adamw`` (speculators with ``--optimizer adamw``, draftsmith's optimizer, where its default is Muon: the
+ablation that tells its optimizer from the rest of its recipe). What each is told
 (from draftsmith's run; each setting named in ``results/peers/<peer>/train.json``):
 
 * the drafter: ``results/drafter/final/config.json`` (draftsmith's export: layers, block size, taps, mask token,
@@ -46,7 +48,7 @@ sys.path.insert(0, str(HERE))
 import peer_run  # noqa: E402
 from peerlib import REPO, draftsmith_split, json_ready, load_config  # noqa: E402
 
-PEERS = ("speculators", "specforge", "speculators-dflash2")
+PEERS = ("speculators", "specforge", "speculators-dflash2", "speculators-adamw")
 
 
 def say(msg: str) -> None:
@@ -149,7 +151,8 @@ def train(run: Run, peer: str, out: Path, *, cpu: bool, timeout: float, keep_dat
             layer_ids=rows.layer_ids, block_size=config.block_size, mask_token_id=config.mask_token_id,
             architecture="dflash2" if dflash2 else "dflash", train_ratio=wrep["train_data_ratio"],
             total_seq_len=total_seq_len, max_anchors=max_anchors, lr=lr, epochs=epochs, max_steps=run.steps,
-            warmup_ratio=warmup, log_dir=dirs["train"] / "tb", seed=seed, dflash2=extra, cpu=cpu)
+            warmup_ratio=warmup, log_dir=dirs["train"] / "tb", seed=seed, dflash2=extra,
+            optimizer="adamw" if peer.endswith("-adamw") else None, cpu=cpu)
         record.update(writer=wrep, epochs=epochs, steps_per_epoch=per_epoch, total_seq_len=total_seq_len,
                       max_anchors=max_anchors, command=cmd)
         work = epoch_work([rows.tokenized.row(r)[1] for r in train_rows], config, trainer="speculators",

@@ -21,7 +21,7 @@
 #                                             wrote into OUT/peers-<mode>.tgz and print its tables
 # Environment:
 #   PEERS_CONFIGS   quality's config files (default "config/gpu-proof.yaml docs/peers/quality.yaml")
-#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2)
+#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw)
 #   PEERS_OVERLAP   1: each peer writes its files and trains while the previous drafter is evaluated (saves ~8
 #                   minutes; its training then shares the GPU with a decoding process: its wall time is no speed
 #                   figure, throughput mode's are); default 0
