@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -343,12 +344,11 @@ def step_rates(probe: dict, tokens_per_step: list[float] | float, warmup: int) -
     per = (per + [per[-1]] * len(t))[:len(t)] if per else [float("nan")] * len(t)
     intervals = [(t[i] - t[i - 1], per[i]) for i in range(warmup + 1, len(t))]
     window = sum(n for _, n in intervals) / sum(d for d, _ in intervals)
-    rates = sorted(n / d for d, n in intervals if d > 0)
-    dts = sorted(d for d, _ in intervals)
-    opt = sorted(o for o in (probe.get("opt_s") or [])[warmup + 1:] if o is not None)
-    return {"window": window, "median": rates[len(rates) // 2], "steps_timed": len(intervals),
-            "median_step_s": dts[len(dts) // 2], "mean_step_s": sum(dts) / len(dts),
-            "median_optimizer_s": opt[len(opt) // 2] if opt else None}
+    dts = [d for d, _ in intervals]
+    opt = [o for o in (probe.get("opt_s") or [])[warmup + 1:] if o is not None]
+    return {"window": window, "median": statistics.median_high(n / d for d, n in intervals if d > 0),
+            "steps_timed": len(intervals), "median_step_s": statistics.median_high(dts),
+            "mean_step_s": sum(dts) / len(dts), "median_optimizer_s": statistics.median_high(opt) if opt else None}
 
 
 def speculators_scalars(log_dir: Path, tags: tuple[str, ...]) -> dict[str, dict[int, float]]:
@@ -382,9 +382,9 @@ def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
     out = {}
     for n in names:
         by_step = scalars[f"profile/{n}_ms"]
-        values = sorted(by_step[k] for k in sorted(by_step)[warmup:])
+        values = [by_step[k] for k in sorted(by_step)[warmup:]]
         if values:
-            out[f"{n}_ms"] = values[len(values) // 2]
+            out[f"{n}_ms"] = statistics.median_high(values)
     return out
 
 

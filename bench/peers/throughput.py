@@ -41,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -215,8 +216,8 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         tokens_per_step = bs * work.ctx_tokens / len(masks)
         recs = peer_run.specforge_steps(log)
         res["trainer_reported"] = {"steps_logged": len(recs), "loss_last": recs[-1].get("loss") if recs else None,
-                                   "median_step_time_s": (sorted(r.get("perf/optimizer_step_time_s", 0) for r in recs)
-                                                          [len(recs) // 2] if recs else None)}
+                                   "median_step_time_s": statistics.median_high(
+                                       r.get("perf/optimizer_step_time_s", 0) for r in recs) if recs else None}
         res["tokens_per_step_source"] = "batch_size x mean sample tokens"
     else:
         raise ValueError(name)
