@@ -300,7 +300,8 @@ def compare(run: Run, out: Path) -> str:
     """Each peer's report paired with draftsmith's (``python -m draftsmith.evaluate.compare``) and one summary
     table (``results/peers/summary.md``, ``summary.json``)."""
     base = run.results / "eval" / "report.json"
-    rows, data = [], {"draftsmith": _row("draftsmith", run, base, None)}
+    peak = _matmul_peak()
+    rows, data = [], {"draftsmith": _row("draftsmith", run, base, None, peak)}
     for peer in PEERS:
         rep = _peer_dirs(out, peer)["eval"] / "report.json"
         if not rep.is_file():
@@ -310,14 +311,19 @@ def compare(run: Run, out: Path) -> str:
                "--md", str(out / f"compare-{peer}.md")]
         subprocess.run(cmd, check=False, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)))
-        data[peer] = _row(peer, run, rep, _peer_dirs(out, peer)["base"] / "train.json")
-    head = ("| trainer | architecture | steps | train wall s | ctx tok/s | supervised tok/s | peak GiB | held-out τ | "
-            "MT-Bench τ | all-sets τ | lookup τ (all) |")
-    rows = [head, "|" + "---|" * 11]
+        data[peer] = _row(peer, run, rep, _peer_dirs(out, peer)["base"] / "train.json", peak)
+    head = ("| trainer | architecture | steps | train wall s | ctx tok/s | supervised tok/s | useful TFLOP/s | MFU | "
+            "peak GiB | held-out τ | MT-Bench τ | all-sets τ | lookup τ (all) |")
+    rows = [head, "|" + "---|" * 13]
     for name, d in data.items():
         rows.append("| " + " | ".join(str(d.get(k, "n/a")) for k in (
-            "trainer", "architecture", "steps", "train_s", "ctx_tokens_per_s", "supervised_tokens_per_s",
-            "peak_gib", "heldout_tau", "mtbench_tau", "all_tau", "lookup_tau")) + " |")
+            "trainer", "architecture", "steps", "train_s", "ctx_tokens_per_s", "supervised_tokens_per_s", "tflops",
+            "mfu", "peak_gib", "heldout_tau", "mtbench_tau", "all_tau", "lookup_tau")) + " |")
+    rows.append("")
+    rows.append("Rates over each whole training run (with PEERS_OVERLAP=1 a peer trains while the previous drafter is "
+                "evaluated: bench/peers/throughput.py's figures are the speed comparison). Useful FLOPs by "
+                "bench/peers/flops_model.py (draftsmith's count, each trainer's own anchor rule); MFU against the "
+                f"bf16 matmul peak measured here: {_fmt(peak / 1e12 if peak else None, 0)} TFLOP/s.")
     text = "\n".join(rows) + "\n"
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(json_ready(data), indent=1, default=str))
@@ -329,7 +335,36 @@ def _fmt(x, nd=3):
     return round(x, nd) if isinstance(x, (int, float)) else "n/a"
 
 
-def _row(name: str, run: Run, report_path: Path, train_json: Path | None) -> dict:
+def _matmul_peak() -> float | None:
+    """The GPU's bf16 matmul rate in FLOP/s (bench/bench_train.py's 8192^3 product), None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_train
+
+    return float(bench_train.matmul_peak(torch.device("cuda"), 8192, 10))
+
+
+def _draftsmith_flops_per_ctx_token(run: Run) -> float:
+    """Useful FLOPs per context token of draftsmith's own epoch (its packing, anchors and row cap) by
+    bench/peers/flops_model.py, the count the peers' rows use with their own anchor rules."""
+    from flops_model import epoch_work
+
+    from draftsmith.features import FeatureIndex
+    from draftsmith.tokenized import read_tokenized
+
+    tok = read_tokenized(run.tokenized)
+    rows, _ = draftsmith_split(FeatureIndex(run.index), float(run.train["eval_fraction"]), int(run.train["seed"]))
+    cap = run.train.get("max_anchors_per_row")
+    work = epoch_work([tok.row(r)[1] for r in rows], run.final_config, trainer="draftsmith",
+                      capacity=int(run.train["tokens_per_batch"]), num_anchors=int(run.train["num_anchors"]),
+                      row_cap=int(cap) if cap else None)
+    return work.as_dict(run.final_config)["flops_per_ctx_token"]
+
+
+def _row(name: str, run: Run, report_path: Path, train_json: Path | None, peak: float | None = None) -> dict:
     rep = json.loads(report_path.read_text()) if report_path.is_file() else {}
     sets = rep.get("sets", {})
     row = {"trainer": name, "architecture": (rep.get("run") or {}).get("drafter_architecture")
@@ -345,12 +380,19 @@ def _row(name: str, run: Run, report_path: Path, train_json: Path | None) -> dic
         row.update(steps=st.get("steps"), train_s=_fmt(st.get("wall_s"), 0), ctx_tokens_per_s=_fmt(rate, 0),
                    supervised_tokens_per_s=_fmt(rate * run.supervised_fraction() if rate else None, 0),
                    peak_gib=_fmt(st.get("peak_memory_gib"), 1))
+        flops = rate * _draftsmith_flops_per_ctx_token(run) if rate else None
     elif train_json.is_file():
         tr = json.loads(train_json.read_text())
         row.update(steps=tr.get("steps"), train_s=_fmt(tr.get("train_s"), 0),
                    ctx_tokens_per_s=_fmt(tr.get("ctx_tokens_per_s"), 0),
                    supervised_tokens_per_s=_fmt(tr.get("supervised_tokens_per_s"), 0),
                    peak_gib=_fmt(tr.get("peak_alloc_gib"), 1))
+        rate, per_token = tr.get("ctx_tokens_per_s"), (tr.get("useful_epoch") or {}).get("flops_per_ctx_token")
+        flops = rate * per_token if rate and per_token else None
+    else:
+        flops = None
+    row.update(tflops=_fmt(flops / 1e12 if flops else None, 1),
+               mfu=f"{100 * flops / peak:.1f}%" if flops and peak else "n/a")
     return row
 
 
