@@ -309,3 +309,35 @@ def test_the_step_probe_counts_a_step_of_two_optimizers_once_and_times_the_optim
     rates = peer_run.step_rates(rec, 100.0, warmup=1)
     assert rates["steps_timed"] == 3 and rates["median_optimizer_s"] == sorted(rec["opt_s"][2:])[1]
     assert rates["median"] > 0 and rates["window"] > 0
+
+
+def _speculators_record(step: int, fwd: float, opt: float, step_ms: str) -> str:
+    """One training record of speculators 0.9.0's console log, wrapped over lines by rich as it prints them."""
+    return (f"[16:01:36] INFO     train/loss=1.605, train/full_acc=0.012,       trainer.py:587\n"
+            f"                    train/position_1_acc=0.012,                                 \n"
+            f"                    profile/fetch_ms=26.698,                                    \n"
+            f"                    profile/fwd_ms={fwd},                             \n"
+            f"                    profile/bwd_ms=544.066,                                     \n"
+            f"                    profile/opt_ms={opt},                                      \n"
+            f"                    profile/step_ms={step_ms},                               \n"
+            f"                    profile/tokens_per_s=1.58e+04,                              \n"
+            f"                    profile/h2d_ms=18.484, profile/clip_ms=8.046,               \n"
+            f"                    profile/memory_mb/opt=4.20e+04, epoch=2,                    \n"
+            f"                    lr=7.01e-06, global_step={step}                                 \n")
+
+
+def test_speculators_profile_is_read_from_its_console_log_in_step_order(tmp_path):
+    """The throughput figures of a speculators run cut before its TensorBoard events come back are read from its
+    console log: every wrapped record is found, ordered by global_step, the warm-up records left out, and each part's
+    median (median_high) is taken, the exponent notation included (``1.33e+03`` = 1,330 ms)."""
+    import peer_run
+
+    records = [_speculators_record(s, fwd=400.0 + s, opt=40.0 + s, step_ms=ms)
+               for s, ms in [(2, "1.03e+03"), (0, "9.99e+03"), (1, "1.01e+03"), (3, "1.33e+03")]]
+    log = tmp_path / "speculators.log"
+    log.write_text("$ python3 -m speculators.train ...\nwarmup noise profile/fwd_ms=1.0\n" + "".join(records))
+    prof = peer_run.speculators_log_profile(log, warmup=1)
+    assert prof["steps_logged"] == 4
+    assert prof["fwd_ms"] == 402.0 and prof["opt_ms"] == 42.0  # steps 1-3: median_high of (401, 402, 403)
+    assert prof["step_ms"] == 1030.0  # (1010, 1030, 1330); step 0's 9,990 ms left out
+    assert prof["h2d_ms"] == 18.484 and prof["clip_ms"] == 8.046 and prof["fetch_ms"] == 26.698

@@ -388,6 +388,29 @@ def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
     return out
 
 
+SPECULATORS_LOG_RECORD = re.compile(r"train/loss=")
+SPECULATORS_LOG_VALUE = re.compile(r"(profile/[a-z0-9_]+_ms|global_step)=([0-9.eE+-]+?)(?:,|\s|$)")
+
+
+def speculators_log_profile(log_path: Path, warmup: int) -> dict[str, float]:
+    """:func:`speculators_profile` from speculators' console log instead of its TensorBoard events (what a device
+    call brings back when the run's folder is gone): each training record (``train/loss=...``, wrapped over lines
+    by rich) gives ``profile/<part>_ms`` and ``global_step``; the median of each part over the records after the
+    first ``warmup``, in milliseconds, plus ``steps_logged``."""
+    records = []
+    for chunk in SPECULATORS_LOG_RECORD.split(Path(log_path).read_text(errors="replace"))[1:]:
+        values = {k: float(v) for k, v in SPECULATORS_LOG_VALUE.findall(chunk)}
+        if "global_step" in values:
+            records.append(values)
+    records.sort(key=lambda r: r["global_step"])
+    out: dict[str, float] = {"steps_logged": len(records)}
+    for n in ("fetch", "h2d", "fwd", "bwd", "clip", "opt", "step"):
+        values = [r[f"profile/{n}_ms"] for r in records[warmup:] if f"profile/{n}_ms" in r]
+        if values:
+            out[f"{n}_ms"] = statistics.median_high(values)
+    return out
+
+
 def speculators_checkpoints(out: Path) -> list[Path]:
     """speculators' checkpoint folders (``SAVE_PATH/<epoch>``), oldest first."""
     return sorted((p for p in out.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
