@@ -26,6 +26,22 @@ from typing import Any, Mapping
 
 from draftsmith.target_layers import num_tapped_layers
 
+#: what training reads of ``train`` and ``drafter``: the same for a whole run (rule ``train``) and for each phase of a
+#: sliced one (rule ``train_phase``), so a key added here marks both stale
+TRAINING_KEYS: dict[str, tuple[str, ...]] = {
+    "output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio",
+               "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors", "max_anchors_per_row", "loss_gamma",
+               "labels", "eval_fraction", "attention", "compile", "selector_loss_weight"),
+    "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "loader_workers",
+                "progress_interval", "logits_chunk_mib", "activation_checkpointing")}
+#: init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning made the
+#: shape keys the folder's (draftsmith.warm_start.resolve_init_from)
+DRAFTER_KEYS: dict[str, tuple[str, ...]] = {
+    "output": ("init_from", "num_layers", "block_size", "target_layer_ids", "num_target_features", "mask_token_id",
+               "layer_types", "sliding_window", "intermediate_size", "is_causal", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rope_theta", "architecture", "conv_kernel_size",
+               "conv_group_size", "selector_rank", "selector_top_k")}
+
 #: rule -> section -> {"output": keys, "runtime": keys}
 STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "fetch_dataset": {"assets": {"runtime": ("dir", "index_url", "wheelhouse")}},
@@ -98,38 +114,14 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     },
     "merge_slice": {"merge": {"runtime": ("verify_sha256",)}},
     "train_phase": {
-        "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
-                             "min_lr_ratio", "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors",
-                             "max_anchors_per_row", "loss_gamma", "labels", "eval_fraction", "attention",
-                             "compile", "selector_loss_weight"),
-                  "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
-                              "loader_workers", "progress_interval", "logits_chunk_mib",
-                              "activation_checkpointing")},
-        # init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning
-        # made the shape keys the folder's (draftsmith.warm_start.resolve_init_from)
-        "drafter": {"output": ("init_from", "num_layers", "block_size", "target_layer_ids", "num_target_features",
-                               "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
-                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                               "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
-                               "selector_top_k")},
+        "train": TRAINING_KEYS,
+        "drafter": DRAFTER_KEYS,
         "stream": {"output": ("slices", "reuse", "heldout_samples")},
         "gpu": {"runtime": ("cpu_fallback",)},
     },
     "train": {
-        "train": {"output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
-                             "min_lr_ratio", "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors",
-                             "max_anchors_per_row", "loss_gamma", "labels", "eval_fraction", "attention",
-                             "compile", "selector_loss_weight"),
-                  "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every",
-                              "loader_workers", "progress_interval", "logits_chunk_mib",
-                              "activation_checkpointing")},
-        # init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning
-        # made the shape keys the folder's (draftsmith.warm_start.resolve_init_from)
-        "drafter": {"output": ("init_from", "num_layers", "block_size", "target_layer_ids", "num_target_features",
-                               "mask_token_id", "layer_types", "sliding_window", "intermediate_size", "is_causal",
-                               "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                               "architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
-                               "selector_top_k")},
+        "train": TRAINING_KEYS,
+        "drafter": DRAFTER_KEYS,
         "gpu": {"runtime": ("cpu_fallback",)},
     },
     "export": {"drafter": {"output": ("export_dtype",)}},
