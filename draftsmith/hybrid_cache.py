@@ -54,6 +54,21 @@ def _cache_arg_name(cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def record_past(cache) -> None:
+    """Make ``cache`` keep its sliding-window K/V and conv windows until ``crop`` (``Cache.activate_past_recording``,
+    the mechanism transformers gives assisted decoding), without intermediate recurrent states: evaluate rolls the
+    recurrent state back itself (:class:`draftsmith.evaluate.cache.TargetCache`).
+
+    transformers 5.25 added ``recurrent_states_to_keep`` to it, defaulting to None, which its Qwen3.5 / Qwen3-Next
+    Gated DeltaNet forwards then compare with the token count and fail on (``TypeError: '<' not supported between
+    'int' and 'NoneType'``); 0 is passed where the argument exists."""
+    method = LinearAttentionCacheLayerMixin.activate_past_recording
+    if "recurrent_states_to_keep" in inspect.signature(method).parameters:
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    else:
+        cache.activate_past_recording()
+
+
 def layer_types(cfg) -> list[str]:
     """The cache layer type of each decoder layer of text config ``cfg``, as transformers' ``StaticCache`` picks
     them (``cache_utils.get_layer_types_and_kwargs``): ``layer_types`` when the config has them, else sliding /

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from draftsmith.hybrid_cache import cache_kwargs, hidden_states_arg, mixer_of, recurrent_layers
+from draftsmith.hybrid_cache import cache_kwargs, hidden_states_arg, mixer_of, record_past, recurrent_layers
 from draftsmith.target import decoder_layers
 
 log = logging.getLogger("draftsmith.evaluate")
@@ -49,6 +49,22 @@ def _attention_crop(layer, tokens_to_remove: int) -> None:
             cls.crop(layer, tokens_to_remove)
             return
     raise TypeError(f"no attention part in cache layer {type(layer).__name__}")
+
+
+def _rewind_linear(layer, consumed: int, start: dict[int, torch.Tensor]) -> None:
+    """Rewind the conv windows of a linear-attention cache layer by ``consumed`` tokens
+    (``LinearAttentionCacheLayerMixin.crop``, exact while the cache records the past).
+
+    From transformers 5.25 that crop also sets each recurrent state to the one recorded ``consumed`` tokens back
+    (``recurrent_states_history``), which holds only the state before each forward when no intermediate state is
+    kept (:func:`draftsmith.hybrid_cache.record_past`): it is handed ``start`` (state index -> the block-start state,
+    :meth:`TargetCache.checkpoint`'s snapshot), the state restored anyway."""
+    history = getattr(layer, "recurrent_states_history", None)
+    if history is not None:
+        for s in list(history):
+            if s in start:
+                history[s] = [start[s].clone()] + [None] * (consumed - 1)
+    LinearAttentionCacheLayerMixin.crop(layer, -consumed)
 
 
 class TargetCache:
@@ -73,7 +89,7 @@ class TargetCache:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {rollback!r}")
         self.target = target
         self.cache = DynamicCache(config=target.config)
-        self.cache.activate_past_recording()  # conv windows / sliding windows keep the past until crop
+        record_past(self.cache)  # conv windows / sliding windows keep the past until crop
         self.recurrent = recurrent_layers(self.cache)
         self.length = 0  # tokens the target has consumed (committed positions)
         self._snapshot: dict[int, dict[int, torch.Tensor]] = {}
@@ -166,7 +182,7 @@ class TargetCache:
         attn_remove = consumed if (needs_rerun and self.mode == "forward") else remove
         for idx, layer in enumerate(self.cache.layers):
             if idx in self.recurrent:
-                LinearAttentionCacheLayerMixin.crop(layer, -consumed)  # conv window back to the block start
+                _rewind_linear(layer, consumed, self._snapshot.get(idx, {}))  # conv window back to the block start
                 for s, state in self._snapshot.get(idx, {}).items():
                     layer.recurrent_states[s].copy_(state)
                 if isinstance(layer, DynamicLayer):  # linear + attention in one cache layer

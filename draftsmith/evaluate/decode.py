@@ -42,7 +42,7 @@ from draftsmith.evaluate.sampling import (
     sampling_probs,
     select_tokens,
 )
-from draftsmith.hybrid_cache import cache_kwargs
+from draftsmith.hybrid_cache import cache_kwargs, record_past
 from draftsmith.modeling_dflash2 import DFlash2DraftModel
 from draftsmith.target import capture_layers, without_cudnn_attention
 
@@ -205,7 +205,7 @@ class DFlashProposer(Proposer):
 
     def reset(self, prompt_ids, features):
         self.cache = DynamicCache(config=self.drafter.config)
-        self.cache.activate_past_recording()
+        record_past(self.cache)
         self.context = features
 
     def propose(self, tokens, start, num_drafts, sampling, generator):
