@@ -39,7 +39,9 @@ from draftsmith.evaluate import (
     summarize,
     target_generate,
 )
+from draftsmith.evaluate.cache import _rewind_linear
 from draftsmith.evaluate.report import lossless_check, step_slots
+from draftsmith.hybrid_cache import is_recurrent
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target import capture_layers, fla_available
 from tiny import CURATED, TINY_CHATML_TEMPLATE, VOCAB, assert_steady, progress_lines, tiny_target, tiny_tokenizer
@@ -332,13 +334,12 @@ def test_naive_crop_breaks_hybrid_targets(monkeypatch, kind):
 
     def crop_only(self, consumed, keep, block_ids, block_positions):
         remove = consumed - keep
-        for layer in self.cache.layers:  # transformers >= 5.25's crop sets a recorded state: hand it the current one
-            history = getattr(layer, "recurrent_states_history", None)
-            if history is not None and remove:
-                for s, ok in layer.is_recurrent_states_initialized.items():
-                    if ok:
-                        history[s] = [layer.recurrent_states[s].clone()] + [None] * (remove - 1)
-        self.cache.crop(-remove)  # conv windows rewound, recurrent state left as is
+        for layer in self.cache.layers:  # conv windows rewound, recurrent state left as is
+            if is_recurrent(layer):
+                _rewind_linear(layer, remove, {s: layer.recurrent_states[s]
+                                               for s, ok in layer.is_recurrent_states_initialized.items() if ok})
+            else:
+                layer.crop(-remove)
         self.length += keep
         self.trim()
 

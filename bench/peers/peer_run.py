@@ -374,18 +374,26 @@ def speculators_step_tokens(log_dir: Path) -> list[float]:
     return [round(rate[k] * ms[k] / 1000.0) for k in sorted(rate) if k in ms]
 
 
-def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
-    """speculators' own per-step profile (TensorBoard ``profile/{fetch,fwd,bwd,clip,opt,step}_ms``): the median of
-    each over the steps after ``warmup``, in milliseconds (empty when it logged none)."""
-    names = ("fetch", "h2d", "fwd", "bwd", "clip", "opt", "step")
-    scalars = speculators_scalars(log_dir, tuple(f"profile/{n}_ms" for n in names))
+SPECULATORS_PROFILE_PARTS = ("fetch", "h2d", "fwd", "bwd", "clip", "opt", "step")
+
+
+def _profile_medians(series: dict[str, list[float]], warmup: int) -> dict[str, float]:
+    """``{"<part>_ms": median_high of that part's values after the first warmup}`` for each profile part with values
+    left (``series``: part -> values in step order)."""
     out = {}
-    for n in names:
-        by_step = scalars[f"profile/{n}_ms"]
-        values = [by_step[k] for k in sorted(by_step)[warmup:]]
+    for n in SPECULATORS_PROFILE_PARTS:
+        values = series.get(n, [])[warmup:]
         if values:
             out[f"{n}_ms"] = statistics.median_high(values)
     return out
+
+
+def speculators_profile(log_dir: Path, warmup: int) -> dict[str, float]:
+    """speculators' own per-step profile (TensorBoard ``profile/{fetch,h2d,fwd,bwd,clip,opt,step}_ms``): the median of
+    each over the steps after ``warmup``, in milliseconds (empty when it logged none)."""
+    scalars = speculators_scalars(log_dir, tuple(f"profile/{n}_ms" for n in SPECULATORS_PROFILE_PARTS))
+    return _profile_medians({n: [v for _, v in sorted(scalars[f"profile/{n}_ms"].items())]
+                             for n in SPECULATORS_PROFILE_PARTS}, warmup)
 
 
 SPECULATORS_LOG_RECORD = re.compile(r"train/loss=")
@@ -403,12 +411,9 @@ def speculators_log_profile(log_path: Path, warmup: int) -> dict[str, float]:
         if "global_step" in values:
             records.append(values)
     records.sort(key=lambda r: r["global_step"])
-    out: dict[str, float] = {"steps_logged": len(records)}
-    for n in ("fetch", "h2d", "fwd", "bwd", "clip", "opt", "step"):
-        values = [r[f"profile/{n}_ms"] for r in records[warmup:] if f"profile/{n}_ms" in r]
-        if values:
-            out[f"{n}_ms"] = statistics.median_high(values)
-    return out
+    series = {n: [r[f"profile/{n}_ms"] for r in records[warmup:] if f"profile/{n}_ms" in r]
+              for n in SPECULATORS_PROFILE_PARTS}
+    return {"steps_logged": len(records), **_profile_medians(series, 0)}
 
 
 def speculators_checkpoints(out: Path) -> list[Path]:

@@ -33,6 +33,7 @@ smoke (SDPA, eager loss, the shim; bench/peers/run.sh with ``PEERS_TINY=1``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # bench_train
 
 import peer_run  # noqa: E402
 from peerlib import REPO, draftsmith_split, json_ready, load_config  # noqa: E402
@@ -76,16 +78,21 @@ class Run:
         self.train = self.config["train"]
         self.drafter = self.config["drafter"]
 
-    def supervised_fraction(self) -> float:
-        """Supervised tokens / tokens of draftsmith's training rows."""
+    @functools.cached_property
+    def train_masks(self) -> list:
+        """The loss masks (``[T]`` int arrays) of draftsmith's training rows, read once."""
         from draftsmith.features import FeatureIndex
         from draftsmith.tokenized import read_tokenized
 
         tok = read_tokenized(self.tokenized)
         rows, _ = draftsmith_split(FeatureIndex(self.index), float(self.train["eval_fraction"]),
                                    int(self.train["seed"]))
-        sup = sum(int(tok.row(r)[1].sum()) for r in rows)
-        return sup / max(1, sum(int(tok.num_tokens[r]) for r in rows))
+        return [tok.row(r)[1] for r in rows]
+
+    def supervised_fraction(self) -> float:
+        """Supervised tokens / tokens of draftsmith's training rows."""
+        sup = sum(int(m.sum()) for m in self.train_masks)
+        return sup / max(1, sum(len(m) for m in self.train_masks))
 
     def drafter_section(self, dflash2: bool) -> dict:
         """The drafter every trainer trains: draftsmith's exported config (its sizes, taps, mask token)."""
@@ -341,7 +348,6 @@ def _matmul_peak() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    sys.path.insert(0, str(REPO / "bench"))
     import bench_train
 
     return float(bench_train.matmul_peak(torch.device("cuda"), 8192, 10))
@@ -352,13 +358,8 @@ def _draftsmith_flops_per_ctx_token(run: Run) -> float:
     bench/peers/flops_model.py, the count the peers' rows use with their own anchor rules."""
     from flops_model import epoch_work
 
-    from draftsmith.features import FeatureIndex
-    from draftsmith.tokenized import read_tokenized
-
-    tok = read_tokenized(run.tokenized)
-    rows, _ = draftsmith_split(FeatureIndex(run.index), float(run.train["eval_fraction"]), int(run.train["seed"]))
     cap = run.train.get("max_anchors_per_row")
-    work = epoch_work([tok.row(r)[1] for r in rows], run.final_config, trainer="draftsmith",
+    work = epoch_work(run.train_masks, run.final_config, trainer="draftsmith",
                       capacity=int(run.train["tokens_per_batch"]), num_anchors=int(run.train["num_anchors"]),
                       row_cap=int(cap) if cap else None)
     return work.as_dict(run.final_config)["flops_per_ctx_token"]
