@@ -1,5 +1,6 @@
 """The drafter's training loss pieces: cross entropy through the target's frozen LM head in chunks (the ``[N, V]``
-float32 logits of every supervised slot never held at once) and the per-slot decay weights of the DFlash loss.
+float32 logits of every supervised slot never held at once) and the per-slot weights of the DFlash loss: the fixed
+decay ``exp(-(k - 1) / gamma)`` or D-PACE's confidence-derived weights (``train.loss_weighting``).
 
 Shared by :class:`draftsmith.modeling.DFlashDraftModel`, :class:`draftsmith.modeling_dflash2.DFlash2DraftModel`
 and the trainer's step weights (:func:`draftsmith.train.batches.loss_weight`).
@@ -109,3 +110,63 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | None = No
     """``[B - 1]`` float32 decay weights ``exp(-(k - 1) / gamma)`` for slots k = 1..B-1 (SpecForge DFlash loss)."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
     return torch.exp(-(k - 1) / gamma)
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE per-slot loss weights of draft blocks (Dynamic Position-Aware Cross-Entropy, arXiv 2605.18810,
+    Eq. 7-8): ``w_j = sum_{m >= j} prod_{i <= m} q~_i`` over a block's slots, with the smoothed confidence
+    ``q~_i = (1 - alpha) * q_i + alpha`` (Eq. 7) of the drafter's probability ``q_i = exp(-CE_i)`` of slot i's label.
+
+    ``w_j`` is how much of the block's expected accepted length depends on slot j: the probability that slots
+    1..m are all accepted, summed over the m >= j that slot j gates. Early slots weigh most while the drafter is
+    unsure of them, and the weight moves to later slots as the early ones become reliable (the fixed decay
+    ``exp(-(k - 1) / gamma)`` never moves). An invalid slot (no label: past the document or the loss mask) has
+    weight 0 and does not break the product (``q~ = 1`` there), as speculators 0.9.0 computes it
+    (``speculators.losses.utils.dpace_loss_decay``).
+
+    Args:
+        confidence: ``[..., S]`` float, ``q_i`` in [0, 1] per slot (any value where ``valid`` is False); the last
+            dimension is the block's slots 1..B-1 in order.
+        valid: ``[..., S]`` bool, the slots that have a label.
+        alpha: smoothing in (0, 1]; 1 weighs slot j by the number of valid slots from j on.
+
+    Returns:
+        ``[..., S]`` float32 weights, 0 on invalid slots, no gradient.
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1] (0 would zero every weight past the first unsure slot).
+    """
+    if not 0.0 < float(alpha) <= 1.0:
+        raise ValueError(f"D-PACE alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        mask = valid.to(torch.float32)
+        smooth = torch.where(valid, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(mask))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return (prefix * mask).flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, *,
+                      gamma: float, dpace_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of a batch's supervised slots and their normaliser, for the loss ``sum(CE * w) / normaliser``.
+
+    Fixed decay (``dpace_alpha`` None): ``w = exp(-(k - 1) / gamma)`` (:func:`slot_weights`), normaliser
+    ``sum(w)``. D-PACE (``dpace_alpha`` set): ``w`` from :func:`dpace_weights` of ``q = exp(-CE)``, normaliser the
+    number of supervised slots, as speculators and the paper reduce it (D-PACE's weights are not known before the
+    forward, the count is: :func:`draftsmith.train.batches.loss_weight`).
+
+    Args:
+        ce: ``[N]`` float32 cross entropy of the supervised slots (``valid``'s True entries, in order).
+        slot: ``[N]`` int64 their slot index 0..B-2 (slot k = index + 1).
+        flat: ``[R * A * (B - 1)]`` bool, ``valid`` flattened.
+        valid: ``[R, A, B - 1]`` bool.
+
+    Returns:
+        ``(w [N] float32 without gradient, normaliser 0-dim float32)``.
+    """
+    if dpace_alpha is None:
+        w = slot_weights(valid.shape[-1] + 1, gamma, ce.device)[slot]
+        return w, w.sum()
+    confidence = torch.zeros(flat.shape, dtype=torch.float32, device=ce.device)
+    confidence[flat] = torch.exp(-ce.detach().float())
+    w = dpace_weights(confidence.view(valid.shape), valid, float(dpace_alpha)).view(-1)[flat]
+    return w, flat.sum().to(torch.float32)

@@ -58,7 +58,7 @@ from draftsmith.drafter_config import (
     layer_is_causal,
     layer_window,
 )
-from draftsmith.drafter_loss import head_cross_entropy, slot_weights
+from draftsmith.drafter_loss import head_cross_entropy, slot_loss_weights, slot_weights
 from draftsmith.io import atomic_path
 
 log = logging.getLogger("draftsmith.modeling")
@@ -438,10 +438,12 @@ class DFlashTrainOutput:
     """Result of :meth:`DFlashDraftModel.training_forward`.
 
     Attributes:
-        loss: scalar float32, ``sum(CE * w) / sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)``.
+        loss: scalar float32, ``sum(CE * w) / weight_sum`` with ``w = valid * exp(-(k - 1) / gamma)`` (or D-PACE's
+            weights, ``train.loss_weighting: dpace``).
         weighted_ce: scalar float32, ``sum(CE * w)`` (differentiable): the trainer divides it by the loss weight of
             the whole optimizer step, so the gradient does not depend on how the step's rows are split.
-        weight_sum: scalar float32, ``sum(w)`` (0 when the batch has no valid slot; the loss is then 0).
+        weight_sum: scalar float32, the loss's normaliser: ``sum(w)`` of the fixed decay, the number of valid slots
+            with D-PACE (0 when the batch has no valid slot; the loss is then 0).
         ce_sum: ``[B - 1]`` float32 unweighted CE summed per slot k = 1..B-1 over valid slots.
         correct: ``[B - 1]`` int64 argmax == label counts per slot.
         count: ``[B - 1]`` int64 valid predictions per slot.
@@ -671,8 +673,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return hidden.view(R, A, B, -1)
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
-                         gamma: float, use_target_tokens: bool = False, masks: dict | None = None,
-                         backend: str = "auto", logits_chunk_bytes: int = 1 << 30) -> DFlashTrainOutput:
+                         gamma: float, dpace_alpha: float | None = None, use_target_tokens: bool = False,
+                         masks: dict | None = None, backend: str = "auto",
+                         logits_chunk_bytes: int = 1 << 30) -> DFlashTrainOutput:
         """DFlash training loss of a packed batch (and the statistics held-out metrics need).
 
         Only valid slots go through the LM head (``[N, H] x [H, V]``), the dominant matmul, in chunks of about
@@ -682,6 +685,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             embed_weight: ``[V, H]`` target input embedding (frozen).
             head_weight: ``[V, H]`` target LM head (frozen; the embedding when tied).
             gamma: slot decay, see :func:`default_loss_gamma`.
+            dpace_alpha: None for the fixed decay; else D-PACE's slot weights with this smoothing
+                (:func:`~draftsmith.drafter_loss.slot_loss_weights`), normalised by the supervised slots' count.
             use_target_tokens: labels from ``batch.target_token`` instead of the data.
 
         Returns:
@@ -695,7 +700,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              "PackedBatch.dequantize(dtype) first")
         hidden = self.block_hidden(batch, embed_weight, masks, backend)[:, :, 1:]  # [R, A, B-1, H]
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
-        w_slot = slot_weights(self.block_size, gamma, hidden.device)
         flat = valid.view(-1)
         tgt = labels.view(-1)[flat]
         softcap = draft_value(self.config, "final_logit_softcapping")
@@ -704,8 +708,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                                       softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
                                       chunk_bytes=logits_chunk_bytes)  # [N]
         slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
-        w = w_slot[slot]
-        weight_sum = w.sum()
+        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         weighted_ce = (ce * w).sum()
         loss = weighted_ce / weight_sum.clamp_min(1e-12)
         with torch.no_grad():

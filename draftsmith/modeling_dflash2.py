@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafter_config import DFlash2Config, draft_value
-from draftsmith.drafter_loss import head_cross_entropy_topk, slot_weights
+from draftsmith.drafter_loss import head_cross_entropy_topk, slot_loss_weights
 from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel, DFlashTrainOutput, PackedBatch, block_targets
 
 
@@ -246,15 +246,17 @@ class DFlash2DraftModel(DFlashDraftModel):
                                               temperature, generator)
 
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
-                         gamma: float, use_target_tokens: bool = False, masks: dict | None = None,
-                         backend: str = "auto", logits_chunk_bytes: int = 1 << 30) -> DFlash2TrainOutput:
+                         gamma: float, dpace_alpha: float | None = None, use_target_tokens: bool = False,
+                         masks: dict | None = None, backend: str = "auto",
+                         logits_chunk_bytes: int = 1 << 30) -> DFlash2TrainOutput:
         """DFlash's loss (:meth:`DFlashDraftModel.training_forward`) plus :attr:`selector_loss_weight` x the
         selector's.
 
         Selector loss per valid slot k (label ``y_k``, predecessor ``y_{k-1}``, the anchor token for k = 1):
         candidates = the unary top-k of the slot's logits, ``y_k`` replacing the lowest one when missing;
         ``CE_sel = logsumexp_b S(y_{k-1}, b) - S(y_{k-1}, y_k)`` on detached hidden states and logits; weighted
-        by ``exp(-(k - 1) / gamma)`` and normalised by the weight sum, as the DFlash loss.
+        by ``exp(-(k - 1) / gamma)`` (or D-PACE's weight of the slot, ``dpace_alpha``) and normalised as the
+        DFlash loss.
 
         Raises:
             ValueError: as :meth:`DFlashDraftModel.training_forward`.
@@ -276,8 +278,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, multiplier=multiplier,
                                                              softcap=softcap, chunk_bytes=logits_chunk_bytes)
         slot = torch.arange(B - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
-        w = slot_weights(B, gamma, hidden.device)[slot]
-        weight_sum = w.sum()
+        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
         with torch.no_grad():

@@ -10,6 +10,7 @@ inference forward itself (a training block == the decode step that would draft i
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -27,7 +28,7 @@ from draftsmith.drafter_config import (
     default_loss_gamma,
     resolve_mask_token_id,
 )
-from draftsmith.drafter_loss import head_cross_entropy, slot_weights
+from draftsmith.drafter_loss import dpace_weights, head_cross_entropy, slot_weights
 from draftsmith.flops import attended_pairs, step_flops, training_flops
 from draftsmith.modeling import (
     DFlashDraftModel,
@@ -433,6 +434,73 @@ def test_labels_validity_and_weighted_loss(target):
         assert out.weight_sum.item() == pytest.approx(w.sum().item(), rel=1e-6)
         assert loss_weight(batch, 4, 2.0) == pytest.approx(w.sum().item(), rel=1e-6)
     assert out.count.tolist() == [3, 1, 0] and out.full_blocks.item() == 0
+
+
+def _dpace_reference(q: list[float], valid: list[bool], alpha: float) -> list[float]:
+    """D-PACE's Eq. 7-8 (arXiv 2605.18810) written out: w_j = sum_{m >= j} prod_{i <= m} q~_i, q~ = 1 where no
+    label."""
+    smooth = [(1 - alpha) * qi + alpha if v else 1.0 for qi, v in zip(q, valid)]
+    out = []
+    for j in range(len(q)):
+        if not valid[j]:
+            out.append(0.0)
+            continue
+        out.append(sum(math.prod(smooth[:m + 1]) for m in range(j, len(q)) if valid[m]))
+    return out
+
+
+def test_dpace_weights_follow_the_paper():
+    """The vectorised weights equal Eq. 7-8 written out, per block, with unlabelled slots weighing 0 and leaving
+    the product alone; a sure drafter (q = 1) weighs slot j by the valid slots from j on; nothing is differentiable;
+    alpha outside (0, 1] is refused."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(2, 5, 7, generator=g, requires_grad=True)
+    valid = torch.rand(2, 5, 7, generator=g) > 0.25
+    w = dpace_weights(q, valid, 0.5)
+    assert not w.requires_grad and w.dtype == torch.float32
+    for r in range(2):
+        for a in range(5):
+            want = _dpace_reference(q[r, a].tolist(), valid[r, a].tolist(), 0.5)
+            assert w[r, a].tolist() == pytest.approx(want, rel=1e-5)
+    assert dpace_weights(torch.ones(1, 4), torch.ones(1, 4, dtype=torch.bool), 0.3).tolist() == [[4, 3, 2, 1]]
+    # an unsure first slot gates the later ones (they weigh less than behind a sure one); unsure later slots leave
+    # the weight on the first; alpha = 1 ignores the confidence
+    full = torch.ones(1, 3, dtype=torch.bool)
+    sure = dpace_weights(torch.tensor([[0.9, 0.9, 0.9]]), full, 0.5)[0]
+    first_unsure = dpace_weights(torch.tensor([[0.1, 0.9, 0.9]]), full, 0.5)[0]
+    later_unsure = dpace_weights(torch.tensor([[0.9, 0.1, 0.1]]), full, 0.5)[0]
+    assert (first_unsure[1:] < sure[1:]).all()
+    assert later_unsure[0] / later_unsure[1] > sure[0] / sure[1]
+    assert torch.equal(dpace_weights(q, valid, 1.0), valid.float().flip(-1).cumsum(-1).flip(-1) * valid)
+    for alpha in (0.0, 1.5):
+        with pytest.raises(ValueError, match="alpha must be in"):
+            dpace_weights(q, valid, alpha)
+
+
+def test_dpace_loss_is_the_weighted_cross_entropy_over_the_supervised_count(target):
+    """training_forward with D-PACE: ``sum(CE * w) / n`` over the n supervised slots, w from the drafter's own
+    confidence exp(-CE) of the full logits, detached (the gradient is that of the CE weighted by constants); the
+    trainer's normaliser (loss_weight with dpace) is the same n, known before the forward."""
+    model = make_drafter(target).train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch(target_tokens=True, anchors=[2, 9, 24])
+    batch.loss_mask[0, 5] = False
+    labels, valid = block_targets(batch, 4, use_target_tokens=True)
+    out = model.training_forward(batch, E, Hd, gamma=2.0, dpace_alpha=0.5, use_target_tokens=True, backend="sdpa")
+    grads = torch.autograd.grad(out.loss, [p for p in model.parameters() if p.requires_grad])
+    h = model.block_hidden(batch, E, backend="sdpa")[0, :, 1:]
+    logits = model.compute_logits(h, Hd)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[0].reshape(-1),
+                         reduction="none").view(3, 3)
+    q = torch.exp(-ce.detach())
+    w = torch.tensor([_dpace_reference(q[a].tolist(), valid[0, a].tolist(), 0.5) for a in range(3)])
+    n = valid.sum().item()
+    ref = (ce * w * valid[0]).sum() / n
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert out.weight_sum.item() == n == loss_weight(batch, 4, 2.0, dpace=True)
+    ref_grads = torch.autograd.grad(ref, [p for p in model.parameters() if p.requires_grad])
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def test_sample_anchors_per_document():

@@ -351,6 +351,13 @@ def test_run_fingerprint_is_pinned():
     assert run_fingerprint(drafter_config, options, dict(meta, chunks=[a, dict(b, sha256="c" * 64)]), 2) != two
     with pytest.raises(ValueError, match=r"chunk 1 \(shard-1/x\) has no sha256"):
         run_fingerprint(drafter_config, options, dict(meta, chunks=[a, {"path": "shard-1/x"}]), 2)
+    # the recipe keys added later (D-PACE, Muon) keep a run at the earlier recipe where it was, whatever the keys
+    # only the other recipe reads; choosing that recipe is another run
+    fp = lambda **kw: run_fingerprint(drafter_config, TrainSettings.from_config(train=dict(train_cfg, **kw)).train,  # noqa: E731
+                                      meta, 2)
+    assert fp(loss_weighting="exp", dpace_alpha=0.3, optimizer="adamw", muon_lr=1e-2, muon_weight_decay=0) == pinned
+    assert len({pinned, fp(loss_weighting="dpace"), fp(loss_weighting="dpace", dpace_alpha=0.3), fp(optimizer="muon"),
+                fp(optimizer="muon", muon_lr=1e-2)}) == 5
     plan = {"stream": {"slices": 2}, "lengths_sha256": "0" * 64}
     assert (run_fingerprint(drafter_config, options, dict(meta, chunks=[a]), 2, plan)
             == run_fingerprint(drafter_config, options, dict(meta, chunks=[b]), 2, plan))
@@ -405,6 +412,57 @@ def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
     assert again["resumed_from_step"] == 4
     assert again["last_train"] == first["last_train"]
     assert again["history"] == first["history"] and again["memory_by_phase_gib"] == first["memory_by_phase_gib"]
+
+
+def test_muon_and_dpace_learn_resume_exactly_and_are_another_run(qwen3_setup, tmp_path, caplog):
+    """``train.optimizer: muon`` with ``train.loss_weighting: dpace`` (speculators' DFlash recipe): the held-out loss
+    falls; a run stopped at step 5 resumes to the uninterrupted run's weights, bit for bit (Muon's momentum and
+    AdamW's moments come back from the checkpoint); the Muon group peaks at ``train.muon_lr``; and the recipe is
+    part of the run's identity: the AdamW / fixed-decay run's checkpoints in the same folder are not resumed."""
+    cfg = dict(TINY_TRAIN, max_steps=8, save_every=3, eval_fraction=0.15, eval_every=4, tokens_per_batch=64,
+               optimizer="muon", muon_lr=2e-2, loss_weighting="dpace", dpace_alpha=0.5)
+    a, b = tmp_path / "a", tmp_path / "b"
+    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+        done = train(qwen3_setup["index"], qwen3_setup["target_dir"], a, settings(cfg), threads=1)
+    assert re.search(r"slot weights D-PACE \(alpha 0\.5\), Muon \(\d+ matrices, lr 0\.02\) \+ AdamW", caplog.text)
+    assert done["loss_weighting"] == "dpace" and done["optimizer"] == "muon"
+    assert done["history"][0]["step"] == 4 and done["heldout"]["loss"] < done["history"][0]["loss"]
+    (ckpts,) = (a / "checkpoints").glob("run-*")
+    groups = json.loads((ckpts / "step-00000006" / "state.json").read_text())["optimizer"]["param_groups"]
+    assert sorted(g["peak_lr"] for g in groups) == [cfg["lr"], cfg["muon_lr"]]
+    stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(cfg), threads=1, stop_after_steps=5)
+    assert stopped["stopped_at"] == 5
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(cfg), threads=1)
+    assert state["resumed_from_step"] == 5
+    wa = load_file(str(a / "trained" / "model.safetensors"))
+    wb = load_file(str(b / "trained" / "model.safetensors"))
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    plain = train(qwen3_setup["index"], qwen3_setup["target_dir"], b,
+                  settings(dict(cfg, optimizer="adamw", loss_weighting="exp")), threads=1)
+    assert plain["resumed_from_step"] == 0 and len(list((b / "checkpoints").glob("run-*"))) == 2
+    wc = load_file(str(b / "trained" / "model.safetensors"))
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_muon_state_refuses_another_split_of_the_parameters(qwen3_setup):
+    """A Muon + AdamW state loads only into the same split (the fingerprint keeps other recipes apart; this is the
+    second guard)."""
+    from draftsmith.train import MuonAdamW, make_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opts = settings(dict(TINY_TRAIN, optimizer="muon")).train
+    opt, params = make_optimizer(model, opts, on_gpu=False)
+    assert isinstance(opt, MuonAdamW) and len(params) == 4
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    other, _ = make_optimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), opts, on_gpu=False)
+    with pytest.raises(ValueError, match="parameter groups do not match"):
+        other.load_state_dict(opt.state_dict())
+    again, _ = make_optimizer(model, opts, on_gpu=False)
+    again.load_state_dict(opt.state_dict())
+    assert torch.equal(again.optimizers[1].state[model[0].weight]["momentum_buffer"],
+                       opt.optimizers[1].state[model[0].weight]["momentum_buffer"])
 
 
 def _save_args(tmp_path: Path):
@@ -654,14 +712,15 @@ def test_a_rerun_of_a_finished_run_over_a_damaged_chunk_keeps_its_checkpoints(qw
     assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
-def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path):
+@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "loss_weighting": "dpace"}], ids=["adamw", "muon-dpace"])
+def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path, recipe):
     """drafter.architecture dflash2: the same trainer trains the backbone, the convolutions and the selector (every
-    new module leaves its initialisation), reports the selector's held-out metrics, and exports a folder the
-    official DFlash2DraftModel loads."""
+    new module leaves its initialisation, with AdamW and with Muon + D-PACE), reports the selector's held-out
+    metrics, and exports a folder the official DFlash2DraftModel loads."""
     from draftsmith.export import ExportSettings, export_drafter
 
     drafter = dict(TINY_DRAFTER, architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
-    cfg = dict(TINY_TRAIN, max_steps=6, eval_fraction=0.25)
+    cfg = dict(TINY_TRAIN, max_steps=6, eval_fraction=0.25, **recipe)
     state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=1)
     assert state["architecture"] == "DFlash2DraftModel" and math.isfinite(state["heldout"]["loss"])
     heldout = state["heldout"]

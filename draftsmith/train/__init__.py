@@ -75,7 +75,7 @@ from draftsmith.train.metrics import (
     expected_acceptance_length,
     peak_memory_gib,
 )
-from draftsmith.train.model import build_model_config, make_optimizer
+from draftsmith.train.model import MuonAdamW, build_model_config, make_optimizer
 from draftsmith.train.phases import PHASE_FORMAT, phase_record, read_marker, train_final, train_phase
 from draftsmith.train.plan import FeatureMeta, TrainData, lr_factor, plan_data, plan_stream_data
 from draftsmith.train.settings import (
@@ -90,7 +90,7 @@ from draftsmith.train.trainer import NonFiniteError, Trainer, train
 
 __all__ = [
     "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "FeatureMeta",
-    "Metrics", "NonFiniteError", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan",
+    "Metrics", "MuonAdamW", "NonFiniteError", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan",
     "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings", "Trainer",
     "all_reduce_sum", "barrier", "batch_maker", "build_model_config", "cap_anchors", "evaluate",
     "expected_acceptance_length", "heldout_subset", "load_latest_checkpoint", "load_optimizer_tensors", "loss_weight",

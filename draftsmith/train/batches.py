@@ -131,13 +131,16 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
                              pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn")
 
 
-def loss_weight(batch: PackedBatch, block_size: int, gamma: float) -> float:
+def loss_weight(batch: PackedBatch, block_size: int, gamma: float, dpace: bool = False) -> float:
     """The loss weight of a batch, ``sum(w)`` with ``w = valid * exp(-(k - 1) / gamma)`` over its blocks' slots
-    k = 1..B-1 (:func:`~draftsmith.modeling.block_targets`, :func:`~draftsmith.drafter_loss.slot_weights`): what
-    :meth:`~draftsmith.modeling.DFlashDraftModel.training_forward` returns as ``weight_sum``, computed without the
-    model (float64, from the token ids, loss mask, documents and anchors only), so the trainer knows an optimizer
-    step's total weight before its first backward."""
+    k = 1..B-1 (:func:`~draftsmith.modeling.block_targets`, :func:`~draftsmith.drafter_loss.slot_weights`), or with
+    ``dpace`` the number of valid slots (D-PACE's normaliser, :func:`~draftsmith.drafter_loss.slot_loss_weights`):
+    what :meth:`~draftsmith.modeling.DFlashDraftModel.training_forward` returns as ``weight_sum``, computed without
+    the model (float64, from the token ids, loss mask, documents and anchors only), so the trainer knows an
+    optimizer step's total weight before its first backward."""
     valid = block_targets(batch, block_size, use_target_tokens=False)[1]  # [R, A, B-1]
+    if dpace:
+        return float(valid.sum())
     return float((valid.double() * slot_weights(block_size, gamma).double()).sum())
 
 

@@ -56,8 +56,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
                     plan_identity: dict | None = None, *, start: str | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
-    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), the features' identity and the
-    world size.
+    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), and the recipe keys added later
+    at the value that trains as before (:data:`LATER_RECIPE_KEYS`), the features' identity and the world size.
 
     Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
     target and tokenizer fingerprints, storage dtype and content: the digest of its chunk files' sha256
@@ -78,6 +78,10 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     train = {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS}
     if "DFlash2DraftModel" not in (drafter_config.get("architectures") or []):
         train.pop("selector_loss_weight", None)  # no selector to weigh: a DFlash run keeps its fingerprint
+    for key, (before, uses) in LATER_RECIPE_KEYS.items():  # the earlier recipe keeps its fingerprint (and resumes)
+        if train.get(key, before) == before:
+            for name in (key, *uses):
+                train.pop(name, None)
     payload = {
         "drafter": drafter_config,
         "train": train,
@@ -91,6 +95,14 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     else:
         payload["features"]["content_sha256"] = index_content_sha256(index_meta)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: train keys added after runs existed: key -> (the value that trains as before, the keys only its other values
+#: read); a run at that value leaves them out of its fingerprint
+LATER_RECIPE_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "loss_weighting": ("exp", ("dpace_alpha",)),
+    "optimizer": ("adamw", ("muon_lr", "muon_weight_decay")),
+}
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:

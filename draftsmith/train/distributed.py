@@ -94,15 +94,16 @@ class _TrainStep(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, embed, head, gamma, use_target_tokens, backend, logits_chunk_bytes):
-        return self.drafter.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
-                                             backend=backend, logits_chunk_bytes=logits_chunk_bytes)
+    def forward(self, batch, embed, head, gamma, dpace_alpha, use_target_tokens, backend, logits_chunk_bytes):
+        return self.drafter.training_forward(batch, embed, head, gamma=gamma, dpace_alpha=dpace_alpha,
+                                             use_target_tokens=use_target_tokens, backend=backend,
+                                             logits_chunk_bytes=logits_chunk_bytes)
 
 
 def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.device
                  ) -> tuple[torch.nn.Module, bool]:
-    """The module the training step calls, ``step_model(batch, embed, head, gamma, use_target_tokens, backend,
-    logits_chunk_bytes)`` -> the drafter's training output, and whether it is DDP.
+    """The module the training step calls, ``step_model(batch, embed, head, gamma, dpace_alpha, use_target_tokens,
+    backend, logits_chunk_bytes)`` -> the drafter's training output, and whether it is DDP.
 
     DDP whenever a process group exists: :func:`setup_distributed` makes one for WORLD_SIZE > 1; bench_train's
     ``--ddp-overhead`` makes a one-process group to measure DDP's own memory and speed cost on one GPU. Sets

@@ -92,11 +92,11 @@ class Metrics:
 
 def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use_target_tokens: bool,
              device: torch.device, autocast, logits_chunk_bytes: int = 1 << 30,
-             feature_dtype: torch.dtype | None = None) -> dict[str, Any]:
+             feature_dtype: torch.dtype | None = None, dpace_alpha: float | None = None) -> dict[str, Any]:
     """Held-out metrics over ``batches`` (this rank's share; summed over ranks): loss, CE and accuracy per
     position, ``tau_expected`` (from per-position accuracies) and ``tau_blocks`` (mean accepted prefix + 1 over
-    fully supervised blocks). Batches of float8 features are decoded on ``device`` to ``feature_dtype`` (default
-    the embedding's dtype)."""
+    fully supervised blocks); the loss is weighted as training's (``dpace_alpha``). Batches of float8 features are
+    decoded on ``device`` to ``feature_dtype`` (default the embedding's dtype)."""
     was_training = model.training
     model.eval()
     metrics = Metrics(model.block_size - 1, device, selector=hasattr(model, "candidate_selector"))
@@ -104,7 +104,8 @@ def evaluate(model: DFlashDraftModel, batches, embed, head, *, gamma: float, use
         for batch in batches:
             batch = batch.to(device, non_blocking=True).dequantize(feature_dtype or embed.dtype)
             with autocast():
-                out = model.training_forward(batch, embed, head, gamma=gamma, use_target_tokens=use_target_tokens,
+                out = model.training_forward(batch, embed, head, gamma=gamma, dpace_alpha=dpace_alpha,
+                                             use_target_tokens=use_target_tokens,
                                              logits_chunk_bytes=logits_chunk_bytes)
             metrics.add(out)
     metrics.all_reduce()

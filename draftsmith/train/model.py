@@ -124,14 +124,98 @@ def start_model_config(index: FeatureIndex | FeatureMeta, target_dir: Path, draf
     return config
 
 
+class MuonAdamW:
+    """Muon over the drafter's weight matrices, AdamW over the rest: one optimizer to the training loop.
+
+    ``torch.optim.Muon`` (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural networks"; the
+    ``match_rms_adamw`` learning-rate adjustment of Liu et al. 2025, "Muon is Scalable for LLM Training", so that
+    ``train.muon_lr`` is on AdamW's scale) takes every trainable 2D parameter with both sides above 1 (attention and
+    MLP projections, ``fc``; DFlash2's selector matrices), ``torch.optim.AdamW`` the others (norms, DFlash2's
+    convolutions), as speculators 0.9.0 splits them (``speculators.train.optimizers``). The drafter's embedding and
+    LM head are the target's, frozen, so neither group holds them.
+
+    It offers what the loop and the checkpoints use: ``param_groups`` (AdamW's first; each group's ``peak_lr`` is
+    the peak the schedule scales), ``step``, ``zero_grad``, ``state_dict`` / ``load_state_dict`` in
+    ``torch.optim.Optimizer``'s format (the two optimizers' states numbered one after the other).
+    """
+
+    def __init__(self, adamw: torch.optim.Optimizer, muon: torch.optim.Optimizer):
+        self.optimizers = (adamw, muon)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            state.update({offset + int(pid): st for pid, st in sd["state"].items()})
+            groups += [dict(g, params=[offset + int(p) for p in g["params"]]) for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in opt.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Raises ValueError: ``state_dict``'s groups do not match this optimizer's (another split of the
+        parameters: a checkpoint of another ``train.optimizer``)."""
+        groups, offset, first = state_dict["param_groups"], 0, 0
+        for opt in self.optimizers:
+            n_groups = len(opt.param_groups)
+            mine = groups[first:first + n_groups]
+            n_params = sum(len(g["params"]) for g in opt.param_groups)
+            if len(mine) != n_groups or [len(g["params"]) for g in mine] != [len(g["params"]) for g in
+                                                                           opt.param_groups]:
+                raise ValueError("optimizer state: its parameter groups do not match Muon + AdamW's "
+                                 f"({[len(g['params']) for g in groups]} parameters a group)")
+            ids = {offset + i for i in range(n_params)}
+            opt.load_state_dict({
+                "state": {int(pid) - offset: st for pid, st in state_dict["state"].items() if int(pid) in ids},
+                "param_groups": [dict(g, params=[int(p) - offset for p in g["params"]]) for g in mine]})
+            first, offset = first + n_groups, offset + n_params
+
+
 def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
-                   ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
-    """AdamW over the trainable parameters at ``train.lr``, ``train.weight_decay`` on matrices only (fused on a
-    GPU); returns ``(optimizer, params)``."""
+                   ) -> tuple[torch.optim.Optimizer | MuonAdamW, list[torch.nn.Parameter]]:
+    """The run's optimizer over the trainable parameters and ``(optimizer, params)``.
+
+    ``train.optimizer: adamw``: AdamW at ``train.lr``, ``train.weight_decay`` on matrices only (fused on a GPU).
+    ``muon``: :class:`MuonAdamW`: Muon at ``train.muon_lr`` (default ``train.lr``), momentum 0.95 (Nesterov), 5
+    Newton-Schulz steps, weight decay ``train.muon_weight_decay``; AdamW at ``train.lr`` without weight decay on
+    the rest. Every group records its peak learning rate as ``peak_lr``.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    if settings.optimizer == "muon":
+        matrices = [p for p in params if p.dim() == 2 and min(p.shape) > 1]
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in params if id(p) not in chosen]
+        muon_lr = float(settings.muon_lr if settings.muon_lr is not None else settings.lr)
+        adamw = torch.optim.AdamW([{"params": rest, "weight_decay": 0.0, "peak_lr": settings.lr}], lr=settings.lr,
+                                  fused=on_gpu or None)
+        muon = torch.optim.Muon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr, momentum=0.95,
+                                nesterov=True, ns_steps=5, weight_decay=settings.muon_weight_decay,
+                                adjust_lr_fn="match_rms_adamw")
+        return MuonAdamW(adamw, muon), params
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr,
-                                  fused=on_gpu or None)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay, "peak_lr": settings.lr},
+                                   {"params": no_decay, "weight_decay": 0.0, "peak_lr": settings.lr}],
+                                  lr=settings.lr, fused=on_gpu or None)
     return optimizer, params
+
+
+def optimizer_summary(optimizer: torch.optim.Optimizer | MuonAdamW) -> str:
+    """One phrase for the log: ``"AdamW"`` or ``"Muon (N matrices, lr X) + AdamW (M tensors)"``."""
+    if isinstance(optimizer, MuonAdamW):
+        adamw, muon = optimizer.optimizers
+        count = lambda opt: sum(len(g["params"]) for g in opt.param_groups)  # noqa: E731
+        return (f"Muon ({count(muon)} matrices, lr {muon.param_groups[0]['peak_lr']:.3g}) + AdamW "
+                f"({count(adamw)} tensors)")
+    return "AdamW"

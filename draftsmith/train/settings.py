@@ -38,6 +38,11 @@ class TrainOptions(SectionSettings):
     num_anchors: int
     max_anchors_per_row: int | None
     loss_gamma: float | None
+    loss_weighting: str  # exp | dpace
+    dpace_alpha: float
+    optimizer: str  # adamw | muon
+    muon_lr: float | None
+    muon_weight_decay: float
     labels: str
     eval_fraction: float
     attention: str

@@ -54,7 +54,7 @@ from draftsmith.train.metrics import (
     log_train_step,
     peak_memory_gib,
 )
-from draftsmith.train.model import build_model_config, make_optimizer, start_model_config
+from draftsmith.train.model import build_model_config, make_optimizer, optimizer_summary, start_model_config
 from draftsmith.train.plan import TrainData, lr_factor, plan_data, plan_summary
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
 from draftsmith.warm_start import load_start_weights, start_digest
@@ -192,6 +192,8 @@ class Trainer:
         self.head = self.embed if tied else head.to(device=device, dtype=self.feature_dtype)
         self.block = self.config.block_size
         self.gamma = float(cfg.loss_gamma or default_loss_gamma(self.block))
+        # D-PACE's smoothing when the slots are weighted by the drafter's confidence, None for the fixed decay
+        self.dpace_alpha = float(cfg.dpace_alpha) if cfg.loss_weighting == "dpace" else None
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # initialised where it trains: a large drafter built on one CPU thread is slow
             self.model = model_class_for(self.config.architectures)(self.config)
@@ -303,10 +305,12 @@ class Trainer:
         # the third step of this run (the optimizer state exists, DDP has rebuilt its buckets) by memory phase
         self.memory = StepMemory(self.device) if self.on_gpu else None
         self.memory_step = start_step + 2
-        log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, gamma %.3g, labels "
+        log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, %s, %s, labels "
                  "%s; %d steps (%s, warmup %d), %d process(es) on %s", self.config.ARCHITECTURE,
                  self.config.num_hidden_layers,
-                 self.config.hidden_size, n_params, n_params / 1e6, self.block, self.gamma,
+                 self.config.hidden_size, n_params, n_params / 1e6, self.block,
+                 f"slot weights D-PACE (alpha {self.dpace_alpha:g})" if self.dpace_alpha is not None
+                 else f"gamma {self.gamma:.3g}", optimizer_summary(self.optimizer),
                  "target tokens" if data.use_target_tokens else "data tokens", self.total_steps, steps_note,
                  self.warmup, ranks.world, self.device)
         self.n_params = n_params
@@ -347,7 +351,7 @@ class Trainer:
         row, seed = work
         batch = self.make_batch(row, seed=seed)
         return TrainItem(batch, step_flops(self.model, batch, self.data.use_target_tokens),
-                         loss_weight(batch, self.block, self.gamma))
+                         loss_weight(batch, self.block, self.gamma, dpace=self.dpace_alpha is not None))
 
     def loss_scale(self, items: list[TrainItem]) -> torch.Tensor:
         """``world / W_step`` (0-dim float32 on the device): what each micro-batch's ``weighted_ce`` (``sum(CE * w)``)
@@ -424,7 +428,8 @@ class Trainer:
                                 lambda j: self.make_heldout(rows[j], seed=seed_of(self.cfg.seed, "heldout", rank, j)))
         try:
             metrics = evaluate(self.model, batches, self.embed, self.head, gamma=self.gamma,
-                               use_target_tokens=self.data.use_target_tokens, device=self.device,
+                               dpace_alpha=self.dpace_alpha, use_target_tokens=self.data.use_target_tokens,
+                               device=self.device,
                                autocast=self.autocast, logits_chunk_bytes=self.chunk_bytes,
                                feature_dtype=self.feature_dtype)
         finally:
@@ -473,9 +478,10 @@ class Trainer:
         try:
             batches = iter(items)
             for step in range(start_step, end_step):
-                lr = cfg.lr * lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                factor = lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
+                lr = cfg.lr * factor
+                for group in self.optimizer.param_groups:  # Muon's group peaks at its own train.muon_lr
+                    group["lr"] = group.get("peak_lr", cfg.lr) * factor
                 metrics = Metrics(block - 1, device, selector=self.selector)
                 phases = self.memory if step == self.memory_step else None  # one step's memory by phase (GPU)
                 mark = phases.mark if phases is not None else lambda phase: None
@@ -491,7 +497,8 @@ class Trainer:
                     batch = item.batch.to(device, non_blocking=True).dequantize(self.feature_dtype)
                     no_sync = self.ddp and micro < accum - 1
                     with self.step_model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
-                        out = self.step_model(batch, self.embed, self.head, self.gamma, self.data.use_target_tokens,
+                        out = self.step_model(batch, self.embed, self.head, self.gamma, self.dpace_alpha,
+                                              self.data.use_target_tokens,
                                               cfg.attention, self.chunk_bytes)
                         mark("forward")
                         (out.weighted_ce * scale).backward()
@@ -562,6 +569,8 @@ class Trainer:
                         "heldout": len(data.heldout_ids), "train_truncated": data.truncated},
             "rows_skipped_at_epoch_ends": skipped, "tokens_per_batch": int(self.cfg.tokens_per_batch),
             "architecture": self.config.ARCHITECTURE, "block_size": self.block, "gamma": self.gamma,
+            "loss_weighting": self.cfg.loss_weighting, "dpace_alpha": self.dpace_alpha,
+            "optimizer": self.cfg.optimizer,
             "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
