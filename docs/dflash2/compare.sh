@@ -13,11 +13,21 @@
 #                                                 benchmarks, trainer state and reports into OUT/dflash2.tgz and
 #                                                 print τ and tokens/s per set, and the two reports paired by prompt
 #                                                 (python -m draftsmith.evaluate.compare; OUT/dflash2.tgz holds compare.md)
+# Other variants of one recipe (docs/peers/recipe.sh) through the environment:
+#   COMPARE_NAME      the work folder ~/NAME and OUT/NAME.tgz (default dflash2)
+#   COMPARE_VARIANTS  the variants (default "dflash dflash2"), each an overlay COMPARE_OVERLAYS/<variant>.yaml
+#   COMPARE_OVERLAYS  their folder (default docs/dflash2); each later variant is paired with the first
+#   COMPARE_EVAL      serial (default: tokens/s on an otherwise idle GPU) or parallel (all evaluations at once: τ is
+#                     the same, tokens/s are then no speed figures)
+#   COMPARE_CONFIGS   the common config files (default config/gpu-proof.yaml docs/dflash2/common.yaml)
 set -euo pipefail
 cmd=${1:?start or wait}
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-VARIANTS="dflash dflash2"
-C=$HOME/dflash2
+NAME=${COMPARE_NAME:-dflash2}
+VARIANTS=${COMPARE_VARIANTS:-dflash dflash2}
+OVERLAYS=${COMPARE_OVERLAYS:-docs/dflash2}
+FIRST=${VARIANTS%% *}
+C=$HOME/$NAME
 CONFIGS=${COMPARE_CONFIGS:-config/gpu-proof.yaml docs/dflash2/common.yaml}  # COMPARE_CONFIGS: a CPU smoke test
 DATA_RULES="fetch_target materialize_target disk_plan regenerate_shard regenerate tokenize extract_plan extract_shard
 merge"
@@ -34,7 +44,7 @@ cd "$PWD"
 export PYTHONPATH=/tmp/site:$PWD
 stamp() { echo "\$(date +%s) \$1" >> "$C/times"; }
 python3 -m snakemake --cores all --resources gpu=1 --scheduler greedy results/features/index.json \
-    --allowed-rules $(echo $DATA_RULES) --configfile $CONFIGS docs/dflash2/dflash.yaml > "$C/base.log" 2>&1
+    --allowed-rules $(echo $DATA_RULES) --configfile $CONFIGS $OVERLAYS/$FIRST.yaml > "$C/base.log" 2>&1
 echo \$? > "$C/base.rc"
 [ "\$(cat "$C/base.rc")" = 0 ] || exit 1
 stamp "data ready"
@@ -44,18 +54,20 @@ for v in $VARIANTS; do  # one tree each; results/ and resources/ hard-linked (mt
       --exclude='./.whl*' --exclude=./.carry --exclude='./.stash*' . | tar xf - -C "\$d"
   cp -al results resources "\$d/"
 done
-for v in $VARIANTS; do  # the two trainings side by side, the same steps
+for v in $VARIANTS; do  # the trainings side by side, the same steps
   (cd "$C/\$v" && stamp "\$v train start" && PYTHONPATH=/tmp/site:$C/\$v DRAFTSMITH_GPU_LOCK_DIR="$C/\$v/.locks" \
       python3 -m snakemake results/drafter/trained/trainer_state.json --cores 8 --resources gpu=1 --scheduler greedy \
-      --rerun-triggers mtime --allowed-rules train --configfile $CONFIGS docs/dflash2/\$v.yaml \
+      --rerun-triggers mtime --allowed-rules train --configfile $CONFIGS $OVERLAYS/\$v.yaml \
       > "$C/\$v-train.log" 2>&1; echo \$? > "$C/\$v-train.rc"; stamp "\$v train end") &
 done
 wait
-for v in $VARIANTS; do  # the evaluations one after the other: tokens/s on an otherwise idle GPU
-  (cd "$C/\$v" && stamp "\$v evaluate start" && PYTHONPATH=/tmp/site:$C/\$v python3 -m snakemake --cores all \
-      --resources gpu=1 --scheduler greedy --rerun-triggers mtime --allowed-rules export evaluate all \
-      --configfile $CONFIGS docs/dflash2/\$v.yaml > "$C/\$v.log" 2>&1; echo \$? > "$C/\$v.rc"; stamp "\$v evaluate end")
+for v in $VARIANTS; do  # COMPARE_EVAL serial: one after the other, tokens/s on an idle GPU; parallel: all at once
+  (cd "$C/\$v" && stamp "\$v evaluate start" && PYTHONPATH=/tmp/site:$C/\$v DRAFTSMITH_GPU_LOCK_DIR="$C/\$v/.locks" \
+      python3 -m snakemake --cores $([ "${COMPARE_EVAL:-serial}" = parallel ] && echo 4 || echo all) --resources gpu=1 --scheduler greedy --rerun-triggers mtime \
+      --allowed-rules export evaluate all --configfile $CONFIGS $OVERLAYS/\$v.yaml > "$C/\$v.log" 2>&1
+      echo \$? > "$C/\$v.rc"; stamp "\$v evaluate end") $([ "${COMPARE_EVAL:-serial}" = parallel ] && echo "&")
 done
+wait
 stamp "all done"
 DRIVER
   setsid nohup bash "$C/driver.sh" < /dev/null > "$C/driver.log" 2>&1 &
@@ -87,14 +99,16 @@ wait)
       [ -e "$C/$v/$f" ] && files+=("$C/$v/$f")
     done
   done
-  if [ -f "$C/dflash/results/eval/report.json" ] && [ -f "$C/dflash2/results/eval/report.json" ]; then
-    # the two reports paired by prompt, with bootstrap intervals of the ratios (draftsmith/evaluate/compare.py)
-    PYTHONPATH=/tmp/site:$PWD python3 -m draftsmith.evaluate.compare "$C/dflash/results/eval/report.json" \
-        "$C/dflash2/results/eval/report.json" --names dflash,dflash2 --json "$C/compare.json" \
-        --md "$C/compare.md" || true
-    files+=("$C/compare.json" "$C/compare.md")
-  fi
-  tar czf "$3/dflash2.tgz" --ignore-failed-read "${files[@]}" results/tokenized/report.json \
+  for v in $VARIANTS; do  # each later variant's report paired with the first's by prompt, with bootstrap intervals of
+    [ "$v" = "$FIRST" ] && continue  # the ratios (draftsmith/evaluate/compare.py); dflash2: compare.{json,md}
+    out=$([ "$NAME" = dflash2 ] && echo "$C/compare" || echo "$C/compare-$v")
+    if [ -f "$C/$FIRST/results/eval/report.json" ] && [ -f "$C/$v/results/eval/report.json" ]; then
+      PYTHONPATH=/tmp/site:$PWD python3 -m draftsmith.evaluate.compare "$C/$FIRST/results/eval/report.json" \
+          "$C/$v/results/eval/report.json" --names "$FIRST,$v" --json "$out.json" --md "$out.md" || true
+      files+=("$out.json" "$out.md")
+    fi
+  done
+  tar czf "$3/$NAME.tgz" --ignore-failed-read "${files[@]}" results/tokenized/report.json \
       results/features/index.json 2>/dev/null || true
   for v in $VARIANTS; do  # τ and tokens/s of the drafter and of prompt lookup per set, and the trainer's metrics
     python3 - "$v" "$C/$v" <<'PY' || true
@@ -109,7 +123,7 @@ print(v, {k: {"tau": round(s["dflash"]["tau"], 3), "tok/s": round(s["dflash"]["t
               "target tok/s": round(s["target_only"]["tokens_per_s"], 1), "lossless": s["lossless"]["dflash"]["lossless"]}
           for k, s in r["sets"].items()})
 t = json.loads((d / "results/drafter/trained/trainer_state.json").read_text())
-print(v, "train wall", round(t["wall_s"], 1), "s; held-out", {k: t["heldout"].get(k) for k in
+print(v, t.get("optimizer", "adamw"), t.get("loss_weighting", "exp"), "train wall", round(t["wall_s"], 1), "s; held-out", {k: t["heldout"].get(k) for k in
       ("loss", "tau_blocks", "tau_expected", "selector_tau_expected")})
 PY
   done
