@@ -320,10 +320,12 @@ def test_train_settings_hold_exactly_the_stage_keys():
 def test_run_fingerprint_is_pinned():
     """The run fingerprint names the checkpoint folder (run-<fingerprint[:12]>): the same configuration and data
     must keep it, or a rerun would not resume its own checkpoints. The hex changed once on purpose, when the
-    features' content (the digest of the chunk files' sha256) joined it (issue 33 item 6). Cadence keys and ``gpus``
-    (it enters as the world size) leave it alone; so do the chunks' order and paths; one chunk's sha256 does not,
-    and an index chunk without one is refused. In stream mode (a plan identity) the slice's chunks stay out: every
-    phase shares the fingerprint."""
+    features' content (the digest of the chunk files' sha256) joined it (issue 33 item 6). A configuration that
+    names the earlier recipe (AdamW, fixed decay) keeps it; one that leaves the recipe to the defaults (Muon +
+    D-PACE since they became the defaults) is another run, whose AdamW checkpoints it must not resume. Cadence keys
+    and ``gpus`` (it enters as the world size) leave it alone; so do the chunks' order and paths; one chunk's sha256
+    does not, and an index chunk without one is refused. In stream mode (a plan identity) the slice's chunks stay
+    out: every phase shares the fingerprint."""
     from draftsmith.train import run_fingerprint
 
     train_cfg = {"gpus": 2, "seed": 7, "epochs": 1.5, "max_steps": None, "lr": 3e-3, "weight_decay": 0.01,
@@ -331,7 +333,8 @@ def test_run_fingerprint_is_pinned():
                  "max_anchors_per_row": 256, "activation_checkpointing": True, "loader_workers": 4,
                  "progress_interval": 30, "logits_chunk_mib": 512, "loss_gamma": 7.0, "labels": "target",
                  "save_every": 200, "eval_every": 100, "eval_fraction": 0.02, "min_lr_ratio": 0.1,
-                 "keep_checkpoints": 3, "prefetch": 4, "attention": "flex", "compile": True, "log_every": 10}
+                 "keep_checkpoints": 3, "prefetch": 4, "attention": "flex", "compile": True, "log_every": 10,
+                 "optimizer": "adamw", "loss_weighting": "exp"}
     drafter_config = {"target_layer_ids": [1, 2], "mask_token_id": 3, "block_size": 4}
     meta = {"num_samples": 8, "num_tokens": 384, "layer_ids": [1, 2], "target_fingerprint": "test",
             "tokenizer_fingerprint": "test", "storage_dtype": "bfloat16", "chunks": []}
@@ -358,6 +361,9 @@ def test_run_fingerprint_is_pinned():
     assert fp(loss_weighting="exp", dpace_alpha=0.3, optimizer="adamw", muon_lr=1e-2, muon_weight_decay=0) == pinned
     assert len({pinned, fp(loss_weighting="dpace"), fp(loss_weighting="dpace", dpace_alpha=0.3), fp(optimizer="muon"),
                 fp(optimizer="muon", muon_lr=1e-2)}) == 5
+    defaults = {k: v for k, v in train_cfg.items() if k not in ("optimizer", "loss_weighting")}
+    assert (run_fingerprint(drafter_config, TrainSettings.from_config(train=defaults).train, meta, 2)
+            == fp(optimizer="muon", loss_weighting="dpace") != pinned)
     plan = {"stream": {"slices": 2}, "lengths_sha256": "0" * 64}
     assert (run_fingerprint(drafter_config, options, dict(meta, chunks=[a]), 2, plan)
             == run_fingerprint(drafter_config, options, dict(meta, chunks=[b]), 2, plan))
@@ -712,7 +718,7 @@ def test_a_rerun_of_a_finished_run_over_a_damaged_chunk_keeps_its_checkpoints(qw
     assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
-@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "loss_weighting": "dpace"}], ids=["adamw", "muon-dpace"])
+@pytest.mark.parametrize("recipe", [{"optimizer": "adamw", "loss_weighting": "exp"}, {}], ids=["adamw", "muon-dpace"])
 def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path, recipe):
     """drafter.architecture dflash2: the same trainer trains the backbone, the convolutions and the selector (every
     new module leaves its initialisation, with AdamW and with Muon + D-PACE), reports the selector's held-out
