@@ -378,9 +378,11 @@ def _row(name: str, run: Run, report_path: Path, train_json: Path | None, peak: 
         st = run.state
         last = st.get("last_train") or {}
         rate = last.get("tokens_per_s")
+        peak_gib = st.get("peak_memory_gib")  # one figure per rank
+        peak_gib = max(peak_gib) if isinstance(peak_gib, list) and peak_gib else peak_gib
         row.update(steps=st.get("steps"), train_s=_fmt(st.get("wall_s"), 0), ctx_tokens_per_s=_fmt(rate, 0),
                    supervised_tokens_per_s=_fmt(rate * run.supervised_fraction() if rate else None, 0),
-                   peak_gib=_fmt(st.get("peak_memory_gib"), 1))
+                   peak_gib=_fmt(peak_gib, 1))
         flops = rate * _draftsmith_flops_per_ctx_token(run) if rate else None
     elif train_json.is_file():
         tr = json.loads(train_json.read_text())

@@ -88,10 +88,12 @@ cd "$PWD"
 stamp() { echo "\$(date +%s) \$1" >> "$P/times"; }
 for shape in $SHAPES; do
   case \$shape in
-    qwen3.5-27b) cfg=config/gpu-node.yaml; trainers=\${PEERS_TRAINERS:-draftsmith,speculators-adamw,speculators,specforge} ;;
+    qwen3.5-27b) cfg=config/gpu-node.yaml
+      trainers=\${PEERS_TRAINERS:-draftsmith,draftsmith-adamw,speculators,speculators-adamw,specforge} ;;
     smollm2-135m) cfg=config/gpu-proof.yaml
       trainers=\${PEERS_TRAINERS:-draftsmith,speculators,specforge,draftsmith-dflash2,speculators-dflash2} ;;
-    tiny) cfg=; trainers=\${PEERS_TRAINERS:-draftsmith,speculators,speculators-adamw,specforge,draftsmith-dflash2,speculators-dflash2} ;;
+    tiny) cfg=
+      trainers=\${PEERS_TRAINERS:-draftsmith,draftsmith-adamw,speculators,speculators-adamw,specforge,draftsmith-dflash2,speculators-dflash2} ;;
   esac
   stamp "\$shape start"
   $PY bench/peers/throughput.py --shape \$shape \${cfg:+--config \$cfg} --out "$P/throughput" \

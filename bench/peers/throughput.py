@@ -10,8 +10,9 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
    ``--tokens`` tokens of random bf16 features in draftsmith's format, documents of ShareGPT's lengths (prompt 30%
    unsupervised, answer supervised; bench/bench_train.py's ``write_ddp_features``);
 2. for each trainer in ``--trainers`` (draftsmith, speculators, specforge; DFlash2: draftsmith-dflash2,
-   speculators-dflash2; speculators-adamw: speculators with ``--optimizer adamw``, draftsmith's optimizer, where its
-   default is Muon), its files written from those features (bench/peers/writers.py; speculators' pre-norm slot
+   speculators-dflash2; speculators-adamw: speculators with ``--optimizer adamw``, where its default is Muon;
+   draftsmith-adamw: draftsmith's earlier recipe, AdamW and the fixed decay, where its default is Muon + D-PACE), its
+   files written from those features (bench/peers/writers.py; speculators' pre-norm slot
    random), ``--steps`` optimizer steps of the trainer with the step probe (bench/peers/probe), its files deleted;
 3. per trainer: context tokens/s after ``--warmup`` steps (per-step tokens where the trainer logs them: draftsmith's
    window rate, speculators' TensorBoard profile; SpecForge logs samples/s only: its mean sample length is used),
@@ -57,7 +58,8 @@ sys.path.insert(0, str(HERE.parent))
 import peer_run  # noqa: E402
 from peerlib import REPO, human_bytes, json_ready  # noqa: E402
 
-TRAINERS = ("draftsmith", "speculators", "specforge", "draftsmith-dflash2", "speculators-dflash2", "speculators-adamw")
+TRAINERS = ("draftsmith", "speculators", "specforge", "draftsmith-dflash2", "speculators-dflash2", "speculators-adamw",
+            "draftsmith-adamw")
 
 
 def say(msg: str) -> None:
@@ -140,6 +142,8 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         args = json.loads(json.dumps(ctx["draftsmith_args"]))
         if dflash2:
             args["drafter"].update(architecture="dflash2", **ctx["dflash2"])
+        if name.endswith("-adamw"):  # draftsmith's earlier recipe, beside its Muon + D-PACE default
+            args["train"].update(optimizer="adamw", loss_weighting="exp")
         cmd = peer_run.draftsmith_cmd(index=ctx["index"], target=ctx["target"], out=scratch / "out", args=args,
                                       threads=os.cpu_count() or 1)
         work = epoch_work(masks, config, trainer="draftsmith", capacity=sizes["tokens_per_step"],
