@@ -89,7 +89,7 @@ BASE=(docs/warm-start/base.yaml $EXTRA $W/steps-base.yaml)
 SCRATCH=(docs/warm-start/scratch.yaml $EXTRA $W/steps-adapt.yaml)
 ADAPT=(docs/warm-start/adapt.yaml $EXTRA $W/steps-adapt.yaml $W/start.yaml)
 if [ -n "$TARGET" ]; then  # the target once, from the stash
-  python3 -m snakemake --cores all --allowed-rules fetch_target materialize_target "$TARGET" \
+  python3 -m snakemake "$TARGET" --cores all --allowed-rules fetch_target materialize_target \
       --configfile $CONFIGS > "$W/target.log" 2>&1 || { echo 1 > "$W/target.rc"; exit 1; }
 fi
 stamp "target ready"
