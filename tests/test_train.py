@@ -755,6 +755,7 @@ def test_torchrun_ddp_gloo_two_processes(qwen3_setup, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "trained" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["steps"] == 4
+    assert "Newton-Schulz split over 2 ranks" in proc.stderr  # ShardedMuon: each rank orthogonalises its share
     last = state["last_train"]
     assert last["step"] == 4 and last["window_tokens_per_s"] > 0 and last["model_tflops_per_gpu"] > 0
     assert state["peak_memory_gib"] is None  # CPU

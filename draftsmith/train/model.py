@@ -13,6 +13,7 @@ from draftsmith.drafter_config import build_drafter_config, resolve_mask_token_i
 from draftsmith.features import FeatureIndex
 from draftsmith.modeling import DFlashDraftModel
 from draftsmith.target_layers import default_target_layer_ids, num_tapped_layers
+from draftsmith.train.muon import ShardedMuon
 from draftsmith.train.plan import FeatureMeta
 from draftsmith.train.settings import DrafterOptions, TrainOptions
 
@@ -189,7 +190,9 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
     ``train.optimizer: adamw``: AdamW at ``train.lr``, ``train.weight_decay`` on matrices only (fused on a GPU).
     ``muon``: :class:`MuonAdamW`: Muon at ``train.muon_lr`` (default ``train.lr``), momentum 0.95 (Nesterov), 5
     Newton-Schulz steps, weight decay ``train.muon_weight_decay``; AdamW at ``train.lr`` without weight decay on
-    the rest. Every group records its peak learning rate as ``peak_lr``.
+    the rest. Under DDP the Muon group is a :class:`~draftsmith.train.muon.ShardedMuon`: each rank orthogonalises
+    about 1/world of the matrices and broadcasts them (one process: ``torch.optim.Muon``'s step). Every group
+    records its peak learning rate as ``peak_lr``.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if settings.optimizer == "muon":
@@ -199,9 +202,8 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
         muon_lr = float(settings.muon_lr if settings.muon_lr is not None else settings.lr)
         adamw = torch.optim.AdamW([{"params": rest, "weight_decay": 0.0, "peak_lr": settings.lr}], lr=settings.lr,
                                   fused=on_gpu or None)
-        muon = torch.optim.Muon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr, momentum=0.95,
-                                nesterov=True, ns_steps=5, weight_decay=settings.muon_weight_decay,
-                                adjust_lr_fn="match_rms_adamw")
+        muon = ShardedMuon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr, momentum=0.95, nesterov=True,
+                           ns_steps=5, weight_decay=settings.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
         return MuonAdamW(adamw, muon), params
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -212,10 +214,13 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
 
 
 def optimizer_summary(optimizer: torch.optim.Optimizer | MuonAdamW) -> str:
-    """One phrase for the log: ``"AdamW"`` or ``"Muon (N matrices, lr X) + AdamW (M tensors)"``."""
+    """One phrase for the log: ``"AdamW"`` or ``"Muon (N matrices, lr X) + AdamW (M tensors)"``, with how the
+    orthogonalisations are split under DDP."""
     if isinstance(optimizer, MuonAdamW):
         adamw, muon = optimizer.optimizers
         count = lambda opt: sum(len(g["params"]) for g in opt.param_groups)  # noqa: E731
-        return (f"Muon ({count(muon)} matrices, lr {muon.param_groups[0]['peak_lr']:.3g}) + AdamW "
+        split = (f"; Newton-Schulz split over {muon.world} ranks, at most {muon.largest_share:.0%} of it on one"
+                 if getattr(muon, "world", 1) > 1 else "")
+        return (f"Muon ({count(muon)} matrices, lr {muon.param_groups[0]['peak_lr']:.3g}{split}) + AdamW "
                 f"({count(adamw)} tensors)")
     return "AdamW"

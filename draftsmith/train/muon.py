@@ -1,0 +1,141 @@
+"""Muon under DDP with its Newton-Schulz orthogonalisations split across the ranks.
+
+``torch.optim.Muon`` under DDP repeats the same work on every rank: after the gradient all-reduce each rank holds the
+same gradients and orthogonalises every weight matrix with the same five Newton-Schulz iterations. At the 27B drafter
+shape that is ~197 TFLOP a step (speculators 0.9.0's profile on one H200: 340 of its 1,330 ms;
+docs/peers/README.md), the same on each of 8 GPUs. :class:`ShardedMuon` gives each matrix an owner rank
+(:func:`muon_owners`, balanced by Newton-Schulz FLOPs); only the owner orthogonalises it and applies the update,
+then broadcasts the new weights, so a rank does about 1/world of the work. The momentum buffers stay on every rank
+(each rank updates all of them from the same gradients: elementwise, cheap), so the optimizer state, its
+checkpoint and a resume at another world size are those of ``torch.optim.Muon``. Moonshot's distributed Muon (Liu
+et al. 2025, "Muon is Scalable for LLM Training") splits the work too, over ZeRO-1 shards of the state; this keeps
+DDP's whole state on every rank and splits by matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+#: The quintic Newton-Schulz coefficients (a, b, c) of Keller Jordan's Muon and ``torch.optim.Muon``'s defaults.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_flops(shape: tuple[int, int] | torch.Size, ns_steps: int = 5) -> int:
+    """FLOPs of orthogonalising an ``m x n`` matrix: ``ns_steps * (4 m^2 n + 2 m^3)`` with ``m`` the smaller side
+    (per iteration ``X X^T``, then ``b A + c A A``, then ``a X + B X``; the same count as docs/peers/README.md)."""
+    m, n = sorted(int(s) for s in shape[:2])
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def muon_owners(shapes: list[tuple[int, int]], world: int, ns_steps: int = 5) -> list[int]:
+    """The owner rank of each matrix: the largest first, each to the rank with the fewest Newton-Schulz FLOPs so
+    far (the lowest rank on a tie). Deterministic: every rank computes the same list from the same shapes.
+
+    Returns a list of ranks in ``range(world)``, one per shape, in the order of ``shapes``.
+    """
+    load = [0] * world
+    owners = [0] * len(shapes)
+    order = sorted(range(len(shapes)), key=lambda i: (-newton_schulz_flops(shapes[i], ns_steps), i))
+    for i in order:
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += newton_schulz_flops(shapes[i], ns_steps)
+    return owners
+
+
+def orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                  eps: float) -> torch.Tensor:
+    """``update`` (2-D, any float dtype) orthogonalised by ``ns_steps`` quintic Newton-Schulz iterations in bf16,
+    as ``torch.optim.Muon`` does it (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural
+    networks"): normalised by its Frobenius norm (at least ``eps``), then ``X <- a X + (b A + c A^2) X`` with
+    ``A = X X^T``, on the transpose when the matrix is taller than wide. Returns a bf16 tensor of ``update``'s
+    shape whose singular values lie near 1 (roughly 0.5 to 1.5, not exactly 1: the coefficients trade
+    convergence for speed)."""
+    a, b, c = ns_coefficients
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix learning rate, as ``torch.optim.Muon``: ``"match_rms_adamw"`` scales by
+    ``0.2 sqrt(max(A, B))`` (Liu et al. 2025), ``None`` / ``"original"`` by ``sqrt(max(1, A / B))`` (Jordan)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn in (None, "original"):
+        ratio = math.sqrt(max(1, rows / cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+class ShardedMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose Newton-Schulz orthogonalisations are split over the ranks of the default process
+    group (DDP: every rank holds the same gradients when the optimizer steps).
+
+    Each matrix has one owner (:func:`muon_owners`); the owner orthogonalises its momentum-corrected gradient,
+    applies decoupled weight decay and the update (the arithmetic of ``torch.optim.Muon``'s step, op for op:
+    :func:`orthogonalize`, :func:`adjusted_lr`), and broadcasts the new weights; every rank updates every momentum
+    buffer. Without a process group, or with one rank, it is ``torch.optim.Muon``. The state (``momentum_buffer``
+    per matrix) and ``state_dict`` are ``torch.optim.Muon``'s, complete on every rank.
+
+    Args:
+        params, **kwargs: as ``torch.optim.Muon``.
+
+    Raises:
+        ValueError: as ``torch.optim.Muon`` (a parameter that is not 2-D, a negative learning rate, ...).
+    """
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        matrices = [p for group in self.param_groups for p in group["params"]]
+        ns_steps = self.param_groups[0]["ns_steps"] if self.param_groups else 5
+        owners = muon_owners([tuple(p.shape) for p in matrices], self.world, ns_steps)
+        self.owner = {id(p): r for p, r in zip(matrices, owners)}
+        load = [0] * self.world
+        for p, r in zip(matrices, owners):
+            load[r] += newton_schulz_flops(p.shape, ns_steps)
+        #: the largest share of the orthogonalisation FLOPs one rank does (1 / world at best; 1 with one rank)
+        self.largest_share = max(load) / max(sum(load), 1)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.world == 1:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = []
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:  # DDP keeps zeroed gradients (set_to_none=False): the same on every rank
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                owner = self.owner[id(p)]
+                if owner == self.rank:
+                    update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                    update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                    p.mul_(1 - lr * group["weight_decay"])
+                    p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                pending.append(dist.broadcast(p.data, src=owner, async_op=True))
+        for work in pending:
+            work.wait()
+        return loss
