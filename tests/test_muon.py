@@ -9,7 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.train.muon import ShardedMuon, adjusted_lr, muon_owners, newton_schulz_flops, orthogonalize
+from draftsmith.train.muon import (
+    NS_COEFFICIENTS,
+    ShardedMuon,
+    adjusted_lr,
+    muon_owners,
+    newton_schulz_flops,
+    orthogonalize,
+)
 
 #: a tall, a wide and a square matrix, two of one shape: the transpose path, both lr adjustments' sides, ties
 SHAPES = [(24, 8), (8, 40), (16, 16), (16, 16), (12, 20)]
@@ -67,7 +74,7 @@ def test_the_step_arithmetic_is_torch_muons():
             for step in range(STEPS):
                 for p, buf, grad in zip(mine, bufs, _grads(step)):
                     buf.lerp_(grad, 1 - kw["momentum"])
-                    update = orthogonalize(grad.lerp(buf, kw["momentum"]), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+                    update = orthogonalize(grad.lerp(buf, kw["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
                     p.mul_(1 - kw["lr"] * kw["weight_decay"])
                     p.add_(update, alpha=-adjusted_lr(kw["lr"], adjust, p.shape))
         for a, b in zip(ref, mine):
