@@ -112,6 +112,10 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One Muon step: every rank updates every momentum buffer (fp32, the parameter's shape); each matrix's
+        owner orthogonalises its Nesterov update (bf16), applies weight decay and the update to the fp32 weights;
+        then every matrix is broadcast from its owner (asynchronously, all awaited before returning). Every rank
+        must call it with the same gradients, as DDP leaves them. Returns ``closure()``'s loss, or None."""
         if self.world == 1:
             return super().step(closure)
         loss = None
