@@ -97,7 +97,8 @@ def _rank(rank: int, world: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=world)
     try:
         params = _params()
-        opt = ShardedMuon(params, **KW)
+        opt = ShardedMuon(params[:3], **KW)
+        opt.add_param_group({"params": params[3:]})  # owned once step() sees it
         _run(opt, params)
         owned = [i for i, p in enumerate(params) if opt.owner[id(p)] == rank]
         tensors = {f"w{i}": p.detach() for i, p in enumerate(params)}
@@ -112,13 +113,15 @@ def _rank(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_sharing_the_work_give_torch_muons_weights_and_state_exactly(tmp_path, world):
     """2 and 3 gloo ranks with the same gradients: every rank ends with torch.optim.Muon's weights and momentum
-    buffers bit for bit, each rank orthogonalised only its own matrices (together: each matrix once), and the
-    state loads into a plain torch.optim.Muon (a checkpoint resumes at any world size)."""
+    buffers bit for bit (a parameter group added after construction included), each rank orthogonalised only its
+    own matrices (together: each matrix once), and torch.optim.Muon's state loads into it (the checkpoints are
+    torch's)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
     ref = _params()
-    plain = torch.optim.Muon(ref, **KW)
+    plain = torch.optim.Muon(ref[:3], **KW)
+    plain.add_param_group({"params": ref[3:]})
     _run(plain, ref)
     got = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(world)]
     owned = sorted(int(i) for g in got for i in g["owned"] if i >= 0)
@@ -130,7 +133,8 @@ def test_ranks_sharing_the_work_give_torch_muons_weights_and_state_exactly(tmp_p
             assert torch.equal(g[f"w{i}"], p.detach()), i
             assert torch.equal(g[f"m{i}"], plain.state[p]["momentum_buffer"]), i
     resumed = _params()
-    opt = ShardedMuon(resumed, **KW)
+    opt = ShardedMuon(resumed[:3], **KW)
+    opt.add_param_group({"params": resumed[3:]})
     sd = plain.state_dict()
     opt.load_state_dict(sd)
     assert all(torch.equal(opt.state[p]["momentum_buffer"], plain.state[q]["momentum_buffer"])

@@ -6,8 +6,8 @@ shape that is ~197 TFLOP a step (speculators 0.9.0's profile on one H200: 340 of
 docs/peers/README.md), the same on each of 8 GPUs. :class:`ShardedMuon` gives each matrix an owner rank
 (:func:`muon_owners`, balanced by Newton-Schulz FLOPs); only the owner orthogonalises it and applies the update,
 then broadcasts the new weights, so a rank does about 1/world of the work. The momentum buffers stay on every rank
-(each rank updates all of them from the same gradients: elementwise, cheap), so the optimizer state, its
-checkpoint and a resume at another world size are those of ``torch.optim.Muon``. Moonshot's distributed Muon (Liu
+(each rank updates all of them from the same gradients: elementwise, cheap), so the optimizer state and its
+checkpoint are those of ``torch.optim.Muon``, complete on every rank. Moonshot's distributed Muon (Liu
 et al. 2025, "Muon is Scalable for LLM Training") splits the work too, over ZeRO-1 shards of the state; this keeps
 DDP's whole state on every rank and splits by matrix.
 """
@@ -30,19 +30,21 @@ def newton_schulz_flops(shape: tuple[int, int] | torch.Size, ns_steps: int = 5) 
     return ns_steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def muon_owners(shapes: list[tuple[int, int]], world: int, ns_steps: int = 5) -> list[int]:
+def muon_owners(shapes: list[tuple[int, int]], world: int, ns_steps: int | list[int] = 5) -> list[int]:
     """The owner rank of each matrix: the largest first, each to the rank with the fewest Newton-Schulz FLOPs so
     far (the lowest rank on a tie). Deterministic: every rank computes the same list from the same shapes.
+    ``ns_steps``: one count for all, or one per shape (each parameter group's own).
 
     Returns a list of ranks in ``range(world)``, one per shape, in the order of ``shapes``.
     """
+    steps = ns_steps if isinstance(ns_steps, list) else [ns_steps] * len(shapes)
+    cost = [newton_schulz_flops(s, n) for s, n in zip(shapes, steps)]
     load = [0] * world
     owners = [0] * len(shapes)
-    order = sorted(range(len(shapes)), key=lambda i: (-newton_schulz_flops(shapes[i], ns_steps), i))
-    for i in order:
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
         rank = min(range(world), key=lambda r: (load[r], r))
         owners[i] = rank
-        load[rank] += newton_schulz_flops(shapes[i], ns_steps)
+        load[rank] += cost[i]
     return owners
 
 
@@ -100,14 +102,18 @@ class ShardedMuon(torch.optim.Muon):
         super().__init__(params, **kwargs)
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
-        matrices = [p for group in self.param_groups for p in group["params"]]
-        ns_steps = self.param_groups[0]["ns_steps"] if self.param_groups else 5
-        owners = muon_owners([tuple(p.shape) for p in matrices], self.world, ns_steps)
-        self.owner = {id(p): r for p, r in zip(matrices, owners)}
+        self.assign_owners()
+
+    def assign_owners(self) -> None:
+        """Set :attr:`owner` (``id(param) -> rank``) and :attr:`largest_share` (the largest share of the
+        orthogonalisation FLOPs one rank does: 1 / world at best, 1 with one rank) over every parameter group, each
+        with its own ``ns_steps``. :meth:`step` calls it again when a group was added since."""
+        pairs = [(p, group["ns_steps"]) for group in self.param_groups for p in group["params"]]
+        owners = muon_owners([tuple(p.shape) for p, _ in pairs], self.world, [n for _, n in pairs])
+        self.owner = {id(p): r for (p, _), r in zip(pairs, owners)}
         load = [0] * self.world
-        for p, r in zip(matrices, owners):
-            load[r] += newton_schulz_flops(p.shape, ns_steps)
-        #: the largest share of the orthogonalisation FLOPs one rank does (1 / world at best; 1 with one rank)
+        for (p, n), r in zip(pairs, owners):
+            load[r] += newton_schulz_flops(p.shape, n)
         self.largest_share = max(load) / max(sum(load), 1)
 
     @torch.no_grad()
@@ -122,19 +128,22 @@ class ShardedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(id(p) not in self.owner for group in self.param_groups for p in group["params"]):
+            self.assign_owners()  # a group added after construction
         pending = []
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
-                if p.grad is None:  # DDP keeps zeroed gradients (set_to_none=False): the same on every rank
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
                 owner = self.owner[id(p)]
-                if owner == self.rank:
+                # every matrix is broadcast, with a gradient or not: the collectives depend on the parameter list
+                # only, so a rank whose gradient is missing cannot leave the others waiting
+                if p.grad is not None:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                    buf = state["momentum_buffer"]
+                    buf.lerp_(p.grad, 1 - momentum)
+                if p.grad is not None and owner == self.rank:
                     update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                     update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
                     p.mul_(1 - lr * group["weight_decay"])
