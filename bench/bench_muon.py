@@ -27,30 +27,20 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import SHAPES, load_sizes
-from transformers import Qwen3Config
+from bench_train import SHAPES, drafter_config, load_sizes
 
-from draftsmith.drafter_config import build_drafter_config
 from draftsmith.modeling import DFlashDraftModel
+from draftsmith.train.model import muon_matrices
 from draftsmith.train.muon import ShardedMuon, newton_schulz_flops
 
 MUON = dict(lr=1e-3, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
 
 
 def muon_shapes(shape: dict, sizes: dict) -> list[tuple[int, int]]:
-    """The shapes of the drafter's Muon matrices (built on the meta device, as bench_train.build_model builds it)."""
-    target = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["target_layers"],
-                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-                         head_dim=shape["head_dim"])
-    n = shape["layers"] if shape["sliding"] else (sizes["layers"] or shape["layers"])
-    cfg = build_drafter_config(target, num_layers=n, block_size=sizes["block"], target_layer_ids=shape["layer_ids"],
-                               mask_token_id=shape["vocab"] - 1,
-                               layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"]) if shape["sliding"]
-                               else None, sliding_window=shape["window"] if shape["sliding"] else None)
+    """The shapes of the drafter's Muon matrices (bench_train.drafter_config, built on the meta device)."""
     with torch.device("meta"):
-        model = DFlashDraftModel(cfg)
-    return [tuple(p.shape) for p in model.parameters() if p.requires_grad and p.dim() == 2 and min(p.shape) > 1]
+        model = DFlashDraftModel(drafter_config(shape, sizes))
+    return [tuple(p.shape) for p in muon_matrices([p for p in model.parameters() if p.requires_grad])]
 
 
 def time_steps(opt: torch.optim.Optimizer, device: torch.device, warmup: int, iters: int) -> float:

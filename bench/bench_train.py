@@ -142,19 +142,24 @@ def load_sizes(config: str | None, tiny: bool) -> dict:
     return sizes
 
 
-def build_model(shape: dict, sizes: dict, device: torch.device, seed: int = 0):
-    """Drafter (fp32 master weights) and frozen bf16 embedding / LM head of the shape."""
-    torch.manual_seed(seed)
+def drafter_config(shape: dict, sizes: dict):
+    """The drafter's config at the shape (its target's sizes) and the config's sizes (``block``, ``layers``)."""
     target_cfg = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
                              intermediate_size=shape["intermediate"], num_hidden_layers=shape["target_layers"],
                              num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                              head_dim=shape["head_dim"], max_position_embeddings=262144)
     n = shape["layers"] if shape["sliding"] else (sizes["layers"] or shape["layers"])
-    cfg = build_drafter_config(target_cfg, num_layers=n, block_size=sizes["block"],
-                               target_layer_ids=shape["layer_ids"], mask_token_id=shape["vocab"] - 1,
-                               layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"]) if shape["sliding"]
-                               else None, sliding_window=shape["window"] if shape["sliding"] else None)
-    model = DFlashDraftModel(cfg).to(device).train()
+    return build_drafter_config(target_cfg, num_layers=n, block_size=sizes["block"],
+                                target_layer_ids=shape["layer_ids"], mask_token_id=shape["vocab"] - 1,
+                                layer_types=(["sliding_attention"] * (n - 1) + ["full_attention"])
+                                if shape["sliding"] else None,
+                                sliding_window=shape["window"] if shape["sliding"] else None)
+
+
+def build_model(shape: dict, sizes: dict, device: torch.device, seed: int = 0):
+    """Drafter (fp32 master weights) and frozen bf16 embedding / LM head of the shape."""
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(drafter_config(shape, sizes)).to(device).train()
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02
     head = torch.randn(shape["vocab"], shape["hidden"], device=device, dtype=dt) * 0.02

@@ -183,6 +183,11 @@ class MuonAdamW:
             first, offset = first + n_groups, offset + n_params
 
 
+def muon_matrices(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters Muon takes (``train.optimizer: muon``): every 2-D one with both sides above 1."""
+    return [p for p in params if p.dim() == 2 and min(p.shape) > 1]
+
+
 def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
                    ) -> tuple[torch.optim.Optimizer | MuonAdamW, list[torch.nn.Parameter]]:
     """The run's optimizer over the trainable parameters and ``(optimizer, params)``.
@@ -196,7 +201,7 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if settings.optimizer == "muon":
-        matrices = [p for p in params if p.dim() == 2 and min(p.shape) > 1]
+        matrices = muon_matrices(params)
         chosen = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in chosen]
         muon_lr = float(settings.muon_lr if settings.muon_lr is not None else settings.lr)
@@ -220,7 +225,7 @@ def optimizer_summary(optimizer: torch.optim.Optimizer | MuonAdamW) -> str:
         adamw, muon = optimizer.optimizers
         count = lambda opt: sum(len(g["params"]) for g in opt.param_groups)  # noqa: E731
         split = (f"; Newton-Schulz split over {muon.world} ranks, at most {muon.largest_share:.0%} of it on one"
-                 if getattr(muon, "world", 1) > 1 else "")
+                 if muon.world > 1 else "")
         return (f"Muon ({count(muon)} matrices, lr {muon.param_groups[0]['peak_lr']:.3g}{split}) + AdamW "
                 f"({count(adamw)} tensors)")
     return "AdamW"
