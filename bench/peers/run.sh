@@ -165,6 +165,9 @@ done" > "$P/samples.txt" 2>&1 < /dev/null &
   echo "quality started at $(date): configs $CONFIGS; peers ${PEERS_LIST:-specforge speculators}"
   ;;
 wait)
+  # a fresh machine (the last one went back between two calls) holds no driver: say so at once, not after SECONDS
+  [ -f "$P/start" ] || { echo "no driver on this machine ($P/start missing): it was started on a machine that has \
+gone back; start it again" >&2; exit 3; }
   end=$(( $(date +%s) + ${2:?SECONDS} ))
   while [ ! -f "$P/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
   mode=$(cat "$P/mode" 2>/dev/null || echo none)
