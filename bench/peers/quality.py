@@ -9,6 +9,9 @@ draftsmith run (``results/`` there), with the run's config files.
     python bench/peers/quality.py evaluate --peer specforge --config ... --out results/peers/   # -> <peer>/eval
     python bench/peers/quality.py compare  --config ... --out results/peers/   # compare-<peer>.{md,json}, summary.md
 
+With ``--base DIR`` (every action) the draftsmith side is an earlier run's drafter config, trainer state and report
+in DIR, and this run holds only the features, which must equal that run's (:func:`check_same_features`).
+
 Peers: ``speculators``, ``specforge``, ``speculators-dflash2`` (SpecForge 0.2.0 has no DFlash2) and
 ``speculators-adamw`` (speculators with ``--optimizer adamw``, draftsmith's optimizer, where its default is Muon: the
 ablation that tells its optimizer from the rest of its recipe). What each is told
@@ -57,10 +60,23 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Run:
-    """The finished draftsmith run in the current folder: its config, target, features, drafter and steps."""
+# What must match between a base run's features (``features-index.json``) and this run's for the peer to have trained
+# on the same data: every count, the taps, the fingerprints and the per-layer statistics of the stored hidden states.
+SAME_FEATURES_KEYS = ("num_samples", "num_tokens", "bytes", "layer_ids", "hidden_size", "num_target_layers",
+                      "storage_dtype", "has_target_token", "target_fingerprint", "tokenizer_fingerprint", "stats",
+                      "layer_stats")
 
-    def __init__(self, config_files: list[str], root: Path = Path(".")):
+
+class Run:
+    """The finished draftsmith run in the current folder: its config, target, features, drafter and steps.
+
+    ``base``: a folder holding an earlier draftsmith run of the same configs (``config.json``, the exported drafter's;
+    ``trainer_state.json``; ``report.json``, its evaluation; ``features-index.json``, its features' index), used in
+    place of ``results/drafter`` and ``results/eval`` when this run built only the features (``run.sh`` with
+    ``PEERS_BASE``). Raises ``SystemExit`` naming the first differing key when this run's features are not the base
+    run's (:data:`SAME_FEATURES_KEYS`): the peer would not train on draftsmith's data."""
+
+    def __init__(self, config_files: list[str], root: Path = Path("."), base: Path | None = None):
         from draftsmith.assets import resolve_target
         from draftsmith.drafter_config import drafter_config_from_dict
 
@@ -71,9 +87,17 @@ class Run:
         self.results = self.root / "results"
         self.index = self.results / "features" / "index.json"
         self.tokenized = self.results / "tokenized" / "train.parquet"
-        final = json.loads((self.results / "drafter" / "final" / "config.json").read_text())
-        self.final_config = drafter_config_from_dict(final)
-        self.state = json.loads((self.results / "drafter" / "trained" / "trainer_state.json").read_text())
+        self.base = base
+        if base is None:
+            final_path = self.results / "drafter" / "final" / "config.json"
+            state_path = self.results / "drafter" / "trained" / "trainer_state.json"
+            self.report = self.results / "eval" / "report.json"
+        else:
+            final_path, state_path = base / "config.json", base / "trainer_state.json"
+            self.report = base / "report.json"
+            check_same_features(base / "features-index.json", self.index)
+        self.final_config = drafter_config_from_dict(json.loads(final_path.read_text()))
+        self.state = json.loads(state_path.read_text())
         self.steps = int(self.state["steps"])
         self.train = self.config["train"]
         self.drafter = self.config["drafter"]
@@ -106,6 +130,20 @@ class Run:
             section.update(architecture="dflash2", **{k: self.drafter[k] for k in (
                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
         return section
+
+
+def check_same_features(base_index: Path, index: Path) -> None:
+    """Raise ``SystemExit`` unless the feature index ``index`` describes the same features as ``base_index`` (both
+    ``draftsmith.index/1`` JSON files) on every key of :data:`SAME_FEATURES_KEYS`; the message names the key and both
+    files."""
+    for path in (base_index, index):
+        if not path.is_file():
+            raise SystemExit(f"{path}: no feature index: cannot tell whether the peer trains on the base run's data")
+    a, b = json.loads(base_index.read_text()), json.loads(index.read_text())
+    for key in SAME_FEATURES_KEYS:
+        if a.get(key) != b.get(key):
+            raise SystemExit(f"{index}: {key!r} differs from the base run's {base_index} ({str(b.get(key))[:80]} "
+                             f"against {str(a.get(key))[:80]}): these are not the same features")
 
 
 def _peer_dirs(out: Path, peer: str) -> dict[str, Path]:
@@ -306,7 +344,7 @@ def evaluate(run: Run, peer: str, out: Path) -> dict:
 def compare(run: Run, out: Path) -> str:
     """Each peer's report paired with draftsmith's (``python -m draftsmith.evaluate.compare``) and one summary
     table (``results/peers/summary.md``, ``summary.json``)."""
-    base = run.results / "eval" / "report.json"
+    base = run.report
     peak = _matmul_peak()
     rows, data = [], {"draftsmith": _row("draftsmith", run, base, None, peak)}
     for peer in PEERS:
@@ -331,6 +369,9 @@ def compare(run: Run, out: Path) -> str:
                 "evaluated: bench/peers/throughput.py's figures are the speed comparison). Useful FLOPs by "
                 "bench/peers/flops_model.py (draftsmith's count, each trainer's own anchor rule); MFU against the "
                 f"bf16 matmul peak measured here: {_fmt(peak / 1e12 if peak else None, 0)} TFLOP/s.")
+    if run.base is not None:
+        rows.append(f"draftsmith's row is the base run's ({run.base}): this run built the same features (every count, "
+                    "fingerprint and per-layer statistic of its feature index equal) and trained only the peers.")
     text = "\n".join(rows) + "\n"
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(json_ready(data), indent=1, default=str))
@@ -408,8 +449,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU smoke (SDPA, eager loss, the shim)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for a peer's training")
     ap.add_argument("--keep-data", action="store_true", help="keep the peer's files after training")
+    ap.add_argument("--base", type=Path, help="an earlier draftsmith run of the same configs (config.json, "
+                    "trainer_state.json, report.json, features-index.json) when this run built only its features")
     args = ap.parse_args(argv)
-    run = Run(args.config)
+    run = Run(args.config, base=args.base)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.action == "compare":
         compare(run, args.out)

@@ -22,6 +22,10 @@
 # Environment:
 #   PEERS_CONFIGS   quality's config files (default "config/gpu-proof.yaml docs/peers/quality.yaml")
 #   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw)
+#   PEERS_BASE      a folder holding an earlier draftsmith run of the same configs (config.json, trainer_state.json,
+#                   report.json, features-index.json; e.g. docs/peers/quality-2026-12-04/draftsmith): quality then
+#                   builds only the features (checked equal to that run's), trains no draftsmith drafter and pairs the
+#                   peers with that run's report (~9 minutes less; bench/peers/quality.py --base)
 #   PEERS_OVERLAP   1: each peer writes its files and trains while the previous drafter is evaluated (saves ~8
 #                   minutes; its training then shares the GPU with a decoding process: its wall time is no speed
 #                   figure, throughput mode's are); default 0
@@ -127,34 +131,43 @@ quality)
 extract_shard merge train export evaluate all"
     CPU=
   fi
+  BASE=${PEERS_BASE:+--base $PEERS_BASE}
+  if [ -n "${PEERS_BASE:-}" ]; then  # the features only: the drafter, its state and report are the base run's
+    DRAFTSMITH_TARGETS="results/features/index.json results/tokenized/eval.parquet"
+  else
+    DRAFTSMITH_TARGETS=results/drafter/final/config.json
+  fi
   cat > "$P/driver.sh" <<DRIVER
 set -u
 cd "$PWD"
 stamp() { echo "\$(date +%s) \$1" >> "$P/times"; }
 sm() { $PY -m snakemake "\$@" --cores all --resources gpu=1 --scheduler greedy $RULES --configfile $CONFIGS; }
 stamp "draftsmith start"
-sm results/drafter/final/config.json > "$P/draftsmith.log" 2>&1
+sm $DRAFTSMITH_TARGETS > "$P/draftsmith.log" 2>&1
 echo \$? > "$P/draftsmith.rc"
 [ "\$(cat "$P/draftsmith.rc")" = 0 ] || { touch "$P/done"; exit 1; }
-stamp "draftsmith trained"
+stamp "draftsmith built $DRAFTSMITH_TARGETS"
 evaluate_draftsmith() { sm > "$P/draftsmith-evaluate.log" 2>&1; echo \$? > "$P/draftsmith-evaluate.rc";
   stamp "draftsmith evaluated"; }
-if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_draftsmith & EVAL=\$!; else evaluate_draftsmith; EVAL=; fi
+EVAL=
+if [ -z "$BASE" ]; then
+  if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_draftsmith & EVAL=\$!; else evaluate_draftsmith; fi
+fi
 for peer in ${PEERS_LIST:-specforge speculators}; do
   stamp "\$peer start"
-  $PY bench/peers/quality.py train --peer \$peer --config $CONFIGS --out results/peers $CPU > "$P/\$peer.log" 2>&1
+  $PY bench/peers/quality.py train --peer \$peer --config $CONFIGS --out results/peers $CPU $BASE > "$P/\$peer.log" 2>&1
   rc=\$?; stamp "\$peer trained (\$rc)"
   [ -n "\$EVAL" ] && wait \$EVAL
   if [ \$rc = 0 ]; then
-    $PY bench/peers/quality.py export --peer \$peer --config $CONFIGS --out results/peers >> "$P/\$peer.log" 2>&1; rc=\$?
+    $PY bench/peers/quality.py export --peer \$peer --config $CONFIGS --out results/peers $BASE >> "$P/\$peer.log" 2>&1; rc=\$?
   fi
   evaluate_peer() { [ \$1 = 0 ] && $PY bench/peers/quality.py evaluate --peer \$2 --config $CONFIGS --out results/peers \
-      >> "$P/\$2.log" 2>&1; echo \$? > "$P/\$2.rc"; stamp "\$2 evaluated"; }
+      $BASE >> "$P/\$2.log" 2>&1; echo \$? > "$P/\$2.rc"; stamp "\$2 evaluated"; }
   if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_peer \$rc \$peer & EVAL=\$!; else evaluate_peer \$rc \$peer; fi
 done
 [ -n "\$EVAL" ] && wait \$EVAL
 wait
-$PY bench/peers/quality.py compare --config $CONFIGS --out results/peers > "$P/compare.log" 2>&1
+$PY bench/peers/quality.py compare --config $CONFIGS --out results/peers $BASE > "$P/compare.log" 2>&1
 stamp "all done"
 touch "$P/done"
 DRIVER
