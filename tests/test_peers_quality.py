@@ -1,6 +1,7 @@
 """bench/peers/quality.py's base check (``PEERS_BASE``): a peer is paired with an earlier draftsmith run only when this
-run's features are that run's, judged by their feature indexes (docs/peers/README.md, "Against an earlier draftsmith
-run"). The base index is the committed one of docs/peers/quality-2026-12-04."""
+run's features are that run's, judged by their feature indexes as training's run fingerprint judges them (counts,
+taps, fingerprints, the sha256 of every chunk file; docs/peers/README.md, "Against an earlier draftsmith run"). The
+base index is the committed one of docs/peers/quality-2026-12-04."""
 
 from __future__ import annotations
 
@@ -38,11 +39,17 @@ def test_the_same_features_pass_whatever_their_paths(tmp_path):
     ("num_tokens", lambda ix: ix.update(num_tokens=ix["num_tokens"] + 1)),
     ("layer_ids", lambda ix: ix.update(layer_ids=list(reversed(ix["layer_ids"])))),
     ("target_fingerprint", lambda ix: ix.update(target_fingerprint="0" * 64)),
-    ("layer_stats", lambda ix: ix.update(layer_stats=json.loads(json.dumps(ix["layer_stats"]).replace("1", "2", 1)))),
+    ("content_sha256", lambda ix: ix["chunks"][0].update(sha256="0" * 64)),
 ])
 def test_other_features_are_refused_naming_the_key(tmp_path, key, edit):
     index = _copy(tmp_path, edit)
     with pytest.raises(SystemExit, match=f"'{key}' differs from the base run's"):
+        quality.check_same_features(BASE_INDEX, index)
+
+
+def test_a_chunk_without_its_sha256_is_refused(tmp_path):
+    index = _copy(tmp_path, lambda ix: ix["chunks"][0].pop("sha256"))
+    with pytest.raises(SystemExit, match="has no sha256"):
         quality.check_same_features(BASE_INDEX, index)
 
 

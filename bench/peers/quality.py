@@ -60,13 +60,6 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# What must match between a base run's features (``features-index.json``) and this run's for the peer to have trained
-# on the same data: every count, the taps, the fingerprints and the per-layer statistics of the stored hidden states.
-SAME_FEATURES_KEYS = ("num_samples", "num_tokens", "bytes", "layer_ids", "hidden_size", "num_target_layers",
-                      "storage_dtype", "has_target_token", "target_fingerprint", "tokenizer_fingerprint", "stats",
-                      "layer_stats")
-
-
 class Run:
     """The finished draftsmith run in the current folder: its config, target, features, drafter and steps.
 
@@ -74,7 +67,7 @@ class Run:
     ``trainer_state.json``; ``report.json``, its evaluation; ``features-index.json``, its features' index), used in
     place of ``results/drafter`` and ``results/eval`` when this run built only the features (``run.sh`` with
     ``PEERS_BASE``). Raises ``SystemExit`` naming the first differing key when this run's features are not the base
-    run's (:data:`SAME_FEATURES_KEYS`): the peer would not train on draftsmith's data."""
+    run's (:func:`check_same_features`): the peer would not train on draftsmith's data."""
 
     def __init__(self, config_files: list[str], root: Path = Path("."), base: Path | None = None):
         from draftsmith.assets import resolve_target
@@ -132,18 +125,35 @@ class Run:
         return section
 
 
+def features_identity(meta: dict, where: Path) -> dict:
+    """What makes two feature indexes the same features, as training's run fingerprint reads it
+    (:func:`draftsmith.train.checkpoint.run_fingerprint`, offline): the sample and token counts, the shared keys
+    (taps, target and tokenizer fingerprints, storage dtype) and the content, the digest of every chunk file's sha256
+    (:func:`draftsmith.features.index_content_sha256`). Raises ``SystemExit`` for a chunk without a sha256."""
+    from draftsmith.features import index_content_sha256
+    from draftsmith.train.checkpoint import SHARED_FEATURE_KEYS
+
+    identity = {k: meta.get(k) for k in ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)}
+    try:
+        identity["content_sha256"] = index_content_sha256(meta, where)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return identity
+
+
 def check_same_features(base_index: Path, index: Path) -> None:
     """Raise ``SystemExit`` unless the feature index ``index`` describes the same features as ``base_index`` (both
-    ``draftsmith.index/1`` JSON files) on every key of :data:`SAME_FEATURES_KEYS`; the message names the key and both
-    files."""
+    ``draftsmith.index/1`` JSON files): :func:`features_identity` equal, so the chunk files are byte for byte the
+    base run's; the message names the first differing key and both files."""
     for path in (base_index, index):
         if not path.is_file():
             raise SystemExit(f"{path}: no feature index: cannot tell whether the peer trains on the base run's data")
-    a, b = json.loads(base_index.read_text()), json.loads(index.read_text())
-    for key in SAME_FEATURES_KEYS:
-        if a.get(key) != b.get(key):
-            raise SystemExit(f"{index}: {key!r} differs from the base run's {base_index} ({str(b.get(key))[:80]} "
-                             f"against {str(a.get(key))[:80]}): these are not the same features")
+    a = features_identity(json.loads(base_index.read_text()), base_index)
+    b = features_identity(json.loads(index.read_text()), index)
+    for key in a:
+        if a[key] != b[key]:
+            raise SystemExit(f"{index}: {key!r} differs from the base run's {base_index} ({str(b[key])[:80]} "
+                             f"against {str(a[key])[:80]}): these are not the same features")
 
 
 def _peer_dirs(out: Path, peer: str) -> dict[str, Path]:
@@ -370,8 +380,8 @@ def compare(run: Run, out: Path) -> str:
                 "bench/peers/flops_model.py (draftsmith's count, each trainer's own anchor rule); MFU against the "
                 f"bf16 matmul peak measured here: {_fmt(peak / 1e12 if peak else None, 0)} TFLOP/s.")
     if run.base is not None:
-        rows.append(f"draftsmith's row is the base run's ({run.base}): this run built the same features (every count, "
-                    "fingerprint and per-layer statistic of its feature index equal) and trained only the peers.")
+        rows.append(f"draftsmith's row is the base run's ({run.base}): this run built the same features (counts, "
+                    "taps, fingerprints and every chunk file's sha256 equal) and trained only the peers.")
     text = "\n".join(rows) + "\n"
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(json_ready(data), indent=1, default=str))

@@ -24,7 +24,7 @@
 #   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw)
 #   PEERS_BASE      a folder holding an earlier draftsmith run of the same configs (config.json, trainer_state.json,
 #                   report.json, features-index.json; e.g. docs/peers/quality-2026-12-04/draftsmith): quality then
-#                   builds only the features (checked equal to that run's), trains no draftsmith drafter and pairs the
+#                   builds only the features (checked byte-identical to that run's), trains no draftsmith drafter and pairs the
 #                   peers with that run's report (~9 minutes less; bench/peers/quality.py --base)
 #   PEERS_OVERLAP   1: each peer writes its files and trains while the previous drafter is evaluated (saves ~8
 #                   minutes; its training then shares the GPU with a decoding process: its wall time is no speed
@@ -131,11 +131,9 @@ quality)
 extract_shard merge train export evaluate all"
     CPU=
   fi
-  BASE=${PEERS_BASE:+--base $PEERS_BASE}
+  BASE= DRAFTSMITH_TARGETS=results/drafter/final/config.json
   if [ -n "${PEERS_BASE:-}" ]; then  # the features only: the drafter, its state and report are the base run's
-    DRAFTSMITH_TARGETS="results/features/index.json results/tokenized/eval.parquet"
-  else
-    DRAFTSMITH_TARGETS=results/drafter/final/config.json
+    BASE="--base $PEERS_BASE" DRAFTSMITH_TARGETS="results/features/index.json results/tokenized/eval.parquet"
   fi
   cat > "$P/driver.sh" <<DRIVER
 set -u
