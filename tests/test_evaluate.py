@@ -775,6 +775,91 @@ def test_load_sets(tmp_path):
     assert held.skipped == {"prompt_too_long": 1, "no_user_turn": 1} and held.rows_read == 4
 
 
+class _TurnDecoders:
+    """Just what :func:`draftsmith.evaluate.decoders.decode_set` asks of its decoders: every prompt's target-only
+    answer is token 0 repeated, the lossless methods' (and the reference's, when ``reference``) token 1; the
+    rendered histories are kept."""
+
+    warmed, seed, max_prompt_tokens = True, 0, 1000
+
+    def __init__(self, reference: bool):
+        from types import SimpleNamespace
+
+        self.reference, self.histories = reference, []
+        self.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join("AB"[i] for i in ids))
+
+    def render(self, messages, tools):
+        self.histories.append([dict(msg) for msg in messages])
+        return [len(self.histories)] * 4  # a prompt of its own per turn
+
+    def fits(self, num_prompt_tokens, max_new):
+        return True
+
+    def draw_seed(self, label):
+        return 0
+
+    def passes(self):
+        return 3 + int(self.reference)
+
+    def decode(self, ids, max_new, gen_seed, rotate=0, on_tokens=None):
+        from draftsmith.evaluate.decode import GenerationResult
+
+        def result(tok: int, committed: list[int]) -> GenerationResult:
+            return GenerationResult(tokens=[tok] * 3, num_prompt_tokens=len(ids), seconds=0.1, prefill_seconds=0.01,
+                                    committed=committed, accepted=[c - 1 for c in committed],
+                                    proposed=[3] * len(committed))
+
+        out = {"target_only": result(0, []), "dflash": result(1, [3]), "prompt_lookup": result(1, [2, 1])}
+        if self.reference:
+            out["reference"] = result(1, [])
+        return out
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_second_turn_is_asked_after_the_lossless_reference_when_there_is_one(reference):
+    """A conversation's second turn follows the target's greedy answer every lossless method commits (the
+    reference, which repeats from run to run) when decoding made one, else target-only decoding's answer; the
+    report's ``run.next_turn`` and the resume key say which (an evaluation saved under the older rule is decoded
+    again)."""
+    from unittest import mock
+
+    from draftsmith.evaluate.decoders import decode_set
+    from draftsmith.evaluate.prompts import BenchmarkSet, Conversation
+
+    def m(role, content):
+        return {"role": role, "content": content}
+
+    bset = BenchmarkSet("mt", "mtbench", 4, 3, [Conversation("c1", "mtbench", [m("system", "S")],
+                                                              [[m("user", "one")], [m("user", "two")]])])
+    decoders = _TurnDecoders(reference)
+    out = decode_set(decoders, bset, {}, mock.MagicMock())
+    assert out["labels"] == ["c1#0", "c1#1"] and len(out["results"]["dflash"]) == 2
+    assert decoders.histories[0] == [m("system", "S"), m("user", "one")]
+    answer = "BBB" if reference else "AAA"
+    assert decoders.histories[1] == [m("system", "S"), m("user", "one"), m("assistant", answer), m("user", "two")]
+
+
+def test_the_resume_key_changes_with_the_rule_later_turns_follow(monkeypatch):
+    """Conversations saved by an evaluation whose later turns followed another answer are not reused: the rule
+    (``NEXT_TURN_RULE``) is part of every set's resume key."""
+    from types import SimpleNamespace
+
+    import draftsmith.evaluate.resume as resume
+    from draftsmith.evaluate.decoders import NEXT_TURN_RULE
+    from draftsmith.evaluate.sampling import SamplingConfig
+
+    monkeypatch.setattr(resume, "sha256_file", lambda path: "drafter-sha")
+    monkeypatch.setattr(resume, "target_fingerprint", lambda path: "target-fingerprint")
+    decoders = SimpleNamespace(tokenizer_fingerprint="tok", template_kwargs={}, sampling=SamplingConfig(), seed=0,
+                               block_size=16, lookup=SimpleNamespace(max_ngram=3, max_drafts=15), stops=[2],
+                               device=torch.device("cpu"), dtype=torch.float32, rollback="auto",
+                               max_prompt_tokens=1000, mtp_tokens=[], start_dir=None)
+    key = resume.run_key(decoders, "target", "drafter")
+    assert key["next_turn"] == NEXT_TURN_RULE and "reference" in NEXT_TURN_RULE
+    monkeypatch.setattr(resume, "NEXT_TURN_RULE", "target-only decoding's answer")
+    assert resume.run_key(decoders, "target", "drafter") != key
+
+
 def test_evaluate_settings_hold_the_stage_keys_and_the_schema_defaults():
     """EvaluateSettings holds exactly the keys rule evaluate reads (draftsmith.stages.STAGE_KEYS), keeps the sets
     in config order (through the JSON the decoding workers get too), refuses the removed evaluate.stop_tokens, and
@@ -978,6 +1063,8 @@ def test_evaluate_stage_on_the_static_cache(stage_inputs, tmp_path):
     sta = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "static", static_cache="true"))
     assert dyn["run"]["decoding"] == "dynamic KV cache" and sta["run"]["decoding"] == "static KV cache"
     assert "verify width (8 tokens" in sta["run"]["lossless_reference"]
+    assert sta["run"]["next_turn"] == "after the lossless reference's answer"
+    assert dyn["run"]["next_turn"] == "after target-only decoding's answer"
     for name in ("heldout", "mtbench"):
         d, s = dyn["sets"][name], sta["sets"][name]
         assert s["dflash"]["tau"] == d["dflash"]["tau"] and s["prompt_lookup"]["tau"] == d["prompt_lookup"]["tau"]

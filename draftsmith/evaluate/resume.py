@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from draftsmith.evaluate.decoders import NEXT_TURN_RULE
 from draftsmith.evaluate.prompts import BenchmarkSet, Conversation
 from draftsmith.evaluate.report import REPORT_FORMAT
 from draftsmith.io import read_json, sha256_file, target_fingerprint, write_json
@@ -58,7 +59,8 @@ def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
     """What every set's saved results depend on, whatever the set: the report format, the drafter weights'
     sha256 (``"drafter"``), the target's fingerprint (its ``mtp.*`` tensors included), and the tokenizer, template
     kwargs, sampling and decoding settings of ``decoders`` (:class:`draftsmith.evaluate.decoders.Decoders`; the MTP
-    head's numbers of drafts among them) and, with ``drafter.init_from``, the start drafter's weights' sha256."""
+    head's numbers of drafts among them), which answer later turns follow (``NEXT_TURN_RULE``) and, with
+    ``drafter.init_from``, the start drafter's weights' sha256."""
     return {"format": REPORT_FORMAT, "drafter": sha256_file(Path(drafter_dir) / "model.safetensors"),
             "target": target_fingerprint(target_dir),
             "tokenizer": decoders.tokenizer_fingerprint, "template_kwargs": decoders.template_kwargs,
@@ -67,6 +69,7 @@ def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
             "lookup": [decoders.lookup.max_ngram, decoders.lookup.max_drafts], "stops": decoders.stops,
             "device": decoders.device.type, "dtype": str(decoders.dtype), "rollback": decoders.rollback,
             "max_prompt_tokens": decoders.max_prompt_tokens, "mtp": decoders.mtp_tokens,
+            "next_turn": NEXT_TURN_RULE,
             **({"start": decoders.start_sha} if decoders.start_dir else {})}
 
 
