@@ -411,9 +411,15 @@ def test_resume_reaches_the_same_weights(qwen3_setup, tmp_path):
 def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
     """A rerun that finds the run's final checkpoint trains no step; its trainer_state.json keeps the last
     training line all the same (it was ``{}``)."""
-    cfg = dict(TINY_TRAIN, max_steps=4, log_every=2, tokens_per_batch=64)
+    cfg = dict(TINY_TRAIN, max_steps=4, log_every=2, tokens_per_batch=64, time_phases=True)
     first = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
     assert first["resumed_from_step"] == 0 and first["last_train"]["step"] == 4
+    # train.time_phases: each step's time by phase; on the CPU the host's (4 steps, none left out of 10 warm-up)
+    phases = first["step_phases_ms"]
+    assert phases["steps"] == 4 and phases["skipped"] == 0 and "gpu_ms" not in phases
+    assert list(phases["host_ms"]) == ["fetch", "h2d", "forward", "backward", "clip", "check", "optimizer",
+                                       "zero_grad", "log", "step"]
+    assert sum(v for k, v in phases["host_ms"].items() if k != "step") <= phases["host_ms"]["step"] * 1.5
     again = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=1)
     assert again["resumed_from_step"] == 4
     assert again["last_train"] == first["last_train"]
@@ -967,6 +973,44 @@ def test_step_memory_keeps_the_run_peak_across_phase_resets():
     }
     assert mem.run_peak == 65 * gib  # the allocator alone would now say 40
     assert "backward peak 65.0 -> 40.0" in mem.summary()
+
+
+def test_step_times_split_each_step_by_phase_and_take_medians_after_the_warm_up(monkeypatch):
+    """StepTimes: a phase's host time is the time since the mark before (a phase marked twice in a step adds up),
+    a step lasts from its start to the next step's (the last one to its last mark), and the summary's medians leave
+    out the first ``skip`` steps unless there are no others."""
+    import draftsmith.train.metrics as metrics
+    from draftsmith.train import StepTimes
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock["t"])
+
+    def after(ms):
+        clock["t"] += ms / 1e3
+
+    timer = StepTimes(torch.device("cpu"), skip=1)
+    timer.mark("fetch")  # before any step: ignored
+    for step, forward_ms in ((1, 500.0), (2, 10.0), (3, 12.0), (4, 14.0)):
+        timer.start(step)
+        after(1)
+        timer.mark("fetch")
+        after(forward_ms / 2)
+        timer.mark("forward")
+        after(forward_ms / 2)
+        timer.mark("forward")  # a second micro-batch
+        after(3)
+        timer.mark("optimizer")
+        after(0.5)  # a gap until the next step starts: in the step, in no phase
+        done = timer.collect()
+        assert [r["step"] for r in done] == ([] if step == 1 else [step - 1])
+    assert timer.collect(wait=True)[-1]["host_ms"]["step"] == pytest.approx(1 + 14 + 3)
+    first = timer.records[0]["host_ms"]
+    assert first == pytest.approx({"fetch": 1.0, "forward": 500.0, "optimizer": 3.0, "step": 504.5})
+    summary = timer.summary()
+    assert summary["steps"] == 3 and summary["skipped"] == 1 and "gpu_ms" not in summary
+    assert summary["host_ms"] == pytest.approx({"fetch": 1.0, "forward": 12.0, "optimizer": 3.0, "step": 16.5})
+    assert StepTimes.describe(summary).startswith("fetch 1.0, forward 12.0, optimizer 3.0")
+    assert StepTimes(torch.device("cpu"), skip=10).summary() is None
 
 
 def test_layers_compiled_under_ddp_stay_one_graph_each(tmp_path):

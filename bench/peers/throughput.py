@@ -19,8 +19,10 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
    supervised tokens/s (x the supervised fraction of the rows), useful FLOPs per context token of its anchor rule
    (bench/peers/flops_model.py) -> TFLOP/s and MFU against the bf16 matmul peak measured first, the probe's peak
    ``torch.cuda.max_memory_allocated`` / ``reserved`` and nvidia-smi's, the time from process start to the end of
-   the first optimizer step, the median time of an optimizer step (the probe's, GPU-synchronised) and, for
-   speculators, its own split of a step (``profile/{fetch,fwd,bwd,clip,opt}_ms``).
+   the first optimizer step, the median time of an optimizer step (the probe's, GPU-synchronised) and each
+   trainer's own split of a step where it makes one: speculators' ``profile/{fetch,fwd,bwd,clip,opt}_ms``,
+   draftsmith's ``train.time_phases`` (``step_phases_ms``: GPU and host ms by phase; ``PEERS_DRAFTSMITH_PHASES=0``
+   runs draftsmith without it).
 
 Matched settings (each trainer's sizes from the config's train section): tokens per optimizer step (draftsmith's
 ``tokens_per_batch``; speculators ``--total-seq-len``; SpecForge ``batch_size`` = tokens_per_batch / mean document
@@ -144,6 +146,8 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
             args["drafter"].update(architecture="dflash2", **ctx["dflash2"])
         if name.endswith("-adamw"):  # draftsmith's earlier recipe, beside its Muon + D-PACE default
             args["train"].update(optimizer="adamw", loss_weighting="exp")
+        # its own split of a step, as speculators logs one (CUDA events, no added sync; 0 turns it off)
+        args["train"]["time_phases"] = os.environ.get("PEERS_DRAFTSMITH_PHASES", "1") != "0"
         cmd = peer_run.draftsmith_cmd(index=ctx["index"], target=ctx["target"], out=scratch / "out", args=args,
                                       threads=os.cpu_count() or 1)
         work = epoch_work(masks, config, trainer="draftsmith", capacity=sizes["tokens_per_step"],
@@ -155,6 +159,8 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         res["trainer_reported"] = {k: last.get(k) for k in ("window_tokens_per_s", "tokens_per_s",
                                                             "model_tflops_per_gpu", "loss")}
         res["trainer_reported"]["peak_memory_gib"] = state.get("peak_memory_gib")
+        # train.time_phases: medians by phase after its first 10 steps (GPU and host ms)
+        res["trainer_reported"]["profile_ms"] = state.get("step_phases_ms")
         tokens_per_step = work.ctx_tokens / max(1.0, work.steps)
         res["loss_last"] = last.get("loss")
     elif kind == "speculators":
@@ -269,6 +275,24 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def profiles(results: dict) -> str:
+    """Each trainer's own split of a step, one line each (ms, medians after the warm-up): speculators'
+    ``profile/*_ms``, draftsmith's ``step_phases_ms`` (GPU / host)."""
+    lines = ["Each trainer's own split of a step (ms, medians after its warm-up):"]
+    for name, r in results.items():
+        prof = (r.get("trainer_reported") or {}).get("profile_ms")
+        if not prof:
+            continue
+        if "host_ms" in prof:  # draftsmith's train.time_phases
+            host, gpu = prof["host_ms"], prof.get("gpu_ms") or {}
+            parts = [f"{k} {gpu[k]:.1f} / {v:.1f}" if k in gpu else f"{k} {v:.1f}" for k, v in host.items()]
+            lines.append(f"- {name} ({'GPU / host' if gpu else 'host'}, {prof['steps']} steps): " + ", ".join(parts))
+        else:
+            lines.append(f"- {name}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in prof.items()
+                                                      if isinstance(v, (int, float))))
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="smollm2-135m", choices=["qwen3.5-27b", "smollm2-135m", "tiny"])
@@ -359,6 +383,7 @@ def main(argv=None) -> int:
         res["table"] = table(res["results"])
         save()
         print(res["table"])
+        print(profiles(res["results"]))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -70,6 +70,7 @@ from draftsmith.train.distributed import (
 from draftsmith.train.metrics import (
     Metrics,
     StepMemory,
+    StepTimes,
     Throughput,
     evaluate,
     expected_acceptance_length,
@@ -90,9 +91,9 @@ from draftsmith.train.trainer import NonFiniteError, Trainer, train
 
 __all__ = [
     "BatchPlan", "CADENCE_KEYS", "CHECKPOINT_FORMAT", "COLLECTIVE_TIMEOUT_S", "Dist", "DrafterOptions", "FeatureMeta",
-    "Metrics", "MuonAdamW", "NonFiniteError", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StreamOptions", "StreamPlan",
-    "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings", "Trainer",
-    "all_reduce_sum", "barrier", "batch_maker", "build_model_config", "cap_anchors", "evaluate",
+    "Metrics", "MuonAdamW", "NonFiniteError", "PHASE_FORMAT", "Prefetcher", "StepMemory", "StepTimes", "StreamOptions",
+    "StreamPlan", "Throughput", "TrainData", "TrainItem", "TrainOptions", "TrainPhaseSettings", "TrainSettings",
+    "Trainer", "all_reduce_sum", "barrier", "batch_maker", "build_model_config", "cap_anchors", "evaluate",
     "expected_acceptance_length", "heldout_subset", "load_latest_checkpoint", "load_optimizer_tensors", "loss_weight",
     "lr_factor", "make_batch", "make_optimizer", "optimizer_tensors", "pack_documents", "pack_rows", "peak_memory_gib",
     "phase_record", "plan_data", "plan_stream_data", "prepare_step", "read_marker", "restore", "resume",

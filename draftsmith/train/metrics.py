@@ -2,14 +2,15 @@
 
 :class:`Metrics` sums the drafter's training outputs over micro-batches and ranks (loss, per-position CE and
 accuracy, :func:`expected_acceptance_length`); :func:`evaluate` runs them over the held-out rows;
-:class:`Throughput` gives context tokens/s and model TFLOP/s per GPU; :class:`StepMemory` and
-:func:`peak_memory_gib` account GPU memory; :func:`log_train_step` and :func:`log_heldout` write the log lines and
-TensorBoard scalars.
+:class:`Throughput` gives context tokens/s and model TFLOP/s per GPU; :class:`StepTimes` splits a step's time by
+phase (``train.time_phases``); :class:`StepMemory` and :func:`peak_memory_gib` account GPU memory;
+:func:`log_train_step` and :func:`log_heldout` write the log lines and TensorBoard scalars.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -154,6 +155,114 @@ class Throughput:
                "model_tflops_per_gpu": window_flops / window_s / world / 1e12}
         self.skip(now)
         return out
+
+
+class StepTimes:
+    """Where each optimizer step's time goes, phase by phase (``train.time_phases``): the host's wall time and, on
+    a GPU, the GPU's, in milliseconds.
+
+    The trainer calls :meth:`start` when a step begins and :meth:`mark` at the end of each phase: ``fetch`` (the
+    step's micro-batches from the prefetcher, and the loss scale), ``h2d`` (to the device), ``forward``,
+    ``backward`` (summed over micro-batches), ``clip``, ``check`` (the finite-loss check: one host sync a step),
+    ``optimizer``, ``zero_grad`` and ``log`` (the log line, held-out evaluation and checkpoint of the steps that
+    have them). On a GPU every mark records a CUDA event on the current stream; the GPU time of a phase is the
+    time between its event and the one before (the GPU's timeline: kernels and the gaps the host leaves between
+    them), so a phase whose host time exceeds its GPU time is bound by kernel launches or the host. Events are read
+    once they have completed (:meth:`collect`, non-blocking), so timing adds no synchronisation to the loop. A
+    step's ``step`` time runs from its start to the next step's (host and GPU), the last step's from its start to
+    its last mark. speculators' ``profile/{fetch,fwd,bwd,clip,opt}_ms`` (its trainer's ``Profiler``) is the same
+    split, synchronising the GPU at each boundary instead.
+
+    Args:
+        device: the training device (CUDA: GPU times too; else host times only).
+        skip: steps left out of :meth:`summary`'s medians (compilation, warm-up); all steps when there are no more.
+    """
+
+    def __init__(self, device: torch.device, skip: int = 10):
+        self.cuda = device.type == "cuda"
+        self.skip = int(skip)
+        self.records: list[dict[str, Any]] = []  # completed steps: {"step", "host_ms": {}, "gpu_ms": {}}
+        self.pending: list[dict[str, Any]] = []  # steps whose GPU events may still be running
+        self.current: dict[str, Any] | None = None
+
+    def _event(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self, step: int) -> None:
+        """Step ``step`` (1-based, as logged) begins; the step before it ends here."""
+        now = time.perf_counter()
+        event = self._event() if self.cuda else None
+        if self.current is not None:
+            self.current["host_ms"]["step"] = (now - self.current["t0"]) * 1e3
+            self.current["next_event"] = event
+            self.pending.append(self.current)
+        self.current = {"step": int(step), "t0": now, "t": now, "host_ms": {}, "events": [("start", event)]}
+
+    def mark(self, phase: str) -> None:
+        """Phase ``phase`` of the current step ends (times of a phase marked twice in a step add up)."""
+        cur = self.current
+        if cur is None:
+            return
+        now = time.perf_counter()
+        cur["host_ms"][phase] = cur["host_ms"].get(phase, 0.0) + (now - cur["t"]) * 1e3
+        cur["t"] = now
+        if self.cuda:
+            cur["events"].append((phase, self._event()))
+
+    def collect(self, wait: bool = False) -> list[dict[str, Any]]:
+        """The pending steps whose events have completed (all of them, after a GPU sync, with ``wait``), moved to
+        :attr:`records` with their GPU times; returns them (the caller may log them)."""
+        if wait and self.current is not None:  # the run's last step: it ends at its last mark
+            cur, self.current = self.current, None
+            cur["host_ms"]["step"] = (cur["t"] - cur["t0"]) * 1e3
+            cur["next_event"] = cur["events"][-1][1] if self.cuda else None
+            self.pending.append(cur)
+        done = []
+        while self.pending:
+            rec = self.pending[0]
+            last = rec.get("next_event")
+            if self.cuda and last is not None and not (wait or last.query()):
+                break
+            if self.cuda and last is not None:
+                last.synchronize()
+                gpu: dict[str, float] = {}
+                events = rec["events"]
+                for (_, before), (phase, after) in zip(events, events[1:]):
+                    gpu[phase] = gpu.get(phase, 0.0) + before.elapsed_time(after)
+                gpu["step"] = events[0][1].elapsed_time(last)
+                rec["gpu_ms"] = gpu
+            self.pending.pop(0)
+            out = {"step": rec["step"], "host_ms": rec["host_ms"], **({"gpu_ms": rec["gpu_ms"]} if "gpu_ms" in rec
+                                                                        else {})}
+            self.records.append(out)
+            done.append(out)
+        return done
+
+    def summary(self) -> dict[str, Any] | None:
+        """Medians over the recorded steps after the first :attr:`skip` (all of them when there are no more):
+        ``{"steps": n, "skipped": k, "host_ms": {phase: ms}, "gpu_ms": {phase: ms}}`` (``gpu_ms`` on a GPU only);
+        None before any step completed. trainer_state.json's ``step_phases_ms``."""
+        recs = self.records[self.skip:] if len(self.records) > self.skip else self.records
+        if not recs:
+            return None
+        out: dict[str, Any] = {"steps": len(recs), "skipped": len(self.records) - len(recs)}
+        for kind in ("host_ms", "gpu_ms"):
+            phases = [k for r in recs for k in r.get(kind, {})]
+            if phases:
+                order = list(dict.fromkeys(phases))
+                out[kind] = {k: round(statistics.median(r[kind].get(k, 0.0) for r in recs if kind in r), 3)
+                             for k in order}
+        return out
+
+    @staticmethod
+    def describe(summary: dict[str, Any]) -> str:
+        """One log line of :meth:`summary`: ``fetch 0.1 / 2.0, ..., step 124.0 / 124.3 ms`` (GPU / host)."""
+        host, gpu = summary.get("host_ms", {}), summary.get("gpu_ms")
+        if gpu is None:
+            return ", ".join(f"{k} {v:.1f}" for k, v in host.items()) + " ms (host)"
+        return ", ".join(f"{k} {gpu.get(k, 0.0):.1f} / {host.get(k, 0.0):.1f}" for k in host) + " ms (GPU / host)"
 
 
 class StepMemory:

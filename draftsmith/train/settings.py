@@ -58,6 +58,7 @@ class TrainOptions(SectionSettings):
     progress_interval: float
     logits_chunk_mib: int
     activation_checkpointing: bool
+    time_phases: bool
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from draftsmith.train.distributed import Dist, all_reduce_sum, barrier, prepare_
 from draftsmith.train.metrics import (
     Metrics,
     StepMemory,
+    StepTimes,
     Throughput,
     evaluate,
     log_heldout,
@@ -305,6 +306,9 @@ class Trainer:
         # the third step of this run (the optimizer state exists, DDP has rebuilt its buckets) by memory phase
         self.memory = StepMemory(self.device) if self.on_gpu else None
         self.memory_step = start_step + 2
+        # train.time_phases: every step's time by phase (host and GPU; no added sync), medians in trainer_state
+        self.step_times = StepTimes(self.device) if cfg.time_phases else None
+        self.phase_summary = None
         log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, %s, %s, labels "
                  "%s; %d steps (%s, warmup %d), %d process(es) on %s", self.config.ARCHITECTURE,
                  self.config.num_hidden_layers,
@@ -475,26 +479,38 @@ class Trainer:
         bar = progress(total_steps, "train", unit="step", logger=log, initial=start_step, disable=not ranks.main,
                        interval=float(cfg.progress_interval))
         throughput = Throughput(device)
+        timer = self.step_times
+        tick = timer.mark if timer is not None else (lambda phase: None)
         try:
             batches = iter(items)
             for step in range(start_step, end_step):
+                if timer is not None:
+                    timer.start(step + 1)
                 factor = lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
                 lr = cfg.lr * factor
                 for group in self.optimizer.param_groups:  # Muon's group peaks at its own train.muon_lr
                     group["lr"] = group.get("peak_lr", cfg.lr) * factor
                 metrics = Metrics(block - 1, device, selector=self.selector)
                 phases = self.memory if step == self.memory_step else None  # one step's memory by phase (GPU)
-                mark = phases.mark if phases is not None else lambda phase: None
+                memory_mark = phases.mark if phases is not None else None
+
+                def mark(phase: str) -> None:
+                    if memory_mark is not None:
+                        memory_mark(phase)
+                    tick(phase)
+
                 if phases is not None:
                     phases.start()
                 # the step's micro-batches (read ahead by the prefetcher) and its loss weight over all ranks
                 step_items = [next(batches) for _ in range(accum)]
                 scale = self.loss_scale(step_items)
+                tick("fetch")
                 losses = []
                 for micro, item in enumerate(step_items):  # DDP all-reduces the gradients on the last micro-batch
                     throughput.add(int((item.batch.doc_ids >= 0).sum()), item.flops)  # on the host: no GPU wait
                     # fp8 features travel as fp8 with their scales and are dequantised here, on the device
                     batch = item.batch.to(device, non_blocking=True).dequantize(self.feature_dtype)
+                    tick("h2d")
                     no_sync = self.ddp and micro < accum - 1
                     with self.step_model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
                         out = self.step_model(batch, self.embed, self.head, self.gamma, self.dpace_alpha,
@@ -509,6 +525,7 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 mark("clip")
                 self.check_finite(step, losses, grad_norm)  # before the optimizer step: the weights stay good
+                tick("check")
                 self.optimizer.step()
                 mark("optimizer")
                 # under DDP the gradients are views into its buckets: zeroed in place, they stay views (set to None,
@@ -532,10 +549,29 @@ class Trainer:
                 if done % cfg.save_every == 0 or done == end_step:
                     self.checkpoint(done, extra, protect)
                     throughput.skip()
+                if timer is not None:
+                    tick("log")
+                    self.write_phases(timer.collect())
         finally:
             items.close()
             bar.close()
+        if timer is not None:
+            self.write_phases(timer.collect(wait=True))
+            self.phase_summary = timer.summary()
+            if self.phase_summary is not None and ranks.main:
+                log.info("step time by phase (rank 0, medians of %d steps after the first %d): %s",
+                         self.phase_summary["steps"], self.phase_summary["skipped"],
+                         StepTimes.describe(self.phase_summary))
         return self.last
+
+    def write_phases(self, records: list[dict[str, Any]]) -> None:
+        """TensorBoard scalars ``profile/<phase>_ms`` of steps timed by :class:`StepTimes` (the GPU's times on a
+        GPU, else the host's; rank 0)."""
+        if self.writer is None:
+            return
+        for rec in records:
+            for phase, ms in (rec.get("gpu_ms") or rec["host_ms"]).items():
+                self.writer.add_scalar(f"profile/{phase}_ms", ms, rec["step"])
 
     def final_outputs(self, t_start: float, *, resumed_from_step: int, earlier: Mapping | None = None,
                       extra: Mapping | None = None) -> dict[str, Any]:
@@ -576,6 +612,7 @@ class Trainer:
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
             "memory_by_phase_gib": (earlier["memory_by_phase_gib"] if earlier
                                     else self.memory.phases if self.memory is not None else None),
+            "step_phases_ms": self.phase_summary,
             "heldout": final_eval, "history": self.history, "fingerprint": self.fingerprint,
             "resumed_from_step": resumed_from_step, "wall_s": wall_s, **(extra or {}),
         }
