@@ -875,9 +875,10 @@ def test_overfit_gate_acceptance_with_official_dflash_generate(official, qwen3_s
 def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path, architecture):
     """The GPU path the shipped configs take (bf16 autocast, compiled layers and flex_attention BlockMask,
     pinned prefetch, anchor buckets), for DFlash and DFlash2 drafters: the training loss falls far below chance,
-    held-out metrics come out, and a run stopped after a checkpoint resumes to the planned step count."""
+    held-out metrics come out, and a run stopped after a checkpoint resumes to the planned step count; with
+    ``train.time_phases`` each phase has a GPU time (CUDA events) and the phases fill the step."""
     cfg = dict(TINY_TRAIN, max_steps=60, lr=1e-2, eval_fraction=0.25, eval_every=30, compile=True,
-               save_every=30)
+               save_every=30, time_phases=True)
     drafter = TINY_DRAFTER if architecture == "dflash" else dict(
         TINY_DRAFTER, architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
     stopped = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=2,
@@ -889,6 +890,11 @@ def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path, archite
     chance = math.log(qwen3_setup["target"].config.vocab_size)  # the loss of a uniform guess
     assert state["last_train"]["loss"] < 0.75 * chance, (state["last_train"], chance)  # H200: 3.44 vs 6.24
     assert (tmp_path / "trained" / "model.safetensors").is_file()
+    phases = state["step_phases_ms"]
+    assert phases["steps"] == 20 and phases["skipped"] == 10  # the resumed process's 30 steps
+    gpu = phases["gpu_ms"]
+    assert set(gpu) == set(phases["host_ms"]) and gpu["forward"] > 0 and gpu["backward"] > 0
+    assert 0.5 * gpu["step"] <= sum(v for k, v in gpu.items() if k != "step") <= 1.5 * gpu["step"]
 
 
 def test_prefetcher_keeps_the_order_with_several_workers_and_reraises():
