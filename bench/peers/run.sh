@@ -21,7 +21,8 @@
 #                                             wrote into OUT/peers-<mode>.tgz and print its tables
 # Environment:
 #   PEERS_CONFIGS   quality's config files (default "config/gpu-proof.yaml docs/peers/quality.yaml")
-#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw)
+#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw;
+#                   none: draftsmith's run alone, whose results a later session's PEERS_BASE pairs peers with)
 #   PEERS_BASE      a folder holding an earlier draftsmith run of the same configs (config.json, trainer_state.json,
 #                   report.json, features-index.json; e.g. docs/peers/quality-2026-12-04/draftsmith): quality then
 #                   builds only the features (checked byte-identical to that run's), trains no draftsmith drafter and pairs the
@@ -132,6 +133,8 @@ extract_shard merge train export evaluate all"
     CPU=
   fi
   BASE= DRAFTSMITH_TARGETS=results/drafter/final/config.json
+  LIST=${PEERS_LIST:-specforge speculators}
+  [ "$LIST" = none ] && LIST=  # draftsmith's run alone: a base for later sessions' PEERS_BASE
   if [ -n "${PEERS_BASE:-}" ]; then  # the features only: the drafter, its state and report are the base run's
     BASE="--base $PEERS_BASE" DRAFTSMITH_TARGETS="results/features/index.json results/tokenized/eval.parquet"
   fi
@@ -151,7 +154,7 @@ EVAL=
 if [ -z "$BASE" ]; then
   if [ "${PEERS_OVERLAP:-0}" = 1 ]; then evaluate_draftsmith & EVAL=\$!; else evaluate_draftsmith; fi
 fi
-for peer in ${PEERS_LIST:-specforge speculators}; do
+for peer in $LIST; do
   stamp "\$peer start"
   $PY bench/peers/quality.py train --peer \$peer --config $CONFIGS --out results/peers $CPU $BASE > "$P/\$peer.log" 2>&1
   rc=\$?; stamp "\$peer trained (\$rc)"
@@ -173,7 +176,7 @@ DRIVER
   [ "$TINY" = 1 ] || setsid nohup bash -c "while sleep 5; do echo \"\$(date +%s) \$(nvidia-smi \
 --query-gpu=memory.used,utilization.gpu --format=csv,noheader | tr -d ' ') \$(df -B1 --output=avail . | tail -1)\"; \
 done" > "$P/samples.txt" 2>&1 < /dev/null &
-  echo "quality started at $(date): configs $CONFIGS; peers ${PEERS_LIST:-specforge speculators}"
+  echo "quality started at $(date): configs $CONFIGS; peers ${LIST:-none}"
   ;;
 wait)
   # a fresh machine (the last one went back between two calls) holds no driver: say so at once, not after SECONDS
