@@ -179,7 +179,7 @@ def test_phases_over_slices_train_the_offline_run_bit_for_bit(stream_setup, tmp_
     """S = 3 slices used once (R = 1), 2 epochs: 6 phases, each on its own slice's index, then the run's end, give
     the offline run's weights bit for bit (float32 on the CPU) and the same held-out history; the offline index
     lists the samples in another order than the rows (as several extraction shards do)."""
-    settings = phase_settings(dict(TRAIN, epochs=2, save_every=2), slices=3, reuse=1)
+    settings = phase_settings(dict(TRAIN, epochs=2, save_every=2, time_phases=True), slices=3, reuse=1)
     rows = list(range(stream_setup["num_rows"]))
     offline_index = stream_setup["index_of"](rows[1::2] + rows[::2], "offline")
     offline = train(offline_index, stream_setup["target_dir"], tmp_path / "offline",
@@ -210,6 +210,9 @@ def test_phases_over_slices_train_the_offline_run_bit_for_bit(stream_setup, tmp_
     assert state["samples"] == offline["samples"] and state["stream"]["phases"] == 6
     saved = json.loads((out / "trained" / "trainer_state.json").read_text())
     assert saved["heldout"]["loss"] == offline["heldout"]["loss"] and saved["fingerprint"] == markers[0]["fingerprint"]
+    # train.time_phases (on in both runs): the stream run's trainer_state keeps its last phase's step times
+    assert saved["step_phases_ms"] == markers[-1]["step_phases_ms"] and saved["step_phases_ms"]["steps"] >= 1
+    assert offline["step_phases_ms"]["steps"] + offline["step_phases_ms"]["skipped"] == offline["steps"]
 
     # a rerun of the last phase (its end checkpoint gone) resumes from the kept boundary: the same weights again
     for step in kept:

@@ -163,15 +163,17 @@ class StepTimes:
 
     The trainer calls :meth:`start` when a step begins and :meth:`mark` at the end of each phase: ``fetch`` (the
     step's micro-batches from the prefetcher, and the loss scale), ``h2d`` (to the device), ``forward``,
-    ``backward`` (summed over micro-batches), ``clip``, ``check`` (the finite-loss check: one host sync a step),
-    ``optimizer``, ``zero_grad`` and ``log`` (the log line, held-out evaluation and checkpoint of the steps that
-    have them). On a GPU every mark records a CUDA event on the current stream; the GPU time of a phase is the
-    time between its event and the one before (the GPU's timeline: kernels and the gaps the host leaves between
-    them), so a phase whose host time exceeds its GPU time is bound by kernel launches or the host. Events are read
-    once they have completed (:meth:`collect`, non-blocking), so timing adds no synchronisation to the loop. A
-    step's ``step`` time runs from its start to the next step's (host and GPU), the last step's from its start to
-    its last mark. speculators' ``profile/{fetch,fwd,bwd,clip,opt}_ms`` (its trainer's ``Profiler``) is the same
-    split, synchronising the GPU at each boundary instead.
+    ``backward``, ``metrics`` (the step's loss and accuracy sums; these four summed over micro-batches), ``clip``,
+    ``check`` (the finite-loss check: one host sync a step), ``optimizer``, ``zero_grad`` and ``log`` (the log
+    line, held-out evaluation and checkpoint of the steps that have them). On a GPU every mark records a CUDA event
+    on the current stream; the GPU time of a phase is the time between its event and the one before (the GPU's
+    timeline: kernels and the gaps the host leaves between them), so a phase whose host time exceeds its GPU time
+    is bound by kernel launches or the host. Events are read once they have completed (:meth:`collect`,
+    non-blocking), so timing adds no synchronisation to the loop, except once at the end of a run of steps (the
+    trainer's ``collect(wait=True)`` before the last checkpoint, which then holds the summary). A step's ``step``
+    time runs from its start to the next step's (host and GPU), the last step's from its start to its last mark.
+    speculators' ``profile/{fetch,fwd,bwd,clip,opt}_ms`` (its trainer's ``Profiler``) is the same split,
+    synchronising the GPU at each boundary instead.
 
     Args:
         device: the training device (CUDA: GPU times too; else host times only).
@@ -187,7 +189,7 @@ class StepTimes:
 
     def _event(self):
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream())  # the stream the step's kernels run on
         return ev
 
     def start(self, step: int) -> None:

@@ -167,6 +167,7 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
                       if k in run.last},
             "peak_memory_gib": peak, "run_peak_memory_gib": _max_each(peak, (prev or {}).get("run_peak_memory_gib")),
             "memory_by_phase_gib": run.memory.phases if run.memory is not None else None,
+            "step_phases_ms": run.phase_summary_now(),
             "wall_s": wall_s, "run_wall_s": wall_s + float((prev or {}).get("run_wall_s", 0.0)),
         }
         if ranks.main:

@@ -336,11 +336,14 @@ class Trainer:
 
     def restore_measurements(self, state: Mapping) -> None:
         """Take back what the run measured before its checkpoint ``state``: the last training log line
-        (:attr:`last`) and the GPU memory by phase. A run resumed at its final step trains no step, and its
-        trainer_state.json keeps them all the same; a step trained after the resume measures them anew."""
+        (:attr:`last`), the GPU memory by phase and the step times by phase (``train.time_phases``). A run resumed
+        at its final step trains no step, and its trainer_state.json keeps them all the same; a step trained after
+        the resume measures them anew."""
         self.last = dict(state.get("last_train") or {})
         if self.memory is not None and state.get("memory_by_phase_gib"):
             self.memory.phases = dict(state["memory_by_phase_gib"])
+        if state.get("step_phases_ms"):
+            self.phase_summary = dict(state["step_phases_ms"])
 
     def autocast(self):
         return (torch.autocast("cuda", dtype=torch.bfloat16) if self.on_gpu
@@ -457,6 +460,7 @@ class Trainer:
                               "lr": self.optimizer.param_groups[0]["lr"]},
                 "history": self.history, "last_train": self.last,
                 "memory_by_phase_gib": self.memory.phases if self.memory is not None else None,
+                "step_phases_ms": self.phase_summary_now(),
                 **(extra() if extra is not None else {})}
             path = save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, state,
                                    keep=int(cfg.keep_checkpoints), protect=protect)
@@ -521,6 +525,7 @@ class Trainer:
                         mark("backward")
                     metrics.add(out)
                     losses.append(out.weighted_ce.detach())
+                    tick("metrics")
                 del step_items
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                 mark("clip")
@@ -547,6 +552,9 @@ class Trainer:
                         self.evals.append(heldout)
                     throughput.skip()
                 if done % cfg.save_every == 0 or done == end_step:
+                    if timer is not None and done == end_step:  # the last step's times go into its checkpoint
+                        tick("log")
+                        self.write_phases(timer.collect(wait=True))
                     self.checkpoint(done, extra, protect)
                     throughput.skip()
                 if timer is not None:
@@ -557,12 +565,18 @@ class Trainer:
             bar.close()
         if timer is not None:
             self.write_phases(timer.collect(wait=True))
-            self.phase_summary = timer.summary()
-            if self.phase_summary is not None and ranks.main:
+            self.phase_summary = self.phase_summary_now()
+            if timer.records and ranks.main:
                 log.info("step time by phase (rank 0, medians of %d steps after the first %d): %s",
                          self.phase_summary["steps"], self.phase_summary["skipped"],
                          StepTimes.describe(self.phase_summary))
         return self.last
+
+    def phase_summary_now(self) -> dict[str, Any] | None:
+        """The step times by phase so far (:class:`StepTimes`' summary of the steps completed; a checkpoint's),
+        else what an earlier process of the run measured."""
+        now = self.step_times.summary() if self.step_times is not None else None
+        return now if now is not None else self.phase_summary
 
     def write_phases(self, records: list[dict[str, Any]]) -> None:
         """TensorBoard scalars ``profile/<phase>_ms`` of steps timed by :class:`StepTimes` (the GPU's times on a
@@ -612,7 +626,7 @@ class Trainer:
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
             "memory_by_phase_gib": (earlier["memory_by_phase_gib"] if earlier
                                     else self.memory.phases if self.memory is not None else None),
-            "step_phases_ms": self.phase_summary,
+            "step_phases_ms": (earlier.get("step_phases_ms") if earlier else self.phase_summary),
             "heldout": final_eval, "history": self.history, "fingerprint": self.fingerprint,
             "resumed_from_step": resumed_from_step, "wall_s": wall_s, **(extra or {}),
         }
