@@ -841,11 +841,13 @@ def test_second_turn_is_asked_after_the_lossless_reference_when_there_is_one(ref
 
 def test_the_resume_key_changes_with_the_rule_later_turns_follow(monkeypatch):
     """Conversations saved by an evaluation whose later turns followed another answer are not reused: the rule
-    (``NEXT_TURN_RULE``) is part of every set's resume key."""
+    (``NEXT_TURN_RULE``) and ``evaluate.static_cache`` (whether there is a reference to follow) are part of the
+    resume key of a set with later turns; a single-turn set's key leaves them out."""
     from types import SimpleNamespace
 
     import draftsmith.evaluate.resume as resume
     from draftsmith.evaluate.decoders import NEXT_TURN_RULE
+    from draftsmith.evaluate.prompts import BenchmarkSet, Conversation
     from draftsmith.evaluate.sampling import SamplingConfig
 
     monkeypatch.setattr(resume, "sha256_file", lambda path: "drafter-sha")
@@ -853,11 +855,18 @@ def test_the_resume_key_changes_with_the_rule_later_turns_follow(monkeypatch):
     decoders = SimpleNamespace(tokenizer_fingerprint="tok", template_kwargs={}, sampling=SamplingConfig(), seed=0,
                                block_size=16, lookup=SimpleNamespace(max_ngram=3, max_drafts=15), stops=[2],
                                device=torch.device("cpu"), dtype=torch.float32, rollback="auto",
-                               max_prompt_tokens=1000, mtp_tokens=[], start_dir=None)
+                               max_prompt_tokens=1000, mtp_tokens=[], start_dir=None, static_cache="auto")
+    user = [{"role": "user", "content": "q"}]
+    multi = BenchmarkSet("mt", "mtbench", 4, 8, [Conversation("c", "mtbench", [], [user, user])])
+    single = BenchmarkSet("he", "humaneval", 4, 8, [Conversation("h", "humaneval", [], [user])])
     key = resume.run_key(decoders, "target", "drafter")
-    assert key["next_turn"] == NEXT_TURN_RULE and "reference" in NEXT_TURN_RULE
+    assert key["next_turn"] == {"rule": NEXT_TURN_RULE, "static_cache": "auto"} and "reference" in NEXT_TURN_RULE
+    keys = {b.name: resume.set_key(key, b) for b in (multi, single)}
+    dynamic = resume.run_key(SimpleNamespace(**{**vars(decoders), "static_cache": "false"}), "target", "drafter")
+    assert resume.set_key(dynamic, multi) != keys["mt"] and resume.set_key(dynamic, single) == keys["he"]
     monkeypatch.setattr(resume, "NEXT_TURN_RULE", "target-only decoding's answer")
-    assert resume.run_key(decoders, "target", "drafter") != key
+    other_rule = resume.run_key(decoders, "target", "drafter")
+    assert resume.set_key(other_rule, multi) != keys["mt"] and resume.set_key(other_rule, single) == keys["he"]
 
 
 def test_evaluate_settings_hold_the_stage_keys_and_the_schema_defaults():

@@ -102,6 +102,7 @@ class Decoders:
     start_sha: str | None = None  # its model.safetensors' sha256 (the resume key, the report)
     mtp_tokens: list[int] = dataclasses.field(default_factory=list)  # the MTP decodings (k); [] without an MTP head
     mtp_status: dict = dataclasses.field(default_factory=dict)  # draftsmith.evaluate.mtp.MTPStatus.to_dict()
+    static_cache: str = "auto"  # evaluate.static_cache: with the device and target, whether there is a reference
     loader: object = None  # () -> (target, DFlashProposer, static or None, {k: MTPProposer}, start proposer or None)
     target: nn.Module | None = None
     dflash: DFlashProposer | None = None
@@ -278,7 +279,8 @@ def prepare_decoders(inputs: EvaluateInputs, settings: EvaluateSettings,
     sampling = SamplingConfig(float(options.temperature), float(options.top_p), int(options.top_k))
     return Decoders(tokenizer=tokenizer, template_kwargs=template_kwargs, tokenizer_fingerprint=fingerprint,
                     stops=stops, lookup=lookup, sampling=sampling, seed=int(options.seed),
-                    rollback=options.rollback, device=device, dtype=dtype,
+                    rollback=options.rollback, static_cache=str(options.static_cache).lower(), device=device,
+                    dtype=dtype,
                     max_prompt_tokens=max_prompt_tokens, max_positions=max_positions, block_size=block_size,
                     layer_ids=layer_ids, mask_token_id=None if mask is None else int(mask),
                     architecture=drafter_architecture(raw_drafter_cfg), start_dir=start_dir or None,
@@ -360,8 +362,8 @@ def read_sets(decoders: Decoders, inputs: EvaluateInputs, sets: Mapping[str, Map
 
 def decode_set(decoders: Decoders, bset: BenchmarkSet, decoded: dict, bar, saved: dict | None = None,
                save: Callable[[dict[str, dict]], None] | None = None, interval: float = 60.0) -> dict:
-    """Decode one benchmark set turn by turn: each later turn is asked after the target's own greedy answer to
-    the one before (:func:`answer_for_next_turn`).
+    """Decode one benchmark set turn by turn: each later turn is asked after the target's own answer to the one
+    before (:func:`answer_for_next_turn`: greedy on the static path, the lossless reference's).
 
     ``decoded`` maps ``(prompt key, budget, draw seed)`` to earlier results: a prompt that sits in several sets
     (a held-out row that is also a BFCL / MMATH set row) is decoded once. ``saved`` maps conversation ids to
@@ -467,18 +469,22 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
 
 #: which answer a later turn follows (:func:`answer_for_next_turn`; part of the resume key and the report's ``run``)
 NEXT_TURN_RULE = "the lossless reference's answer, else target-only decoding's"
+#: the report's ``run.next_turn``: which of the two a run's later turns followed
+NEXT_TURN_REFERENCE = "after the lossless reference's answer"
+NEXT_TURN_TARGET_ONLY = "after target-only decoding's answer"
 
 
 def answer_for_next_turn(res: dict[str, GenerationResult]) -> GenerationResult:
     """The answer a conversation's next turn is asked after: the lossless reference's when :meth:`Decoders.decode`
-    made one (greedy on the static path), else target-only decoding's.
+    made one (greedy on the static path), else target-only decoding's (greedy or, when sampling, sampled).
 
     The reference is the target's greedy answer at the verify width, the one every lossless method commits, and it
     repeats bit for bit from run to run; one-token target-only forwards do not on a GPU (2026-12-04, H200: the same
     target's target-only answer to an MT-Bench first turn ran 256 tokens in three runs and 216 in a fourth, so 11
     of 32 second turns differed between runs and prompt lookup's MT-Bench τ moved from 2.31 to 2.69;
     docs/peers/README.md, "SpecForge judged"). Following the reference asks every method, in every run, the same
-    second turn, so reports of two drafters pair on all of a set's turns.
+    second turn, so reports of two drafters pair on all of a set's turns (expected from the lengths above; two
+    GPU runs pairing on every turn is still to be seen).
     """
     return res.get("reference") or res["target_only"]
 
@@ -532,8 +538,8 @@ def decoding_path(decoders: Decoders) -> dict:
         "lossless_reference": (f"greedy target-only decoding with forwards padded to the verify width "
                                f"({static.verify_width} tokens: the kernels verification runs)"
                                if static is not None else "greedy target-only decoding"),
-        "next_turn": ("after the lossless reference's answer" if static is not None and decoders.sampling.greedy
-                      else "after target-only decoding's answer"),
+        "next_turn": (NEXT_TURN_REFERENCE if static is not None and decoders.sampling.greedy
+                      else NEXT_TURN_TARGET_ONLY),
     }
 
 

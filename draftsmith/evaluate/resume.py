@@ -59,7 +59,8 @@ def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
     """What every set's saved results depend on, whatever the set: the report format, the drafter weights'
     sha256 (``"drafter"``), the target's fingerprint (its ``mtp.*`` tensors included), and the tokenizer, template
     kwargs, sampling and decoding settings of ``decoders`` (:class:`draftsmith.evaluate.decoders.Decoders`; the MTP
-    head's numbers of drafts among them), which answer later turns follow (``NEXT_TURN_RULE``) and, with
+    head's numbers of drafts among them), which answer later turns follow (``NEXT_TURN_RULE`` and
+    ``evaluate.static_cache``: :func:`set_key` keeps them for sets with later turns only) and, with
     ``drafter.init_from``, the start drafter's weights' sha256."""
     return {"format": REPORT_FORMAT, "drafter": sha256_file(Path(drafter_dir) / "model.safetensors"),
             "target": target_fingerprint(target_dir),
@@ -69,12 +70,18 @@ def run_key(decoders, target_dir: str, drafter_dir: str) -> dict:
             "lookup": [decoders.lookup.max_ngram, decoders.lookup.max_drafts], "stops": decoders.stops,
             "device": decoders.device.type, "dtype": str(decoders.dtype), "rollback": decoders.rollback,
             "max_prompt_tokens": decoders.max_prompt_tokens, "mtp": decoders.mtp_tokens,
-            "next_turn": NEXT_TURN_RULE,
+            # which answer later turns follow: the rule, and the setting that decides whether there is a reference
+            # (with the device, the target and the sampling above); only multi-turn sets' keys hold it (set_key)
+            "next_turn": {"rule": NEXT_TURN_RULE, "static_cache": decoders.static_cache},
             **({"start": decoders.start_sha} if decoders.start_dir else {})}
 
 
 def set_key(base_key: dict, bset: BenchmarkSet) -> str:
-    """The key of one set's saved results: :func:`run_key`, the set's settings and rows (sha256 hex)."""
+    """The key of one set's saved results: :func:`run_key`, the set's settings and rows (sha256 hex). A set whose
+    conversations are single-turn leaves out ``next_turn`` (no later turn follows any answer), so its saved results
+    outlive a change of that rule."""
+    if not any(len(c.user_turns) > 1 for c in bset.conversations):
+        base_key = {k: v for k, v in base_key.items() if k != "next_turn"}
     return hashlib.sha256(json.dumps({**base_key, "set": [bset.name, bset.source, bset.max_prompts,
                                                           bset.max_new_tokens],
                                       "rows": [c.id for c in bset.conversations]}, sort_keys=True).encode()).hexdigest()
