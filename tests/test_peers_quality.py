@@ -56,3 +56,19 @@ def test_a_chunk_without_its_sha256_is_refused(tmp_path):
 def test_a_missing_index_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no feature index"):
         quality.check_same_features(BASE_INDEX, tmp_path / "index.json")
+
+
+def test_a_base_evaluated_before_the_next_turn_rule_is_named_in_the_summary(tmp_path):
+    """A PEERS_BASE report whose later turns followed target-only answers (written before evaluate followed the
+    lossless reference) pairs a peer's MT-Bench second turns only where the two answers agree: the note says so;
+    a base evaluated under the current rule gets none."""
+    from draftsmith.evaluate.decoders import NEXT_TURN_REFERENCE, NEXT_TURN_TARGET_ONLY
+
+    report = tmp_path / "report.json"
+    for run, noted in (({}, True), ({"next_turn": NEXT_TURN_TARGET_ONLY}, True), ({"next_turn": NEXT_TURN_REFERENCE},
+                                                                                  False)):
+        report.write_text(json.dumps({"run": run}))
+        note = quality.base_turn_note(report)
+        assert (note is not None) == noted
+        if noted:
+            assert str(report) in note and "pair only the turns asked the same" in note

@@ -81,6 +81,7 @@ class Run:
         self.index = self.results / "features" / "index.json"
         self.tokenized = self.results / "tokenized" / "train.parquet"
         self.base = base
+        self.base_note = None
         if base is None:
             final_path = self.results / "drafter" / "final" / "config.json"
             state_path = self.results / "drafter" / "trained" / "trainer_state.json"
@@ -89,6 +90,9 @@ class Run:
             final_path, state_path = base / "config.json", base / "trainer_state.json"
             self.report = base / "report.json"
             check_same_features(base / "features-index.json", self.index)
+            self.base_note = base_turn_note(self.report)
+            if self.base_note:
+                say(f"note: {self.base_note}")
         self.final_config = drafter_config_from_dict(json.loads(final_path.read_text()))
         self.state = json.loads(state_path.read_text())
         self.steps = int(self.state["steps"])
@@ -123,6 +127,20 @@ class Run:
             section.update(architecture="dflash2", **{k: self.drafter[k] for k in (
                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
         return section
+
+
+def base_turn_note(report: Path) -> str | None:
+    """None when the base run's evaluation asked later turns after the answer this draftsmith's evaluate asks them
+    after (its report's ``run.next_turn``), else a note for the summary: the peer's MT-Bench second turns then
+    differ from the base's wherever the two answers to a first turn did, and pair only where they agree."""
+    from draftsmith.evaluate.decoders import NEXT_TURN_REFERENCE
+
+    run = json.loads(report.read_text()).get("run") or {}
+    now = NEXT_TURN_REFERENCE  # what a greedy evaluation on the GPU's static path follows
+    if run.get("next_turn") == now:
+        return None
+    return (f"the base run's report ({report}) asked later turns {run.get('next_turn') or 'after target-only answers'}"
+            f" (an earlier evaluate); this run asks them {now}: multi-turn sets pair only the turns asked the same")
 
 
 def features_identity(meta: dict, where: Path) -> dict:
@@ -382,6 +400,8 @@ def compare(run: Run, out: Path) -> str:
     if run.base is not None:
         rows.append(f"draftsmith's row is the base run's ({run.base}): this run built the same features (counts, "
                     "taps, fingerprints and every chunk file's sha256 equal) and trained only the peers.")
+        if run.base_note:
+            rows.append(f"Note: {run.base_note}.")
     text = "\n".join(rows) + "\n"
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(json_ready(data), indent=1, default=str))

@@ -118,6 +118,18 @@ done" > "$P/samples.txt" 2>&1 < /dev/null &
   echo "throughput started at $(date): shapes $SHAPES"
   ;;
 quality)
+  LIST=${PEERS_LIST:-specforge speculators}
+  if [ "$LIST" = none ]; then  # draftsmith's run alone: a base for later sessions' PEERS_BASE
+    [ -z "${PEERS_BASE:-}" ] || { echo "PEERS_LIST=none with PEERS_BASE would train nothing" >&2; exit 2; }
+    LIST=
+  fi
+  for peer in $LIST; do
+    case " speculators specforge speculators-dflash2 speculators-adamw " in
+      *" $peer "*) ;;
+      *) echo "PEERS_LIST: unknown peer '$peer' (speculators, specforge, speculators-dflash2, speculators-adamw, \
+or none alone)" >&2; exit 2 ;;
+    esac
+  done
   rm -rf "$P" results logs benchmarks .snakemake && mkdir -p "$P" && date +%s > "$P/start" && echo quality > "$P/mode"
   if [ "$TINY" = 1 ]; then
     $PY bench/peers/tiny_run.py --workflow --out "$P/tiny" > "$P/tiny.log" 2>&1
@@ -133,8 +145,6 @@ extract_shard merge train export evaluate all"
     CPU=
   fi
   BASE= DRAFTSMITH_TARGETS=results/drafter/final/config.json
-  LIST=${PEERS_LIST:-specforge speculators}
-  [ "$LIST" = none ] && LIST=  # draftsmith's run alone: a base for later sessions' PEERS_BASE
   if [ -n "${PEERS_BASE:-}" ]; then  # the features only: the drafter, its state and report are the base run's
     BASE="--base $PEERS_BASE" DRAFTSMITH_TARGETS="results/features/index.json results/tokenized/eval.parquet"
   fi
