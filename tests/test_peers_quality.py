@@ -58,17 +58,21 @@ def test_a_missing_index_is_refused(tmp_path):
         quality.check_same_features(BASE_INDEX, tmp_path / "index.json")
 
 
-def test_a_base_evaluated_before_the_next_turn_rule_is_named_in_the_summary(tmp_path):
-    """A PEERS_BASE report whose later turns followed target-only answers (written before evaluate followed the
-    lossless reference) pairs a peer's MT-Bench second turns only where the two answers agree: the note says so;
-    a base evaluated under the current rule gets none."""
+def test_reports_whose_later_turns_followed_different_answers_are_named_in_the_summary(tmp_path):
+    """A PEERS_BASE report written before evaluate followed the lossless reference (no ``run.next_turn``: its later
+    turns followed target-only answers) and a peer's evaluated on the GPU now pair their MT-Bench second turns only
+    where the two first answers agree: the note says so. Two reports under the same rule (both new, or both from the
+    CPU's dynamic path, where there is no reference) get none."""
     from draftsmith.evaluate.decoders import NEXT_TURN_REFERENCE, NEXT_TURN_TARGET_ONLY
 
-    report = tmp_path / "report.json"
-    for run, noted in (({}, True), ({"next_turn": NEXT_TURN_TARGET_ONLY}, True), ({"next_turn": NEXT_TURN_REFERENCE},
-                                                                                  False)):
-        report.write_text(json.dumps({"run": run}))
-        note = quality.base_turn_note(report)
-        assert (note is not None) == noted
-        if noted:
-            assert str(report) in note and "pair only the turns asked the same" in note
+    def report(name, run):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"run": run}))
+        return path
+
+    old, ref = report("old", {}), report("ref", {"next_turn": NEXT_TURN_REFERENCE})
+    cpu = report("cpu", {"next_turn": NEXT_TURN_TARGET_ONLY})
+    note = quality.turn_rule_note(old, ref)
+    assert note is not None and str(old) in note and "pair only the turns asked the same" in note
+    assert quality.turn_rule_note(ref, ref) is None and quality.turn_rule_note(old, cpu) is None
+    assert quality.turn_rule_note(cpu, ref) is not None

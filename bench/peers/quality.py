@@ -81,7 +81,6 @@ class Run:
         self.index = self.results / "features" / "index.json"
         self.tokenized = self.results / "tokenized" / "train.parquet"
         self.base = base
-        self.base_note = None
         if base is None:
             final_path = self.results / "drafter" / "final" / "config.json"
             state_path = self.results / "drafter" / "trained" / "trainer_state.json"
@@ -90,9 +89,6 @@ class Run:
             final_path, state_path = base / "config.json", base / "trainer_state.json"
             self.report = base / "report.json"
             check_same_features(base / "features-index.json", self.index)
-            self.base_note = base_turn_note(self.report)
-            if self.base_note:
-                say(f"note: {self.base_note}")
         self.final_config = drafter_config_from_dict(json.loads(final_path.read_text()))
         self.state = json.loads(state_path.read_text())
         self.steps = int(self.state["steps"])
@@ -129,18 +125,21 @@ class Run:
         return section
 
 
-def base_turn_note(report: Path) -> str | None:
-    """None when the base run's evaluation asked later turns after the answer this draftsmith's evaluate asks them
-    after (its report's ``run.next_turn``), else a note for the summary: the peer's MT-Bench second turns then
-    differ from the base's wherever the two answers to a first turn did, and pair only where they agree."""
-    from draftsmith.evaluate.decoders import NEXT_TURN_REFERENCE
+def turn_rule_note(base_report: Path, peer_report: Path) -> str | None:
+    """None when two evaluations asked later turns after the same answer (each report's ``run.next_turn``; a report
+    without it predates the rule and followed target-only answers), else a note for the summary: the peer's
+    multi-turn sets (MT-Bench) then differ from the base's wherever the two answers to a first turn did, and pair
+    only where they agree (a ``PEERS_BASE`` run evaluated by an earlier draftsmith)."""
+    from draftsmith.evaluate.decoders import NEXT_TURN_TARGET_ONLY
 
-    run = json.loads(report.read_text()).get("run") or {}
-    now = NEXT_TURN_REFERENCE  # what a greedy evaluation on the GPU's static path follows
-    if run.get("next_turn") == now:
+    def rule(report: Path) -> str:
+        return (json.loads(report.read_text()).get("run") or {}).get("next_turn") or NEXT_TURN_TARGET_ONLY
+
+    base, peer = rule(base_report), rule(peer_report)
+    if base == peer:
         return None
-    return (f"the base run's report ({report}) asked later turns {run.get('next_turn') or 'after target-only answers'}"
-            f" (an earlier evaluate); this run asks them {now}: multi-turn sets pair only the turns asked the same")
+    return (f"draftsmith's report ({base_report}) asked later turns {base}, the peer's ({peer_report}) {peer}: "
+            "multi-turn sets pair only the turns asked the same")
 
 
 def features_identity(meta: dict, where: Path) -> dict:
@@ -374,7 +373,7 @@ def compare(run: Run, out: Path) -> str:
     table (``results/peers/summary.md``, ``summary.json``)."""
     base = run.report
     peak = _matmul_peak()
-    rows, data = [], {"draftsmith": _row("draftsmith", run, base, None, peak)}
+    rows, data, notes = [], {"draftsmith": _row("draftsmith", run, base, None, peak)}, []
     for peer in PEERS:
         rep = _peer_dirs(out, peer)["eval"] / "report.json"
         if not rep.is_file():
@@ -385,6 +384,9 @@ def compare(run: Run, out: Path) -> str:
         subprocess.run(cmd, check=False, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)))
         data[peer] = _row(peer, run, rep, _peer_dirs(out, peer)["base"] / "train.json", peak)
+        note = turn_rule_note(base, rep)
+        if note:
+            notes.append(note)
     head = ("| trainer | architecture | steps | train wall s | ctx tok/s | supervised tok/s | useful TFLOP/s | MFU | "
             "peak GiB | held-out τ | MT-Bench τ | all-sets τ | lookup τ (all) |")
     rows = [head, "|" + "---|" * 13]
@@ -400,8 +402,7 @@ def compare(run: Run, out: Path) -> str:
     if run.base is not None:
         rows.append(f"draftsmith's row is the base run's ({run.base}): this run built the same features (counts, "
                     "taps, fingerprints and every chunk file's sha256 equal) and trained only the peers.")
-        if run.base_note:
-            rows.append(f"Note: {run.base_note}.")
+    rows += [f"Note: {note}." for note in notes]
     text = "\n".join(rows) + "\n"
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(json_ready(data), indent=1, default=str))

@@ -33,7 +33,7 @@
 #   PEERS_SHAPES    throughput's shapes (default "smollm2-135m qwen3.5-27b"); PEERS_STEPS (30), PEERS_WARMUP (10)
 #   PEERS_TINY=1    the CPU smoke test: tiny shapes and a tiny workflow (bench/peers/tiny_run.py --workflow, no
 #                   STASH / CURATED), the peers' Pythons from SPECULATORS_PYTHON / SPECFORGE_PYTHON (virtualenvs),
-#                   draftsmith's from DRAFTSMITH_PYTHON
+#                   draftsmith's from DRAFTSMITH_PYTHON; PEERS_TINY_OVERLAYS: config files laid over the tiny one
 set -euo pipefail
 cmd=${1:?wheels, setup, throughput, quality or wait}
 P=${PEERS_HOME:-$HOME/peers}
@@ -133,7 +133,7 @@ or none alone)" >&2; exit 2 ;;
   rm -rf "$P" results logs benchmarks .snakemake && mkdir -p "$P" && date +%s > "$P/start" && echo quality > "$P/mode"
   if [ "$TINY" = 1 ]; then
     $PY bench/peers/tiny_run.py --workflow --out "$P/tiny" > "$P/tiny.log" 2>&1
-    CONFIGS="$P/tiny/tiny.yaml"
+    CONFIGS="$P/tiny/tiny.yaml ${PEERS_TINY_OVERLAYS:-}"  # overlays sized for the tiny drafter (e.g. DFlash2)
     RULES=""
     CPU=--cpu
   else
