@@ -123,7 +123,7 @@ quality)
     [ -z "${PEERS_BASE:-}" ] || { echo "PEERS_LIST=none with PEERS_BASE would train nothing" >&2; exit 2; }
     LIST=
   fi
-  for peer in $LIST; do
+  for peer in $LIST; do  # bench/peers/quality.py's PEERS, checked before anything is removed or built
     case " speculators specforge speculators-dflash2 speculators-adamw " in
       *" $peer "*) ;;
       *) echo "PEERS_LIST: unknown peer '$peer' (speculators, specforge, speculators-dflash2, speculators-adamw, \

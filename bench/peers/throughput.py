@@ -278,15 +278,15 @@ def table(results: dict) -> str:
 def profiles(results: dict) -> str:
     """Each trainer's own split of a step, one line each (ms, medians after the warm-up): speculators'
     ``profile/*_ms``, draftsmith's ``step_phases_ms`` (GPU / host)."""
+    from draftsmith.train.metrics import StepTimes
+
     lines = ["Each trainer's own split of a step (ms, medians after its warm-up):"]
     for name, r in results.items():
         prof = (r.get("trainer_reported") or {}).get("profile_ms")
         if not prof:
             continue
         if "host_ms" in prof:  # draftsmith's train.time_phases
-            host, gpu = prof["host_ms"], prof.get("gpu_ms") or {}
-            parts = [f"{k} {gpu[k]:.1f} / {v:.1f}" if k in gpu else f"{k} {v:.1f}" for k, v in host.items()]
-            lines.append(f"- {name} ({'GPU / host' if gpu else 'host'}, {prof['steps']} steps): " + ", ".join(parts))
+            lines.append(f"- {name} ({prof['steps']} steps): {StepTimes.describe(prof)}")
         else:
             lines.append(f"- {name}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in prof.items()
                                                       if isinstance(v, (int, float))))

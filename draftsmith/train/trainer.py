@@ -557,14 +557,13 @@ class Trainer:
                         self.write_phases(timer.collect(wait=True))
                     self.checkpoint(done, extra, protect)
                     throughput.skip()
-                if timer is not None:
+                if timer is not None and done < end_step:
                     tick("log")
                     self.write_phases(timer.collect())
         finally:
             items.close()
             bar.close()
         if timer is not None:
-            self.write_phases(timer.collect(wait=True))
             self.phase_summary = self.phase_summary_now()
             if timer.records and ranks.main:
                 log.info("step time by phase (rank 0, medians of %d steps after the first %d): %s",
