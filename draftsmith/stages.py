@@ -34,7 +34,8 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
                "loss_weighting", "dpace_alpha", "optimizer", "muon_lr", "muon_weight_decay", "labels",
                "eval_fraction", "attention", "compile", "selector_loss_weight"),
     "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "loader_workers",
-                "progress_interval", "logits_chunk_mib", "activation_checkpointing", "time_phases")}
+                "progress_interval", "logits_chunk_mib", "activation_checkpointing", "time_phases",
+                "profile_steps")}
 #: init_from: the start folder (its files are inputs too: rules/common.smk init_from_files); with it, planning made the
 #: shape keys the folder's (draftsmith.warm_start.resolve_init_from)
 DRAFTER_KEYS: dict[str, tuple[str, ...]] = {

@@ -8,6 +8,7 @@ length with the official z-lab ``dflash_generate`` (real speculative decoding ag
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -425,6 +426,78 @@ def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
     assert again["last_train"] == first["last_train"]
     assert again["history"] == first["history"] and again["memory_by_phase_gib"] == first["memory_by_phase_gib"]
     assert again["step_phases_ms"] == first["step_phases_ms"]  # kept by the checkpoint, like the memory
+
+
+def test_profile_steps_trace_a_window_of_steps_and_change_nothing_trained(qwen3_setup, tmp_path):
+    """``train.profile_steps``: a torch.profiler trace of that many steps after the warm-up (earlier in a short run)
+    lands in ``<out>/profile/`` (a gzipped Chrome trace holding the phase markers, a summary whose phases are the
+    trainer's with host time in the forward and backward), and the weights equal an unprofiled run's bit for bit."""
+    from draftsmith.train.profile import profile_window
+
+    assert profile_window(0, 30, 5) == (11, 15)  # after the compile warm-up
+    assert profile_window(0, 8, 3) == (6, 8) and profile_window(20, 24, 10) == (21, 24)  # short runs: the last
+    assert profile_window(0, 30, 0) is None and profile_window(5, 5, 3) is None
+    cfg = dict(TINY_TRAIN, max_steps=6, tokens_per_batch=64, time_phases=True)
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], a, settings(cfg), threads=1)
+    train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(dict(cfg, profile_steps=2)), threads=1)
+    assert not (a / "profile").exists()
+    summary = json.loads((b / "profile" / "summary.json").read_text())
+    assert summary["steps"] == [5, 6] and summary["cuda"] is False
+    assert {"fetch", "h2d", "forward", "backward", "clip", "check", "optimizer"} <= set(summary["phases"])
+    assert summary["phases"]["forward"]["host_op_ms"] > 0 and summary["phases"]["backward"]["host_op_ms"] > 0
+    assert summary["per_step"]["wall_ms"] > 0 and summary["per_step"]["gpu_busy_ms"] is None
+    assert any(r["name"].startswith("aten::") for r in summary["top_host_ops"])
+    text = (b / "profile" / "summary.txt").read_text()
+    assert text.startswith("steps [5, 6]: a step ") and "forward" in text
+    with gzip.open(b / "profile" / "trace.json.gz", "rt") as fh:
+        trace = json.load(fh)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "draftsmith.mark.0" in names and any(str(n).startswith("aten::") for n in names)
+    wa = load_file(str(a / "trained" / "model.safetensors"))
+    wb = load_file(str(b / "trained" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_profile_summary_places_each_kernel_in_the_phase_that_launched_it():
+    """The profile's summary on a GPU's events (made here: no GPU in CI): a kernel counts in the phase its runtime
+    launch fell in, even when it runs in a later phase; the GPU's busy time is the union of the kernels' intervals;
+    a kernel without a runtime call is placed by its own start."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from draftsmith.train.profile import MARK_PREFIX, describe, summarize
+
+    def ev(name, start, end, device=DeviceType.CPU, id=0, annotation=False, self_cpu=0.0):
+        return SimpleNamespace(name=name, device_type=device, id=id, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=self_cpu)
+
+    marks = [(1, "start"), (1, "forward"), (1, "backward"), (2, "start"), (2, "forward"), (2, "backward"),
+             (3, "start")]
+    at = [0, 1000, 3000, 4000, 5000, 7000, 8000]  # µs
+    events = [ev(f"{MARK_PREFIX}{i}", t, t, annotation=True) for i, t in enumerate(at)]
+    events += [ev("aten::mm", 100, 400, self_cpu=200.0), ev("cudaLaunchKernel", 150, 160, id=7),
+               ev("cudaLaunchKernel", 900, 910, id=8), ev("cudaLaunchKernel", 5100, 5110, id=9),
+               # kernel 7 and 8 launched in step 1's forward; 8 runs during its backward
+               ev("gemm", 200, 700, DeviceType.CUDA, id=7), ev("gemm", 1500, 2500, DeviceType.CUDA, id=8),
+               ev("softmax", 2000, 2600, DeviceType.CUDA, id=10),  # no runtime call: placed by its start
+               ev("gemm", 5200, 6200, DeviceType.CUDA, id=9)]
+    summary = summarize(events, marks, cuda=True)
+    assert summary["steps"] == [1, 2] and summary["kernels_by_launch"] == "3 of 4"
+    # a step: 1's kernels 0.5 + 1.0 + 0.6 ms (busy 0.5 + 1.1), 2's 1.0 ms: medians of the two steps
+    assert summary["per_step"] == {"wall_ms": 4.0, "kernel_ms": 1.55, "gpu_busy_ms": 1.3, "kernels": 2.0}
+    # forward: step 1's kernels 7 and 8 (1.5 ms; 8 ran in the backward) and aten::mm's 0.2 ms of host time; backward:
+    # the softmax (by its start) and step 2's kernel 9 (launched after step 2's forward mark); per step of two
+    assert summary["phases"]["forward"] == {"kernels": 1.0, "kernel_ms": 0.75, "host_op_ms": 0.1,
+                                            "top": [{"name": "gemm", "count": 1.0, "ms": 0.75}]}
+    assert summary["phases"]["backward"] == {"kernels": 1.0, "kernel_ms": 0.8, "host_op_ms": 0.0,
+                                             "top": [{"name": "gemm", "count": 0.5, "ms": 0.5},
+                                                     {"name": "softmax", "count": 0.5, "ms": 0.3}]}
+    assert [k["name"] for k in summary["top_kernels"]] == ["gemm", "softmax"]
+    summary["syncs"] = {"draftsmith/modeling.py:700 tgt = labels.view(-1)[flat]": 2}
+    text = describe(summary)
+    assert "GPU busy 1.3 ms" in text and "2 synchronising calls" in text and "modeling.py:700" in text
 
 
 def test_muon_and_dpace_learn_resume_exactly_and_are_another_run(qwen3_setup, tmp_path, caplog):
@@ -896,6 +969,25 @@ def test_compiled_gpu_training_learns_and_resumes(qwen3_setup, tmp_path, archite
     gpu = phases["gpu_ms"]
     assert set(gpu) == set(phases["host_ms"]) and gpu["forward"] > 0 and gpu["backward"] > 0
     assert 0.5 * gpu["step"] <= sum(v for k, v in gpu.items() if k != "step") <= 1.5 * gpu["step"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_steps_on_the_gpu_place_kernels_by_phase_and_find_the_syncs(qwen3_setup, tmp_path):
+    """``train.profile_steps`` on the compiled GPU path: kernels are found and placed by their launches (forward and
+    backward both launch some), the GPU's busy time is at most a step's wall time, and the synchronising calls
+    include the trainer's one read a step (the finite-loss check), named by its draftsmith line."""
+    cfg = dict(TINY_TRAIN, max_steps=16, compile=True, profile_steps=3)
+    state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg), threads=2)
+    assert state["steps"] == 16
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert summary["steps"] == [11, 12, 13] and summary["cuda"] is True
+    per = summary["per_step"]
+    assert per["kernels"] > 0 and 0 < per["gpu_busy_ms"] <= per["kernel_ms"] + 1e-6 <= per["wall_ms"] * 1.5
+    launched, total = (int(x) for x in summary["kernels_by_launch"].split(" of "))
+    assert total > 0 and launched >= 0.9 * total, summary["kernels_by_launch"]
+    assert summary["phases"]["forward"]["kernels"] > 0 and summary["phases"]["backward"]["kernels"] > 0
+    assert any("draftsmith/train/" in where for where in summary["syncs"]), summary["syncs"]
+    print((tmp_path / "profile" / "summary.txt").read_text())
 
 
 def test_prefetcher_keeps_the_order_with_several_workers_and_reraises():

@@ -22,7 +22,9 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
    the first optimizer step, the median time of an optimizer step (the probe's, GPU-synchronised) and each
    trainer's own split of a step where it makes one: speculators' ``profile/{fetch,fwd,bwd,clip,opt}_ms``,
    draftsmith's ``train.time_phases`` (``step_phases_ms``: GPU and host ms by phase; ``PEERS_DRAFTSMITH_PHASES=0``
-   runs draftsmith without it).
+   runs draftsmith without it); ``PEERS_DRAFTSMITH_PROFILE=N``: draftsmith's ``train.profile_steps`` N (a kernel
+   trace of N steps after its first 10, kept as ``OUT/<shape>-<trainer>-profile/``; the profiled steps are slower,
+   so keep N well under half of ``--steps`` minus ``--warmup`` for the medians to stand).
 
 Matched settings (each trainer's sizes from the config's train section): tokens per optimizer step (draftsmith's
 ``tokens_per_batch``; speculators ``--total-seq-len``; SpecForge ``batch_size`` = tokens_per_batch / mean document
@@ -148,6 +150,7 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
             args["train"].update(optimizer="adamw", loss_weighting="exp")
         # its own split of a step, as speculators logs one (CUDA events, no added sync; 0 turns it off)
         args["train"]["time_phases"] = os.environ.get("PEERS_DRAFTSMITH_PHASES", "1") != "0"
+        args["train"]["profile_steps"] = int(os.environ.get("PEERS_DRAFTSMITH_PROFILE", "0"))
         cmd = peer_run.draftsmith_cmd(index=ctx["index"], target=ctx["target"], out=scratch / "out", args=args,
                                       threads=os.cpu_count() or 1)
         work = epoch_work(masks, config, trainer="draftsmith", capacity=sizes["tokens_per_step"],
@@ -161,6 +164,13 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
         res["trainer_reported"]["peak_memory_gib"] = state.get("peak_memory_gib")
         # train.time_phases: medians by phase after its first 10 steps (GPU and host ms)
         res["trainer_reported"]["profile_ms"] = state.get("step_phases_ms")
+        traced = scratch / "out" / "profile"
+        if traced.is_dir():  # train.profile_steps: kept beside the trainer's log (the run's folder is deleted)
+            kept = out / f"{ctx['shape']}-{name}-profile"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(traced, kept)
+            summary = traced / "summary.json"
+            res["trainer_reported"]["kernel_profile"] = json.loads(summary.read_text()) if summary.is_file() else None
         tokens_per_step = work.ctx_tokens / max(1.0, work.steps)
         res["loss_last"] = last.get("loss")
     elif kind == "speculators":
@@ -279,6 +289,7 @@ def profiles(results: dict) -> str:
     """Each trainer's own split of a step, one line each (ms, medians after the warm-up): speculators'
     ``profile/*_ms``, draftsmith's ``step_phases_ms`` (GPU / host)."""
     from draftsmith.train.metrics import StepTimes
+    from draftsmith.train.profile import headline
 
     lines = ["Each trainer's own split of a step (ms, medians after its warm-up):"]
     for name, r in results.items():
@@ -287,6 +298,9 @@ def profiles(results: dict) -> str:
             continue
         if "host_ms" in prof:  # draftsmith's train.time_phases
             lines.append(f"- {name} ({prof['steps']} steps): {StepTimes.describe(prof)}")
+            traced = r["trainer_reported"].get("kernel_profile")
+            if traced and "per_step" in traced:  # train.profile_steps
+                lines.append(f"  kernel trace of steps {traced['steps']}: {headline(traced)}")
         else:
             lines.append(f"- {name}: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in prof.items()
                                                       if isinstance(v, (int, float))))

@@ -59,6 +59,7 @@ class TrainOptions(SectionSettings):
     logits_chunk_mib: int
     activation_checkpointing: bool
     time_phases: bool
+    profile_steps: int
 
 
 @dataclass(frozen=True)

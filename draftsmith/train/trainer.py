@@ -57,6 +57,7 @@ from draftsmith.train.metrics import (
 )
 from draftsmith.train.model import build_model_config, make_optimizer, optimizer_summary, start_model_config
 from draftsmith.train.plan import TrainData, lr_factor, plan_data, plan_summary
+from draftsmith.train.profile import StepProfiler, profile_window
 from draftsmith.train.settings import TrainPhaseSettings, TrainSettings
 from draftsmith.warm_start import load_start_weights, start_digest
 
@@ -484,12 +485,22 @@ class Trainer:
                        interval=float(cfg.progress_interval))
         throughput = Throughput(device)
         timer = self.step_times
-        tick = timer.mark if timer is not None else (lambda phase: None)
+        # train.profile_steps: a kernel trace of a few steps after the compile warm-up (rank 0), marked by phase
+        window = profile_window(start_step, end_step, cfg.profile_steps) if ranks.main else None
+        profiler = StepProfiler(device, self.out_dir, window) if window is not None else None
+        marks = [m.mark for m in (timer, profiler) if m is not None]
+
+        def tick(phase: str) -> None:
+            for m in marks:
+                m(phase)
+
         try:
             batches = iter(items)
             for step in range(start_step, end_step):
                 if timer is not None:
                     timer.start(step + 1)
+                if profiler is not None:
+                    profiler.start(step + 1)
                 factor = lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
                 lr = cfg.lr * factor
                 for group in self.optimizer.param_groups:  # Muon's group peaks at its own train.muon_lr
@@ -563,6 +574,8 @@ class Trainer:
         finally:
             items.close()
             bar.close()
+            if profiler is not None:
+                profiler.close()
         if timer is not None:
             self.phase_summary = self.phase_summary_now()
             if timer.records and ranks.main:
