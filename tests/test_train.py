@@ -431,7 +431,8 @@ def test_resume_at_the_final_step_keeps_every_metric(qwen3_setup, tmp_path):
 def test_profile_steps_trace_a_window_of_steps_and_change_nothing_trained(qwen3_setup, tmp_path):
     """``train.profile_steps``: a torch.profiler trace of that many steps after the warm-up (earlier in a short run)
     lands in ``<out>/profile/`` (a gzipped Chrome trace holding the phase markers, a summary whose phases are the
-    trainer's with host time in the forward and backward), and the weights equal an unprofiled run's bit for bit."""
+    trainer's with host time in the forward and backward); ``train.time_phases`` leaves the profiled steps out of
+    its medians; the weights equal an unprofiled run's bit for bit."""
     from draftsmith.train.profile import profile_window
 
     assert profile_window(0, 30, 5) == (11, 15)  # after the compile warm-up
@@ -440,8 +441,11 @@ def test_profile_steps_trace_a_window_of_steps_and_change_nothing_trained(qwen3_
     cfg = dict(TINY_TRAIN, max_steps=6, tokens_per_batch=64, time_phases=True)
     a, b = tmp_path / "a", tmp_path / "b"
     train(qwen3_setup["index"], qwen3_setup["target_dir"], a, settings(cfg), threads=1)
-    train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(dict(cfg, profile_steps=2)), threads=1)
+    traced = train(qwen3_setup["index"], qwen3_setup["target_dir"], b, settings(dict(cfg, profile_steps=2)),
+                   threads=1)
     assert not (a / "profile").exists()
+    # time_phases leaves the slowed steps out of its medians: the warm-up step 4, steps 5-6 (and a 7th, writing)
+    assert traced["step_phases_ms"]["steps"] == 3
     summary = json.loads((b / "profile" / "summary.json").read_text())
     assert summary["steps"] == [5, 6] and summary["cuda"] is False
     assert {"fetch", "h2d", "forward", "backward", "clip", "check", "optimizer"} <= set(summary["phases"])
@@ -469,9 +473,10 @@ def test_profile_summary_places_each_kernel_in_the_phase_that_launched_it():
 
     from draftsmith.train.profile import MARK_PREFIX, describe, summarize
 
-    def ev(name, start, end, device=DeviceType.CPU, id=0, annotation=False, self_cpu=0.0):
-        return SimpleNamespace(name=name, device_type=device, id=id, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=self_cpu)
+    def ev(name, start, end, device=DeviceType.CPU, id=0, annotation=False, self_cpu=0.0, thread=1, kind=None):
+        return SimpleNamespace(name=name, device_type=device, id=id, is_user_annotation=annotation, thread=thread,
+                               time_range=SimpleNamespace(start=start, end=end), self_cpu_time_total=self_cpu,
+                               activity_type=kind or ("kernel" if device == DeviceType.CUDA else "cpu_op"))
 
     marks = [(1, "start"), (1, "forward"), (1, "backward"), (2, "start"), (2, "forward"), (2, "backward"),
              (3, "start")]
@@ -482,11 +487,17 @@ def test_profile_summary_places_each_kernel_in_the_phase_that_launched_it():
                # kernel 7 and 8 launched in step 1's forward; 8 runs during its backward
                ev("gemm", 200, 700, DeviceType.CUDA, id=7), ev("gemm", 1500, 2500, DeviceType.CUDA, id=8),
                ev("softmax", 2000, 2600, DeviceType.CUDA, id=10),  # no runtime call: placed by its start
-               ev("gemm", 5200, 6200, DeviceType.CUDA, id=9)]
+               ev("gemm", 5200, 6200, DeviceType.CUDA, id=9),
+               # a copy (not a kernel: the copy engine), and a loader thread's host work (not the loop's)
+               ev("cudaMemcpyAsync", 4100, 4110, id=11), ev("Memcpy HtoD", 4200, 4600, DeviceType.CUDA, id=11,
+                                                            kind="gpu_memcpy"),
+               ev("aten::pin_memory", 4100, 4900, self_cpu=800.0, thread=2)]
     summary = summarize(events, marks, cuda=True)
     assert summary["steps"] == [1, 2] and summary["kernels_by_launch"] == "3 of 4"
     # a step: 1's kernels 0.5 + 1.0 + 0.6 ms (busy 0.5 + 1.1), 2's 1.0 ms: medians of the two steps
-    assert summary["per_step"] == {"wall_ms": 4.0, "kernel_ms": 1.55, "gpu_busy_ms": 1.3, "kernels": 2.0}
+    assert summary["per_step"] == {"wall_ms": 4.0, "kernel_ms": 1.55, "gpu_busy_ms": 1.3, "kernels": 2.0,
+                                   "copy_ms": 0.2}
+    assert list(summary["phases"]) == ["forward", "backward"]
     # forward: step 1's kernels 7 and 8 (1.5 ms; 8 ran in the backward) and aten::mm's 0.2 ms of host time; backward:
     # the softmax (by its start) and step 2's kernel 9 (launched after step 2's forward mark); per step of two
     assert summary["phases"]["forward"] == {"kernels": 1.0, "kernel_ms": 0.75, "host_op_ms": 0.1,
@@ -495,9 +506,12 @@ def test_profile_summary_places_each_kernel_in_the_phase_that_launched_it():
                                              "top": [{"name": "gemm", "count": 0.5, "ms": 0.5},
                                                      {"name": "softmax", "count": 0.5, "ms": 0.3}]}
     assert [k["name"] for k in summary["top_kernels"]] == ["gemm", "softmax"]
-    summary["syncs"] = {"draftsmith/modeling.py:700 tgt = labels.view(-1)[flat]": 2}
+    summary["syncs"] = {"after h2d | draftsmith/modeling.py:700 tgt = labels.view(-1)[flat]": 2}
     text = describe(summary)
     assert "GPU busy 1.3 ms" in text and "2 synchronising calls" in text and "modeling.py:700" in text
+    # the profiler's warm-up step is traced, not summarised
+    warm = summarize(events, marks, cuda=True, leave_out=(1,))
+    assert warm["steps"] == [2] and warm["per_step"]["kernel_ms"] == 1.0 and warm["per_step"]["wall_ms"] == 4.0
 
 
 def test_muon_and_dpace_learn_resume_exactly_and_are_another_run(qwen3_setup, tmp_path, caplog):

@@ -186,6 +186,12 @@ class StepTimes:
         self.records: list[dict[str, Any]] = []  # completed steps: {"step", "host_ms": {}, "gpu_ms": {}}
         self.pending: list[dict[str, Any]] = []  # steps whose GPU events may still be running
         self.current: dict[str, Any] | None = None
+        self.left_out: set[int] = set()
+
+    def leave_out(self, steps) -> None:
+        """Keep ``steps`` (step numbers) out of :meth:`summary`'s medians (steps a profiler slowed), unless no other
+        step is left."""
+        self.left_out |= {int(s) for s in steps}
 
     def _event(self):
         ev = torch.cuda.Event(enable_timing=True)
@@ -243,10 +249,12 @@ class StepTimes:
         return done
 
     def summary(self) -> dict[str, Any] | None:
-        """Medians over the recorded steps after the first :attr:`skip` (all of them when there are no more):
+        """Medians over the recorded steps after the first :attr:`skip` (all of them when there are no more), but
+        those left out (:meth:`leave_out`):
         ``{"steps": n, "skipped": k, "host_ms": {phase: ms}, "gpu_ms": {phase: ms}}`` (``gpu_ms`` on a GPU only);
         None before any step completed. trainer_state.json's ``step_phases_ms``."""
         recs = self.records[self.skip:] if len(self.records) > self.skip else self.records
+        recs = [r for r in recs if r["step"] not in self.left_out] or recs
         if not recs:
             return None
         out: dict[str, Any] = {"steps": len(recs), "skipped": len(self.records) - len(recs)}

@@ -10,12 +10,14 @@ to ``<run out>/profile/``:
 - ``summary.json`` and ``summary.txt``: per step, the host's wall time, the GPU's kernel time (summed and as the
   union of their intervals: the GPU's busy time) and the kernel count; per phase, the kernels launched in it (count
   and GPU ms, a kernel counted in the phase its launch fell in) and the host's operator time; the 25 kernels with
-  the most GPU time and the 25 operators with the most host self time; and, on a GPU, every **synchronising CUDA
-  call** the steps made (``torch.cuda.set_sync_debug_mode("warn")`` over the window), each with the draftsmith
-  source line that led to it, counted.
+  the most GPU time and the 25 operators with the most host self time; and, on a GPU, the **synchronising CUDA
+  calls** torch's sync debug mode flags over the window (``torch.cuda.set_sync_debug_mode("warn")``: ``.item()``,
+  ``nonzero`` and boolean indexing, blocking copies to the host; not an explicit ``torch.cuda.synchronize()`` or
+  event wait), each counted with the phase it came after and the draftsmith source line that led to it.
 
-The profile changes nothing that is trained (the same weights with and without it); it slows the profiled steps.
-Rank 0 only. Reference: PyTorch's profiler recipe (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
+The profile changes nothing that is trained (the same weights with and without it); it slows the profiled steps,
+which ``train.time_phases`` then leaves out of its medians. Rank 0 only; each process of a run (a resumed one, each
+phase of a sliced one) replaces the profile of the one before. Reference: PyTorch's profiler recipe (https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import gzip
 import logging
 import shutil
 import statistics
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -64,38 +68,55 @@ class StepProfiler:
     :class:`~draftsmith.train.metrics.StepTimes` (the trainer calls :meth:`start` and :meth:`mark` beside it, and
     :meth:`close` when the loop ends, whatever the reason).
 
+    The profiler starts one step early when the run has one (``warm``: the profiler's own start-up, CUPTI's, lands
+    there; the step is in the trace, not in the summary). Nothing here raises into training: a profiler that fails
+    to start or to write is logged and the run goes on, with torch's sync debug mode and the warnings hook undone.
+
     Args:
         device: the training device (CUDA: kernels, and the synchronising calls).
-        out_dir: the run's folder; the profile goes to ``out_dir / "profile"`` (replaced).
+        out_dir: the run's folder; the profile goes to ``out_dir / "profile"`` (an earlier one there is removed).
         window: ``(first, last)`` step numbers (:func:`profile_window`).
+        warm: the step before ``first`` when this process runs it, else None.
     """
 
-    def __init__(self, device: torch.device, out_dir: Path, window: tuple[int, int]):
+    def __init__(self, device: torch.device, out_dir: Path, window: tuple[int, int], warm: int | None = None):
         self.cuda = device.type == "cuda"
         self.folder = Path(out_dir) / "profile"
         self.first, self.last = window
+        self.warm = warm
         self.stack: contextlib.ExitStack | None = None
         self.prof = None
+        self.failed = False
         self.steps: list[int] = []
         self.marks: list[tuple[int, str]] = []  # (step, phase) in the order the markers were recorded
-        self.syncs: dict[str, int] = {}
+        self.syncs: dict[str, int] = {}  # "<phase> | <source line>" -> count
         self.summary: dict[str, Any] | None = None
 
     @property
     def active(self) -> bool:
         return self.prof is not None
 
-    def start(self, step: int) -> None:
-        """Step ``step`` begins: the window opens at :attr:`first`, closes (and the profile is written) after
-        :attr:`last`."""
+    @property
+    def steps_slowed(self) -> range:
+        """The steps the profile slows (the warm-up step, the profiled ones, and the next, which writes it): left
+        out of :class:`StepTimes`' medians."""
+        return range(self.warm if self.warm is not None else self.first, self.last + 2)
+
+    def start(self, step: int) -> bool:
+        """Step ``step`` begins: the window opens at ``warm`` (else ``first``), closes after ``last`` (the profile
+        is written then). Returns True when this call wrote the profile (the caller's rates should skip the time)."""
+        wrote = False
         if self.active and step > self.last:
             self._marker("start", step)  # the last profiled step's end
             self.close()
-        if self.summary is None and not self.active and step == self.first:
+            wrote = True
+        opens_at = self.warm if self.warm is not None else self.first
+        if self.summary is None and not self.active and not self.failed and step == opens_at:
             self._open()
         if self.active:
             self.steps.append(step)
             self._marker("start", step)
+        return wrote
 
     def mark(self, phase: str) -> None:
         """Phase ``phase`` of the current step ends (as :meth:`StepTimes.mark`)."""
@@ -111,43 +132,68 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         stack = contextlib.ExitStack()
-        if self.cuda:
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
-            shown = warnings.showwarning
+        try:
+            shutil.rmtree(self.folder, ignore_errors=True)  # an earlier process's profile (stream phase, resume)
+            if self.cuda:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
+                shown = warnings.showwarning
 
-            def show(message, category, filename, lineno, file=None, line=None):
-                if SYNC_MESSAGE in str(message):
-                    self._sync_seen()
-                else:
-                    shown(message, category, filename, lineno, file, line)
+                def show(message, category, filename, lineno, file=None, line=None):
+                    if SYNC_MESSAGE not in str(message):
+                        shown(message, category, filename, lineno, file, line)
+                        return
+                    try:
+                        self._sync_seen()
+                    except Exception:  # a diagnostic must not fail the operation that synchronised
+                        self.syncs["<not attributed>"] = self.syncs.get("<not attributed>", 0) + 1
 
-            warnings.showwarning = show
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
-            stack.callback(torch.cuda.set_sync_debug_mode, previous)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = stack.enter_context(profile(activities=activities, record_shapes=False, with_stack=False))
+                warnings.showwarning = show
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("warn")
+                stack.callback(torch.cuda.set_sync_debug_mode, previous)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = stack.enter_context(profile(activities=activities, record_shapes=False, with_stack=False))
+        except Exception as exc:
+            self.prof, self.failed = None, True
+            with contextlib.suppress(Exception):
+                stack.close()
+            log.warning("train.profile_steps: the profiler did not start (%r); training goes on without it", exc)
+            return
         self.stack = stack
-        log.info("profiling steps %d-%d (train.profile_steps) into %s", self.first, self.last, self.folder)
+        log.info("profiling steps %d-%d (train.profile_steps; warm-up step %s) into %s", self.first, self.last,
+                 self.warm, self.folder)
 
     def _sync_seen(self) -> None:
-        """Count a synchronising call by its draftsmith source line (else the innermost Python line)."""
+        """Count a synchronising call by the phase in progress and its draftsmith source line: the innermost frame
+        under the draftsmith package, else (a thread without one, e.g. the autograd engine's) the main thread's,
+        else the innermost Python line."""
         frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in Path(f.filename).name]
-        ours = [f for f in frames if "/draftsmith/" in f.filename and not f.filename.endswith("train/profile.py")]
-        where = ours[-1] if ours else (frames[-1] if frames else None)
-        key = f"{_short(where.filename)}:{where.lineno} {where.line or ''}".strip() if where else "<unknown>"
+        where = _our_frame(frames)
+        if where is None and threading.current_thread() is not threading.main_thread():
+            main = sys._current_frames().get(threading.main_thread().ident)
+            where = _our_frame(traceback.extract_stack(main)) if main is not None else None
+        if where is None and frames:
+            where = frames[-1]
+        line = f"{_short(where.filename)}:{where.lineno} {where.line or ''}".strip() if where else "<unknown>"
+        after = f"after {self.marks[-1][1]}" if self.marks else "before the first step"
+        key = f"{after} | {line}"
         self.syncs[key] = self.syncs.get(key, 0) + 1
 
     def close(self) -> dict[str, Any] | None:
         """End the window (if open), write the trace and the summary; returns the summary (None if nothing was
-        profiled). A failure to write is logged, not raised: the profile must not stop a training run."""
+        profiled). Failures are logged, not raised: the profile must not stop a training run."""
         if not self.active:
             return self.summary
         stack, prof, self.stack, self.prof = self.stack, self.prof, None, None
-        stack.close()
+        try:
+            stack.close()
+        except Exception as exc:
+            log.warning("train.profile_steps: the profiler of steps %d-%d did not stop cleanly (%r)", self.first,
+                        self.last, exc)
+            self.summary = {"error": repr(exc)}
+            return self.summary
         t0 = time.perf_counter()
-        # a profile is a diagnostic: whatever fails below is logged, and training goes on
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._write_trace(prof)
@@ -155,7 +201,7 @@ class StepProfiler:
             log.warning("train.profile_steps: the trace of steps %d-%d could not be written: %r", self.first,
                         self.last, exc)
         try:
-            self.summary = summarize(prof.events(), self.marks, cuda=self.cuda)
+            self.summary = summarize(prof.events(), self.marks, cuda=self.cuda, leave_out=(self.warm,))
             self.summary["syncs"] = dict(sorted(self.syncs.items(), key=lambda kv: -kv[1]))
             write_json(self.folder / "summary.json", self.summary)
             write_text(self.folder / "summary.txt", describe(self.summary))
@@ -164,6 +210,9 @@ class StepProfiler:
                         self.last, exc)
             self.summary = {"error": repr(exc)}
             return self.summary
+        if self.cuda and not self.summary["per_step"]["kernels"]:
+            log.warning("train.profile_steps: no GPU kernel in the trace of steps %d-%d (CUPTI recorded nothing: "
+                        "another profiler attached?)", self.first, self.last)
         log.info("profile of steps %d-%d written to %s in %.1f s: %s", self.first, self.last, self.folder,
                  time.perf_counter() - t0, headline(self.summary))
         return self.summary
@@ -176,6 +225,18 @@ class StepProfiler:
             with atomic_path(self.folder / "trace.json.gz") as dest:
                 with open(raw, "rb") as src, gzip.open(dest, "wb", compresslevel=6) as dst:
                     shutil.copyfileobj(src, dst)
+
+
+PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # .../draftsmith
+
+
+def _our_frame(frames) -> traceback.FrameSummary | None:
+    """The innermost frame in the draftsmith package (this module aside)."""
+    for f in reversed(frames):
+        path = str(Path(f.filename).resolve()) if f.filename and not f.filename.startswith("<") else ""
+        if path.startswith(PACKAGE_DIR + "/") and not path.endswith("train/profile.py"):
+            return f
+    return None
 
 
 def _short(filename: str) -> str:
@@ -197,74 +258,100 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def summarize(events, marks: list[tuple[int, str]], *, cuda: bool) -> dict[str, Any]:
+def _is_copy(event) -> bool:
+    """A GPU memcpy / memset rather than a kernel (torch's ``activity_type``, else the name)."""
+    kind = getattr(event, "activity_type", None)
+    if isinstance(kind, str) and kind:
+        return kind != "kernel"
+    return event.name.startswith(("Memcpy", "Memset"))
+
+
+def summarize(events, marks: list[tuple[int, str]], *, cuda: bool, leave_out=()) -> dict[str, Any]:
     """The profile's figures from ``torch.profiler``'s events and the phase markers (:class:`StepProfiler`).
 
-    Each kernel is placed in the phase in which it was launched: its CUDA runtime call (same correlation id) when
-    the profile has one, else its own start. Times in ms; ``per_step`` entries are medians over the steps.
+    Each GPU kernel is placed in the phase in which it was launched: its CUDA runtime or driver call (the same
+    correlation id) when the profile has one, else its own start. Copies and memsets (``Memcpy``, ``Memset``) are
+    counted apart from kernels (the copy engines overlap the kernels); ``nccl`` kernels are kernels (they occupy
+    the GPU's SMs). Host time: operators' self time on the thread that recorded the markers (the training loop)
+    and on the autograd engine's threads (the backward), not the loader's. Times in ms; ``per_step`` entries are
+    medians over the steps, ``phases`` and the top lists means per step. Steps in ``leave_out`` (the profiler's
+    warm-up step) are not summarised.
 
     Returns:
-        ``{"steps", "per_step": {"wall_ms", "kernel_ms", "gpu_busy_ms", "kernels"}, "phases": {phase: {"kernels",
-        "kernel_ms", "host_op_ms", "top"}}, "top_kernels": [...], "top_host_ops": [...], "kernels_by_launch"}``;
-        a phase's ``top``: its kernels with the most GPU time (on a GPU), else its operators with the most host
-        self time.
+        ``{"steps", "cuda", "per_step": {"wall_ms", "kernel_ms", "gpu_busy_ms", "kernels", "copy_ms"}, "phases":
+        {phase: {"kernels", "kernel_ms", "host_op_ms", "top"}}, "top_kernels": [...], "top_host_ops": [...],
+        "kernels_by_launch"}``; a phase's ``top``: its kernels with the most GPU time (on a GPU), else its operators
+        with the most host self time; phases in the trainer's order.
     """
     from torch.autograd import DeviceType
 
-    mark_at: list[float] = []
-    mark_of: list[tuple[int, str]] = []
-    kernels, host_ops = [], []
+    found: dict[int, float] = {}  # marker index -> time
+    kernels, copies, host_ops = [], [], []
     runtime_start: dict[int, float] = {}
+    loop_threads, autograd_threads = set(), set()
     for e in events:
         if e.device_type == DeviceType.CPU:
             if e.name.startswith(MARK_PREFIX):
                 k = int(e.name[len(MARK_PREFIX):])
                 if k < len(marks):
-                    mark_at.append(e.time_range.start)
-                    mark_of.append(marks[k])
+                    found[k] = e.time_range.start
+                    loop_threads.add(e.thread)
                 continue
             if e.is_user_annotation:
                 continue
-            if e.name.startswith(("cuda", "cu")) and e.id:  # a runtime call: kernels share its correlation id
+            if e.name.startswith("autograd::engine"):
+                autograd_threads.add(e.thread)
+            if e.name.startswith("cu") and e.id:  # a runtime / driver call: its kernel shares the correlation id
                 runtime_start.setdefault(e.id, e.time_range.start)
             host_ops.append(e)
         elif e.device_type == DeviceType.CUDA and not e.is_user_annotation:
-            kernels.append(e)
-    order = sorted(range(len(mark_at)), key=mark_at.__getitem__)
-    mark_at = [mark_at[i] for i in order]
-    mark_of = [mark_of[i] for i in order]
-    steps = sorted({s for s, ph in mark_of if ph != "start"})  # the closing marker starts no profiled step
+            (copies if _is_copy(e) else kernels).append(e)
+    order = sorted(found)  # the markers, in the order the loop recorded them
+    mark_at = [found[k] for k in order]
+    mark_of = [marks[k] for k in order]
+    skip = {s for s in leave_out if s is not None}
+    steps = sorted({st for st, ph in mark_of if ph != "start"} - skip)  # the closing marker starts no step
+    phase_order = list(dict.fromkeys(ph for _, ph in mark_of if ph != "start")) + ["between"]
 
     def phase_at(t_us: float) -> tuple[int, str] | None:
         """(step, phase) of a time: the phase whose end marker is the first at or after it (``between``: after
-        a step's last phase, before the next step's start); None outside the profiled steps."""
+        a step's last phase, before the next step's start); None outside the summarised steps."""
         i = bisect.bisect_left(mark_at, t_us)
         if i == 0 or i >= len(mark_at):
             return None
         step, phase = mark_of[i]
-        return (mark_of[i - 1][0], "between") if phase == "start" else (step, phase)
+        where = (mark_of[i - 1][0], "between") if phase == "start" else (step, phase)
+        return None if where[0] in skip else where
 
     step_wall = {}
-    for s in steps:
-        times = [t for t, (st, _) in zip(mark_at, mark_of) if st == s]
-        nxt = [t for t, (st, ph) in zip(mark_at, mark_of) if st == s + 1 and ph == "start"]
-        step_wall[s] = ((nxt[0] if nxt else times[-1]) - times[0]) / 1e3
+    for st in steps:
+        times = [t for t, (s_, _) in zip(mark_at, mark_of) if s_ == st]
+        nxt = [t for t, (s_, ph) in zip(mark_at, mark_of) if s_ == st + 1 and ph == "start"]
+        step_wall[st] = ((nxt[0] if nxt else times[-1]) - times[0]) / 1e3
     phases: dict[str, dict[str, float]] = {}
-    per_step: dict[int, dict[str, Any]] = {s: {"kernel_ms": 0.0, "kernels": 0, "spans": []} for s in steps}
+    per_step: dict[int, dict[str, Any]] = {st: {"kernel_ms": 0.0, "kernels": 0, "spans": [], "copy_ms": 0.0}
+                                           for st in steps}
     by_launch = 0
     top_k: dict[str, list[float]] = {}
     in_phase: dict[str, dict[str, list[float]]] = {}  # phase -> kernel (GPU) or operator (CPU) -> [count, ms]
-    for k in kernels:
+
+    def new_phase() -> dict[str, float]:
+        return {"kernels": 0, "kernel_ms": 0.0, "host_op_ms": 0.0}
+
+    for k, is_copy in [(k, False) for k in kernels] + [(c, True) for c in copies]:
         t = runtime_start.get(k.id)
-        by_launch += t is not None
+        by_launch += t is not None and not is_copy
         where = phase_at(t if t is not None else k.time_range.start)
         if where is None:
             continue
         step, phase = where
         ms = (k.time_range.end - k.time_range.start) / 1e3
-        p = phases.setdefault(phase, {"kernels": 0, "kernel_ms": 0.0, "host_op_ms": 0.0})
-        p["kernels"] += 1
-        p["kernel_ms"] += ms
+        if is_copy:
+            per_step[step]["copy_ms"] += ms
+            continue
+        ph = phases.setdefault(phase, new_phase())
+        ph["kernels"] += 1
+        ph["kernel_ms"] += ms
         rec = per_step[step]
         rec["kernel_ms"] += ms
         rec["kernels"] += 1
@@ -274,11 +361,13 @@ def summarize(events, marks: list[tuple[int, str]], *, cuda: bool) -> dict[str, 
             top[1] += ms
     top_h: dict[str, list[float]] = {}
     for e in host_ops:
+        if e.thread not in loop_threads and e.thread not in autograd_threads:
+            continue
         where = phase_at(e.time_range.start)
         if where is None:
             continue
         ms = e.self_cpu_time_total / 1e3
-        phases.setdefault(where[1], {"kernels": 0, "kernel_ms": 0.0, "host_op_ms": 0.0})["host_op_ms"] += ms
+        phases.setdefault(where[1], new_phase())["host_op_ms"] += ms
         tops = [top_h.setdefault(e.name, [0, 0.0])]
         if not cuda:
             tops.append(in_phase.setdefault(where[1], {}).setdefault(e.name, [0, 0.0]))
@@ -291,16 +380,20 @@ def summarize(events, marks: list[tuple[int, str]], *, cuda: bool) -> dict[str, 
         return [{"name": name, "count": round(c / n, 1), "ms": round(ms / n, 3)}
                 for name, (c, ms) in sorted(table.items(), key=lambda kv: -kv[1][1])[:count]]
 
-    med = (lambda xs: round(statistics.median(xs), 3) if xs else None)  # noqa: E731
+    def med(xs):
+        return round(statistics.median(xs), 3) if xs else None
+
     return {
         "steps": steps, "cuda": bool(cuda),
-        "per_step": {"wall_ms": med([step_wall[s] for s in steps]),
-                     "kernel_ms": med([per_step[s]["kernel_ms"] for s in steps]) if cuda else None,
-                     "gpu_busy_ms": med([_union_ms(per_step[s]["spans"]) for s in steps]) if cuda else None,
-                     "kernels": med([per_step[s]["kernels"] for s in steps]) if cuda else None},
+        "per_step": {"wall_ms": med([step_wall[st] for st in steps]),
+                     "kernel_ms": med([per_step[st]["kernel_ms"] for st in steps]) if cuda else None,
+                     "gpu_busy_ms": med([_union_ms(per_step[st]["spans"]) for st in steps]) if cuda else None,
+                     "kernels": med([per_step[st]["kernels"] for st in steps]) if cuda else None,
+                     "copy_ms": med([per_step[st]["copy_ms"] for st in steps]) if cuda else None},
         "phases": {ph: {"kernels": round(v["kernels"] / n, 1), "kernel_ms": round(v["kernel_ms"] / n, 3),
                         "host_op_ms": round(v["host_op_ms"] / n, 3), "top": ranked(in_phase.get(ph, {}), PHASE_TOP)}
-                   for ph, v in phases.items()},
+                   for ph, v in sorted(phases.items(), key=lambda kv: phase_order.index(kv[0])
+                                       if kv[0] in phase_order else len(phase_order))},
         "top_kernels": ranked(top_k, TOP),
         "top_host_ops": ranked(top_h, TOP),
         "kernels_by_launch": f"{by_launch} of {len(kernels)}",

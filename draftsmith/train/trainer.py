@@ -487,7 +487,12 @@ class Trainer:
         timer = self.step_times
         # train.profile_steps: a kernel trace of a few steps after the compile warm-up (rank 0), marked by phase
         window = profile_window(start_step, end_step, cfg.profile_steps) if ranks.main else None
-        profiler = StepProfiler(device, self.out_dir, window) if window is not None else None
+        profiler = None
+        if window is not None:
+            profiler = StepProfiler(device, self.out_dir, window,
+                                    warm=window[0] - 1 if window[0] - 1 > start_step else None)
+            if timer is not None:
+                timer.leave_out(profiler.steps_slowed)  # the profiled steps are slower: not in the medians
         marks = [m.mark for m in (timer, profiler) if m is not None]
 
         def tick(phase: str) -> None:
@@ -499,8 +504,8 @@ class Trainer:
             for step in range(start_step, end_step):
                 if timer is not None:
                     timer.start(step + 1)
-                if profiler is not None:
-                    profiler.start(step + 1)
+                if profiler is not None and profiler.start(step + 1):
+                    throughput.skip()  # writing the profile is no training time
                 factor = lr_factor(step, total_steps, self.warmup, cfg.min_lr_ratio)
                 lr = cfg.lr * factor
                 for group in self.optimizer.param_groups:  # Muon's group peaks at its own train.muon_lr
