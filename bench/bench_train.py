@@ -1082,6 +1082,7 @@ def main() -> int:
     if "compiled" in args.variants and device.type == "cuda":
         for layer in model.layers:
             layer.compile()
+        model.fused_loss = True  # as the trainer's train.compile: the LM-head loss's chunks compiled too
         record("compiled", checkpointing=sizes["activation_checkpointing"])
     if "no-cap+ckpt" in args.variants:
         record("no-cap+ckpt", checkpointing=True, batches=build_batches(shape, sizes, device, args.batches, cap=False))

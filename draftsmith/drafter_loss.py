@@ -22,7 +22,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0):
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0, fused=False):
+        if fused:
+            return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k)
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
@@ -63,12 +65,96 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None
+        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None
+
+
+def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, softcap: float | None,
+                     need_grad: bool, top_k: int = 0):
+    """One chunk's statistics from its logits, written to be fused by ``torch.compile``: reads the logits twice
+    (the row reductions, then the gradient) instead of the eager chunk's eight passes over float32 copies.
+
+    Args:
+        z: ``[n, V]`` logits ``hidden @ head_weight.T`` in the head's dtype (bf16 on a GPU).
+        labels: ``[n]`` int64.
+        multiplier, softcap: ``dflash_config``'s ``output_multiplier`` and ``final_logit_softcapping`` (None: off).
+        need_grad: also return the CE's gradient with respect to the logits before the multiplier / softcap.
+        top_k: also return the ``top_k`` largest final logits (float32) and their ids (DFlash2's candidates).
+
+    Returns:
+        ``(ce [n] float32, pred [n] int64, grad [n, V] in z's dtype or None, top_val [n, top_k] float32 or None,
+        top_idx [n, top_k] int64 or None)``; ``grad = (softmax - onehot) * d logit / d z``, the same quantity as the
+        eager chunk of :class:`_ChunkedHeadCrossEntropy` (its float32 softmax rounded to z's dtype).
+    """
+    zf = z.float()
+    dz = None
+    if multiplier != 1.0:
+        zf = zf * multiplier
+        dz = multiplier
+    if softcap:
+        t = torch.tanh(zf / softcap)
+        dz = (1.0 - t * t) * multiplier
+        zf = t * softcap
+    lse = torch.logsumexp(zf, dim=-1)
+    ce = lse - zf.gather(1, labels[:, None])[:, 0]
+    pred = zf.argmax(-1)
+    top_val = top_idx = None
+    if top_k:
+        top_val, top_idx = torch.topk(zf, top_k, dim=-1, sorted=False)
+    if not need_grad:
+        return ce, pred, None, top_val, top_idx
+    g = torch.exp(zf - lse[:, None])
+    g = g - (torch.arange(zf.shape[1], device=zf.device)[None, :] == labels[:, None]).to(g.dtype)
+    if dz is not None:
+        g = g * dz
+    return ce, pred, g.to(z.dtype), top_val, top_idx
+
+
+_COMPILED_STATISTICS = None
+
+
+def _statistics_fn(device: torch.device):
+    """:func:`logit_statistics`, compiled once (dynamic shapes: the last chunk and every step's row count
+    differ) on CUDA; eager elsewhere (the CPU's tests check its math against the in-place chunk)."""
+    global _COMPILED_STATISTICS
+    if device.type != "cuda":
+        return logit_statistics
+    if _COMPILED_STATISTICS is None:
+        _COMPILED_STATISTICS = torch.compile(logit_statistics, dynamic=True)
+    return _COMPILED_STATISTICS
+
+
+def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k):
+    """:class:`_ChunkedHeadCrossEntropy`'s forward with each chunk's statistics from :func:`logit_statistics`
+    (compiled on a GPU): the same outputs, a fraction of the memory traffic."""
+    compute = head_weight.dtype
+    n = hidden.shape[0]
+    need_grad = ctx.needs_input_grad[0]
+    stats = _statistics_fn(hidden.device)
+    ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+    grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
+    top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
+    top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, n, chunk_rows):
+            e = min(n, s + chunk_rows)
+            z = F.linear(hidden[s:e].to(compute), head_weight)
+            c, p, g, tv, ti = stats(z, labels[s:e], multiplier, softcap, need_grad, top_k)
+            ce[s:e], pred[s:e] = c, p
+            if top_k:
+                top_val[s:e], top_idx[s:e] = tv, ti
+            if need_grad:
+                grad[s:e] = g @ head_weight
+    if need_grad:
+        ctx.save_for_backward(grad)
+    ctx.hidden_dtype = hidden.dtype
+    ctx.mark_non_differentiable(pred, top_val, top_idx)
+    return ce, pred, top_val, top_idx
 
 
 def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
-                       multiplier: float = 1.0, softcap: float | None = None,
-                       chunk_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+                       multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30,
+                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``logits = softcap(multiplier * hidden @ head_weight.T)`` against ``labels``, chunked.
 
     The dominant memory of DFlash training at a large vocabulary is the float32 logits of every supervised
@@ -84,26 +170,29 @@ def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: 
         head_weight: ``[V, H]`` the target's LM head (frozen).
         labels: ``[N]`` int64 token ids.
         chunk_bytes: float32 logits per chunk.
+        fused: each chunk's softmax, CE, argmax and gradient by :func:`logit_statistics`, compiled on a GPU
+            (``train.compile``): two reads of the chunk's logits in the head's dtype instead of eight passes over
+            float32 copies; results equal the eager chunk's up to summation order.
 
     Returns:
         ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
     """
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
     ce, pred, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                                    float(softcap) if softcap else None, rows)
+                                                    float(softcap) if softcap else None, rows, 0, bool(fused))
     return ce, pred
 
 
 def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, top_k: int, *,
-                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30,
+                            fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`head_cross_entropy` plus each row's ``top_k`` largest logits, from the same chunks (no second pass
     through the head): ``(ce [N], pred [N], top_logits [N, top_k] float32, top_ids [N, top_k] int64)``; the
     top-k are in ``torch.topk(sorted=False)`` order, as the official DFlash2 selector takes them, and carry no
-    gradient."""
+    gradient. ``fused``: as :func:`head_cross_entropy`'s."""
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
     return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                          float(softcap) if softcap else None, rows, int(top_k))
+                                          float(softcap) if softcap else None, rows, int(top_k), bool(fused))
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:

@@ -557,6 +557,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         #: recompute each layer's activations in the backward pass instead of keeping them (training only):
         #: activation memory ~ one layer instead of all, for ~1/3 more layer compute
         self.activation_checkpointing = False
+        self.fused_loss = False  # the LM-head loss's chunks fused by torch.compile (train.compile on a GPU)
         self.post_init()
 
     # -- inference ------------------------------------------------------------------------------------------
@@ -706,7 +707,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[flat], head_weight, tgt,
                                       multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
                                       softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
-                                      chunk_bytes=logits_chunk_bytes)  # [N]
+                                      chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)  # [N]
         slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
         w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         weighted_ce = (ce * w).sum()

@@ -276,7 +276,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         softcap = draft_value(self.config, "final_logit_softcapping")
         softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
         ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, multiplier=multiplier,
-                                                             softcap=softcap, chunk_bytes=logits_chunk_bytes)
+                                                             softcap=softcap, chunk_bytes=logits_chunk_bytes,
+                                                             fused=self.fused_loss)
         slot = torch.arange(B - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
         w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)

@@ -629,6 +629,66 @@ def test_chunked_head_cross_entropy_equals_full_logits(multiplier, softcap):
                               ref, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, None, 4), (2.0, 5.0, 0), (1.0, 30.0, 8)])
+def test_fused_head_loss_equals_the_eager_chunks(multiplier, softcap, top_k):
+    """``fused=True`` (each chunk's statistics by ``logit_statistics``, what ``train.compile`` compiles on a GPU)
+    gives the eager chunks' CE, argmax, top-k candidates and hidden-state gradient, at any chunk size."""
+    from draftsmith.drafter_loss import head_cross_entropy_topk
+
+    torch.manual_seed(1)
+    N, H, V = 257, 24, 700
+    hidden = torch.randn(N, H, requires_grad=True)
+    head = torch.randn(V, H)
+    labels, w = torch.randint(0, V, (N,)), torch.rand(N)
+    got = {}
+    for fused in (False, True):
+        for chunk_rows in (13, N):
+            hidden.grad = None
+            ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, multiplier=multiplier,
+                                                         softcap=softcap, chunk_bytes=4 * V * chunk_rows,
+                                                         fused=fused)
+            (ce * w).sum().backward()
+            got[fused, chunk_rows] = (ce.detach(), pred, val, idx, hidden.grad.clone())
+    ref = got[False, N]
+    for key, (ce, pred, val, idx, grad) in got.items():
+        assert torch.allclose(ce, ref[0], rtol=1e-6, atol=1e-5), key
+        assert torch.equal(pred, ref[1]), key
+        assert torch.allclose(grad, ref[4], rtol=1e-5, atol=1e-6), key
+        if top_k:  # the same candidate set and values per row (topk(sorted=False) may order them differently)
+            assert torch.equal(idx.sort(-1).values, ref[3].sort(-1).values), key
+            assert torch.allclose(val.sort(-1).values, ref[2].sort(-1).values, rtol=1e-6, atol=1e-5), key
+    ce, pred = head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap, fused=True)
+    assert torch.allclose(ce, ref[0], rtol=1e-6, atol=1e-5) and torch.equal(pred, ref[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("softcap,top_k", [(None, 0), (30.0, 8)])
+def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k):
+    """On a GPU ``fused=True`` runs the compiled ``logit_statistics`` (dynamic shapes: chunks of two sizes, then
+    another row count): bf16 logits, float32 statistics as the eager chunks compute them."""
+    from draftsmith.drafter_loss import head_cross_entropy_topk
+
+    torch.manual_seed(2)
+    H, V = 64, 5003
+    head = (torch.randn(V, H) * H ** -0.5).cuda().bfloat16()
+    for N in (3001, 1500):
+        hidden = (torch.randn(N, H) * 2).cuda().bfloat16().requires_grad_(True)
+        labels, w = torch.randint(0, V, (N,)).cuda(), torch.rand(N).cuda()
+        got = []
+        for fused in (False, True):
+            hidden.grad = None
+            ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, softcap=softcap,
+                                                         chunk_bytes=4 * V * 1024, fused=fused)
+            (ce * w).sum().backward()
+            got.append((ce.detach(), pred, val, idx, hidden.grad.float()))
+        (ce0, p0, v0, i0, g0), (ce1, p1, v1, i1, g1) = got
+        assert torch.allclose(ce1, ce0, rtol=1e-5, atol=1e-4)
+        assert (p1 == p0).float().mean() > 0.999
+        assert float((g1 - g0).abs().max() / g0.abs().max()) < 1e-2
+        if top_k:
+            assert torch.allclose(v1.sort(-1).values, v0.sort(-1).values, rtol=1e-5, atol=1e-4)
+
+
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(target):
     model = make_drafter(target, **VARIANTS["sliding+full"]).train()
     E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
