@@ -5,7 +5,7 @@ The loss runs the target's frozen LM head over every supervised slot (``[N, H] x
 makes a float32 copy of its logits and walks it about eight times (log-sum-exp, label gather, argmax, softmax in
 place, the one-hot, the cast for the gradient's matmul); ``fused=True`` computes the same statistics by
 :func:`draftsmith.drafter_loss.logit_statistics` compiled with ``torch.compile``, reading the chunk's bf16 logits
-twice. Both do the same two matmuls (logits, and the gradient ``softmax - onehot`` times the head).
+a few times. Both do the same two matmuls (logits, and the gradient ``softmax - onehot`` times the head).
 
 Shapes (the configs' step: slots = anchors x (block - 1)):
 * ``smollm2-135m`` (config/gpu-proof.yaml): 4,096 anchors -> N = 61,440 slots, H 576, V 49,152;
@@ -16,8 +16,9 @@ Prints per shape and path the forward + backward time (median of ``--iters`` aft
 the matmul FLOPs' rate, peak memory, the ratio fused / eager measured in the same run, and the largest differences
 of CE, gradient and argmax agreement between the two paths. Writes ``OUT/bench_head_loss.json``.
 
-    python bench/bench_head_loss.py --out $OUT                 # both GPU shapes
-    python bench/bench_head_loss.py --shapes tiny --out /tmp/hl # CPU smoke (fused = eager math, not compiled)
+    python bench/bench_head_loss.py --out $OUT                 # both GPU shapes (DFlash)
+    python bench/bench_head_loss.py --top-k 16 --out $OUT      # the DFlash2 path (the selector's candidates)
+    python bench/bench_head_loss.py --shapes tiny --out /tmp/hl # CPU smoke (off a GPU both paths are eager)
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from draftsmith.drafter_loss import head_cross_entropy  # noqa: E402
+from draftsmith.drafter_loss import head_cross_entropy_topk  # noqa: E402
 
 SHAPES = {"smollm2-135m": dict(n=4096 * 15, hidden=576, vocab=49152),
           "qwen3.5-27b": dict(n=2048 * 15, hidden=5120, vocab=248320),
           "tiny": dict(n=2000, hidden=64, vocab=4096)}
 
 
-def run(shape: dict, fused: bool, device: torch.device, chunk_mib: int, warmup: int, iters: int) -> dict:
-    """Time ``iters`` forward + backward passes of the loss (after ``warmup``); return times and the outputs."""
+def run(shape: dict, fused: bool, device: torch.device, chunk_mib: int, warmup: int, iters: int, *,
+        softcap: float | None, top_k: int) -> dict:
+    """Time ``iters`` forward + backward passes of the loss (after ``warmup``); return times and the outputs
+    (CE, argmax and the gradient, kept on the CPU so that the next run's peak memory is its own)."""
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     n, h, v = shape["n"], shape["hidden"], shape["vocab"]
@@ -54,7 +57,8 @@ def run(shape: dict, fused: bool, device: torch.device, chunk_mib: int, warmup: 
 
     def step():
         hidden.grad = None
-        ce, pred = head_cross_entropy(hidden, head, labels, chunk_bytes=chunk_mib << 20, fused=fused)
+        ce, pred, _, _ = head_cross_entropy_topk(hidden, head, labels, top_k, softcap=softcap,
+                                                 chunk_bytes=chunk_mib << 20, fused=fused)
         (ce * weight).sum().backward()
         return ce, pred
 
@@ -74,27 +78,33 @@ def run(shape: dict, fused: bool, device: torch.device, chunk_mib: int, warmup: 
     flops = 2 * 2 * n * h * v  # logits and the gradient's matmul
     return {"ms": ms, "tflops": flops / (ms / 1e3) / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None,
-            "ce": ce.detach().float(), "pred": pred, "grad": hidden.grad.detach().float()}
+            "ce": ce.detach().float().cpu(), "pred": pred.cpu(), "grad": hidden.grad.detach().float().cpu()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2-135m,qwen3.5-27b")
     ap.add_argument("--chunk-mib", type=int, default=1024, help="train.logits_chunk_mib (the configs': 1024)")
+    ap.add_argument("--softcap", type=float, default=None, help="final_logit_softcapping (Gemma-style targets)")
+    ap.add_argument("--top-k", type=int, default=0, help="the DFlash2 path: selector_top_k candidates too (16)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "chunk_mib": args.chunk_mib, "shapes": {}}
+           "chunk_mib": args.chunk_mib, "softcap": args.softcap, "top_k": args.top_k, "shapes": {}}
     print(f"{out['device']}, torch {out['torch']}, chunks of {args.chunk_mib} MiB of float32 logits")
     print("shape          N      H       V     eager ms  fused ms  fused/eager  TFLOP/s e/f   peak GiB e/f   "
           "max |dCE|  max |dgrad|/max|grad|  argmax equal")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        eager = run(shape, False, device, args.chunk_mib, args.warmup, args.iters)
-        fused = run(shape, True, device, args.chunk_mib, args.warmup, args.iters)
+        opts = {"softcap": args.softcap, "top_k": args.top_k}
+        eager = run(shape, False, device, args.chunk_mib, args.warmup, args.iters, **opts)
+        torch._dynamo.reset()  # each shape compiles its own kernels (the vocabulary is static)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        fused = run(shape, True, device, args.chunk_mib, args.warmup, args.iters, **opts)
         d_ce = float((eager["ce"] - fused["ce"]).abs().max())
         d_grad = float((eager["grad"] - fused["grad"]).abs().max() / eager["grad"].abs().max().clamp_min(1e-30))
         agree = float((eager["pred"] == fused["pred"]).float().mean())

@@ -1083,6 +1083,7 @@ def main() -> int:
         for layer in model.layers:
             layer.compile()
         model.fused_loss = True  # as the trainer's train.compile: the LM-head loss's chunks compiled too
+        # (the layers and the loss stay compiled for the variants after this one)
         record("compiled", checkpointing=sizes["activation_checkpointing"])
     if "no-cap+ckpt" in args.variants:
         record("no-cap+ckpt", checkpointing=True, batches=build_batches(shape, sizes, device, args.batches, cap=False))

@@ -116,6 +116,7 @@ def main() -> None:
         tf_drafters["flex"] = load_drafter(args.drafter, device=device, dtype=train_dtype)
         for layer in tf_drafters["flex"].layers:
             layer.compile()
+        tf_drafters["flex"].fused_loss = True  # as the trainer's train.compile
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     index = FeatureIndex(args.index)

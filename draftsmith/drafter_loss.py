@@ -23,7 +23,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0, fused=False):
-        if fused:
+        if fused and hidden.is_cuda:  # compiled; elsewhere the in-place chunks below hold less memory
             return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k)
         compute = head_weight.dtype
         n = hidden.shape[0]
@@ -70,36 +70,47 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
 def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, softcap: float | None,
                      need_grad: bool, top_k: int = 0):
-    """One chunk's statistics from its logits, written to be fused by ``torch.compile``: reads the logits twice
-    (the row reductions, then the gradient) instead of the eager chunk's eight passes over float32 copies.
+    """One chunk's statistics from its logits, written for ``torch.compile`` to fuse: a few reads of the chunk's
+    logits in their own dtype (the row reductions, then the gradient) instead of the eager chunk's eight passes over
+    a float32 copy. Eager, it holds several float32 ``[n, V]`` temporaries: :func:`head_cross_entropy` calls it
+    compiled, on a GPU, only.
 
     Args:
         z: ``[n, V]`` logits ``hidden @ head_weight.T`` in the head's dtype (bf16 on a GPU).
         labels: ``[n]`` int64.
-        multiplier, softcap: ``dflash_config``'s ``output_multiplier`` and ``final_logit_softcapping`` (None: off).
-        need_grad: also return the CE's gradient with respect to the logits before the multiplier / softcap.
-        top_k: also return the ``top_k`` largest final logits (float32) and their ids (DFlash2's candidates).
+        multiplier, softcap: ``dflash_config``'s ``output_multiplier`` (> 0) and ``final_logit_softcapping``
+            (None: off).
+        need_grad: also return the CE's gradient with respect to ``z``.
+        top_k: also return the ``top_k`` largest final logits (float32) and their ids (DFlash2's candidates),
+            chosen on ``z`` itself (the multiplier and softcap keep the order) so that no float32 copy is made.
 
     Returns:
         ``(ce [n] float32, pred [n] int64, grad [n, V] in z's dtype or None, top_val [n, top_k] float32 or None,
-        top_idx [n, top_k] int64 or None)``; ``grad = (softmax - onehot) * d logit / d z``, the same quantity as the
-        eager chunk of :class:`_ChunkedHeadCrossEntropy` (its float32 softmax rounded to z's dtype).
+        top_idx [n, top_k] int64 or None)``; ``grad = (softmax - onehot) * d logit / d z``, as the eager chunk of
+        :class:`_ChunkedHeadCrossEntropy` computes it (float32, then rounded to z's dtype).
     """
-    zf = z.float()
-    dz = None
-    if multiplier != 1.0:
-        zf = zf * multiplier
-        dz = multiplier
-    if softcap:
-        t = torch.tanh(zf / softcap)
-        dz = (1.0 - t * t) * multiplier
-        zf = t * softcap
-    lse = torch.logsumexp(zf, dim=-1)
+
+    def final(x):  # raw logits -> the drafter's logits, float32, and d final / d raw
+        x = x.float()
+        d = None
+        if multiplier != 1.0:
+            x = x * multiplier
+            d = multiplier
+        if softcap:
+            t = torch.tanh(x / softcap)
+            d = (1.0 - t * t) * multiplier
+            x = t * softcap
+        return x, d
+
+    zf, dz = final(z)
+    top = zf.amax(dim=-1, keepdim=True)  # log-sum-exp by hand: one max, one sum of exponentials
+    lse = (top + torch.log(torch.exp(zf - top).sum(dim=-1, keepdim=True)))[:, 0]
     ce = lse - zf.gather(1, labels[:, None])[:, 0]
     pred = zf.argmax(-1)
     top_val = top_idx = None
     if top_k:
-        top_val, top_idx = torch.topk(zf, top_k, dim=-1, sorted=False)
+        raw_val, top_idx = torch.topk(z, top_k, dim=-1, sorted=False)
+        top_val = final(raw_val)[0]
     if not need_grad:
         return ce, pred, None, top_val, top_idx
     g = torch.exp(zf - lse[:, None])
@@ -112,24 +123,26 @@ def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, s
 _COMPILED_STATISTICS = None
 
 
-def _statistics_fn(device: torch.device):
-    """:func:`logit_statistics`, compiled once (dynamic shapes: the last chunk and every step's row count
-    differ) on CUDA; eager elsewhere (the CPU's tests check its math against the in-place chunk)."""
+def _compiled_statistics():
+    """:func:`logit_statistics` compiled once, whole (``fullgraph``: a graph break would run it eagerly, with its
+    float32 temporaries); the row count is marked dynamic at each call (the last chunk and each step's count
+    differ), the vocabulary and the scalars stay static."""
     global _COMPILED_STATISTICS
-    if device.type != "cuda":
-        return logit_statistics
     if _COMPILED_STATISTICS is None:
-        _COMPILED_STATISTICS = torch.compile(logit_statistics, dynamic=True)
+        _COMPILED_STATISTICS = torch.compile(logit_statistics, fullgraph=True)
     return _COMPILED_STATISTICS
 
 
 def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k):
-    """:class:`_ChunkedHeadCrossEntropy`'s forward with each chunk's statistics from :func:`logit_statistics`
-    (compiled on a GPU): the same outputs, a fraction of the memory traffic."""
+    """:class:`_ChunkedHeadCrossEntropy`'s forward with each chunk's statistics from the compiled
+    :func:`logit_statistics` (CUDA only): the same outputs, a fraction of the memory traffic."""
+    if top_k and multiplier <= 0:
+        raise ValueError(f"output_multiplier {multiplier}: the fused loss needs a positive one (it picks the top-k "
+                         "candidates before the multiplier)")
     compute = head_weight.dtype
     n = hidden.shape[0]
     need_grad = ctx.needs_input_grad[0]
-    stats = _statistics_fn(hidden.device)
+    stats = _compiled_statistics()
     ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
     pred = torch.empty(n, dtype=torch.long, device=hidden.device)
     grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
@@ -139,12 +152,16 @@ def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             z = F.linear(hidden[s:e].to(compute), head_weight)
-            c, p, g, tv, ti = stats(z, labels[s:e], multiplier, softcap, need_grad, top_k)
+            y = labels[s:e]
+            torch._dynamo.maybe_mark_dynamic(z, 0)
+            torch._dynamo.maybe_mark_dynamic(y, 0)
+            c, p, g, tv, ti = stats(z, y, multiplier, softcap, need_grad, top_k)
             ce[s:e], pred[s:e] = c, p
             if top_k:
                 top_val[s:e], top_idx[s:e] = tv, ti
             if need_grad:
-                grad[s:e] = g @ head_weight
+                torch.matmul(g, head_weight, out=grad[s:e])
+            del z, g  # the next chunk's logits are not allocated beside this one's
     if need_grad:
         ctx.save_for_backward(grad)
     ctx.hidden_dtype = hidden.dtype
@@ -170,9 +187,9 @@ def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: 
         head_weight: ``[V, H]`` the target's LM head (frozen).
         labels: ``[N]`` int64 token ids.
         chunk_bytes: float32 logits per chunk.
-        fused: each chunk's softmax, CE, argmax and gradient by :func:`logit_statistics`, compiled on a GPU
-            (``train.compile``): two reads of the chunk's logits in the head's dtype instead of eight passes over
-            float32 copies; results equal the eager chunk's up to summation order.
+        fused: on a GPU, each chunk's softmax, CE, argmax and gradient by the compiled :func:`logit_statistics`
+            (``train.compile``): a few reads of the chunk's logits in the head's dtype instead of eight passes over
+            a float32 copy; results equal the eager chunk's up to summation order. Ignored off a GPU.
 
     Returns:
         ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.

@@ -630,55 +630,64 @@ def test_chunked_head_cross_entropy_equals_full_logits(multiplier, softcap):
 
 
 @pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, None, 4), (2.0, 5.0, 0), (1.0, 30.0, 8)])
-def test_fused_head_loss_equals_the_eager_chunks(multiplier, softcap, top_k):
-    """``fused=True`` (each chunk's statistics by ``logit_statistics``, what ``train.compile`` compiles on a GPU)
-    gives the eager chunks' CE, argmax, top-k candidates and hidden-state gradient, at any chunk size."""
-    from draftsmith.drafter_loss import head_cross_entropy_topk
+def test_logit_statistics_equal_the_eager_chunks(multiplier, softcap, top_k):
+    """``logit_statistics`` (what ``train.compile`` compiles for the loss's chunks on a GPU; eager here) gives the
+    eager chunks' CE, argmax, top-k candidates and, through the head, the same hidden-state gradient."""
+    from draftsmith.drafter_loss import head_cross_entropy_topk, logit_statistics
 
     torch.manual_seed(1)
     N, H, V = 257, 24, 700
     hidden = torch.randn(N, H, requires_grad=True)
     head = torch.randn(V, H)
     labels, w = torch.randint(0, V, (N,)), torch.rand(N)
-    got = {}
-    for fused in (False, True):
-        for chunk_rows in (13, N):
-            hidden.grad = None
-            ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, multiplier=multiplier,
-                                                         softcap=softcap, chunk_bytes=4 * V * chunk_rows,
-                                                         fused=fused)
-            (ce * w).sum().backward()
-            got[fused, chunk_rows] = (ce.detach(), pred, val, idx, hidden.grad.clone())
-    ref = got[False, N]
-    for key, (ce, pred, val, idx, grad) in got.items():
-        assert torch.allclose(ce, ref[0], rtol=1e-6, atol=1e-5), key
-        assert torch.equal(pred, ref[1]), key
-        assert torch.allclose(grad, ref[4], rtol=1e-5, atol=1e-6), key
-        if top_k:  # the same candidate set and values per row (topk(sorted=False) may order them differently)
-            assert torch.equal(idx.sort(-1).values, ref[3].sort(-1).values), key
-            assert torch.allclose(val.sort(-1).values, ref[2].sort(-1).values, rtol=1e-6, atol=1e-5), key
-    ce, pred = head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap, fused=True)
-    assert torch.allclose(ce, ref[0], rtol=1e-6, atol=1e-5) and torch.equal(pred, ref[1])
+    ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, multiplier=multiplier, softcap=softcap,
+                                                 chunk_bytes=4 * V * 13)
+    (ce * w).sum().backward()
+    for need_grad in (True, False):
+        c, p, g, v, i = logit_statistics(F.linear(hidden.detach(), head), labels, multiplier, softcap, need_grad,
+                                         top_k)
+        assert torch.allclose(c, ce.detach(), rtol=1e-6, atol=1e-5) and torch.equal(p, pred)
+        if need_grad:
+            assert torch.allclose((w[:, None] * g) @ head, hidden.grad, rtol=1e-5, atol=2e-5)
+        else:
+            assert g is None
+        if top_k:  # the same candidates and values per row (topk(sorted=False) may order them differently)
+            assert torch.equal(i.sort(-1).values, idx.sort(-1).values)
+            assert torch.allclose(v.sort(-1).values, val.sort(-1).values, rtol=1e-6, atol=1e-5)
+        else:
+            assert v is None and i is None
+    # off a GPU fused=True is the eager chunks (the compiled function is CUDA's)
+    ce2, pred2 = head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap, fused=True,
+                                    chunk_bytes=4 * V * 13)
+    assert torch.equal(ce2, head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap,
+                                               chunk_bytes=4 * V * 13)[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("softcap,top_k", [(None, 0), (30.0, 8)])
-def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k):
-    """On a GPU ``fused=True`` runs the compiled ``logit_statistics`` (dynamic shapes: chunks of two sizes, then
-    another row count): bf16 logits, float32 statistics as the eager chunks compute them."""
+@pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, 30.0, 8)])
+def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier, softcap, top_k):
+    """On a GPU ``fused=True`` runs the compiled ``logit_statistics`` (whole graph; the row count dynamic: chunks
+    of two sizes, a one-row last chunk, another step's count; without gradient as the held-out metrics call it):
+    bf16 logits, float32 statistics as the eager chunks compute them."""
     from draftsmith.drafter_loss import head_cross_entropy_topk
 
     torch.manual_seed(2)
     H, V = 64, 5003
     head = (torch.randn(V, H) * H ** -0.5).cuda().bfloat16()
-    for N in (3001, 1500):
+    with torch.no_grad():
+        x = torch.randn(700, H).cuda().bfloat16()
+        y = torch.randint(0, V, (700,)).cuda()
+        eager = head_cross_entropy_topk(x, head, y, top_k, multiplier=multiplier, softcap=softcap)
+        fused = head_cross_entropy_topk(x, head, y, top_k, multiplier=multiplier, softcap=softcap, fused=True)
+        assert torch.allclose(fused[0], eager[0], rtol=1e-5, atol=1e-4)
+    for N in (3001, 1025, 1500):
         hidden = (torch.randn(N, H) * 2).cuda().bfloat16().requires_grad_(True)
         labels, w = torch.randint(0, V, (N,)).cuda(), torch.rand(N).cuda()
         got = []
         for fused in (False, True):
             hidden.grad = None
-            ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, softcap=softcap,
-                                                         chunk_bytes=4 * V * 1024, fused=fused)
+            ce, pred, val, idx = head_cross_entropy_topk(hidden, head, labels, top_k, multiplier=multiplier,
+                                                         softcap=softcap, chunk_bytes=4 * V * 1024, fused=fused)
             (ce * w).sum().backward()
             got.append((ce.detach(), pred, val, idx, hidden.grad.float()))
         (ce0, p0, v0, i0, g0), (ce1, p1, v1, i1, g1) = got
