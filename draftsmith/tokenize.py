@@ -659,8 +659,10 @@ class SplitStats:
 _WORKER: ConversationTokenizer | None = None
 
 
-def _worker_init() -> None:
+def _worker_init(worker: ConversationTokenizer) -> None:
+    global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per worker process
+    _WORKER = worker
 
 
 def _worker_run(records: list[dict]) -> list[ConversationResult]:
@@ -706,7 +708,7 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                   prompt_only_ok: bool = False) -> dict:
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
-    With ``threads`` > 1 the batches are spread over that many forked worker processes (chat templates
+    With ``threads`` > 1 the batches are spread over that many worker processes (``forkserver``; chat templates
     render in Python, so threads would serialise on the GIL); output order is input order.
 
     With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
@@ -717,7 +719,6 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
         ValueError: unreadable input (missing column), see :func:`read_curated`.
         AssertionError: counts that do not reconcile (a bug, never silently written).
     """
-    global _WORKER
     t0 = time.perf_counter()
     stats = SplitStats(worker.max_length)
     schema = TOKENIZED_SCHEMA.with_metadata(tokenized_metadata(worker.kwargs, fingerprint, worker.max_length))
@@ -767,9 +768,12 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                 for records in batches():
                     consume(records, worker.tokenize_batch(records))
             else:
-                _WORKER = worker  # inherited by the forked workers
-                ctx = multiprocessing.get_context("fork")
-                with ctx.Pool(threads, initializer=_worker_init) as pool:
+                # forkserver, not fork: this process has threads (pyarrow's readers, the tokenizer's pool), and a
+                # child forked while one of them holds a lock can wait on it forever (a CI run hung so); the
+                # worker reaches each process pickled
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(["draftsmith.tokenize"])  # imported once, in the server, not per worker
+                with ctx.Pool(threads, initializer=_worker_init, initargs=(worker,)) as pool:
                     # imap keeps input order; records are re-read alongside via a bounded queue.
                     queue: collections.deque = collections.deque()
                     for records in batches():
@@ -780,7 +784,6 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     while queue:
                         recs, fut = queue.popleft()
                         consume(recs, fut.get())
-                _WORKER = None
             if pending:
                 writer.write_table(_rows_table(pending, schema))
     report = stats.report()
