@@ -709,7 +709,9 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
     With ``threads`` > 1 the batches are spread over that many worker processes (``forkserver``; chat templates
-    render in Python, so threads would serialise on the GIL); output order is input order.
+    render in Python, so threads would serialise on the GIL); output order is input order. Like any
+    multiprocessing start method but fork, each worker imports the caller's main module again: a script that calls
+    this runs its work under ``if __name__ == "__main__":`` (scripts/tokenize.py does).
 
     With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
     (MT-Bench, tau2: evaluate asks them as prompts) gives no row and is counted as
