@@ -8,8 +8,15 @@ and the trainer's step weights (:func:`draftsmith.train.batches.loss_weight`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("draftsmith.train")
+
+#: why the fused loss stopped being used in this process (its compilation failed), else None
+FUSED_FAILED: str | None = None
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -23,8 +30,16 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0, fused=False):
-        if fused and hidden.is_cuda:  # compiled; elsewhere the in-place chunks below hold less memory
-            return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k)
+        global FUSED_FAILED
+        if fused and hidden.is_cuda and FUSED_FAILED is None:  # elsewhere the in-place chunks hold less memory
+            try:
+                return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # a compiler failure must not stop a training run: the eager chunks below
+                FUSED_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                log.warning("the fused LM-head loss failed to compile or run (%s); this process uses the eager "
+                            "chunks from here on", FUSED_FAILED)
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]

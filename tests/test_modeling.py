@@ -698,6 +698,30 @@ def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier
             assert torch.allclose(v1.sort(-1).values, v0.sort(-1).values, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_fused_loss_that_fails_to_compile_falls_back_to_the_eager_chunks(monkeypatch, caplog):
+    """A compiler failure in the fused loss does not stop training: the call returns the eager chunks' result, a
+    warning says why, and the process keeps the eager path."""
+    from draftsmith import drafter_loss
+
+    def broken():
+        def stats(*args):
+            raise RuntimeError("inductor: no kernel for this")
+        return stats
+
+    monkeypatch.setattr(drafter_loss, "_compiled_statistics", broken)
+    monkeypatch.setattr(drafter_loss, "FUSED_FAILED", None)
+    hidden = torch.randn(300, 32).cuda().bfloat16()
+    head = torch.randn(1000, 32).cuda().bfloat16()
+    labels = torch.randint(0, 1000, (300,)).cuda()
+    with caplog.at_level("WARNING", logger="draftsmith.train"):
+        ce, pred = head_cross_entropy(hidden, head, labels, fused=True)
+    eager = head_cross_entropy(hidden, head, labels)
+    assert torch.equal(ce, eager[0]) and torch.equal(pred, eager[1])
+    assert "RuntimeError: inductor: no kernel for this" in drafter_loss.FUSED_FAILED
+    assert "uses the eager chunks" in caplog.text
+
+
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(target):
     model = make_drafter(target, **VARIANTS["sliding+full"]).train()
     E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
