@@ -43,11 +43,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
-        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
-        grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
-        top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
-        top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+        ce, pred, grad, top_val, top_idx = _outputs(hidden, compute, top_k, need_grad)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_rows):
                 y = labels[s:s + chunk_rows]
@@ -71,16 +67,31 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                     if dz is not None:
                         g.mul_(dz)
                     grad[s:s + chunk_rows] = g.to(compute) @ head_weight
-        if need_grad:
-            ctx.save_for_backward(grad)
-        ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(pred, top_val, top_idx)
-        return ce, pred, top_val, top_idx
+        return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx)
 
     @staticmethod
     def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
         (grad,) = ctx.saved_tensors
         return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None
+
+
+def _outputs(hidden: torch.Tensor, compute: torch.dtype, top_k: int, need_grad: bool):
+    """The chunked loss's outputs, filled chunk by chunk: ``ce [n]`` float32, ``pred [n]`` int64, the gradient
+    ``[n, H]`` in the head's dtype (None without ``need_grad``), ``top_val [n, top_k]`` float32, ``top_idx`` int64."""
+    n, device = hidden.shape[0], hidden.device
+    return (torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.long, device=device),
+            torch.empty(hidden.shape, dtype=compute, device=device) if need_grad else None,
+            torch.empty(n, top_k, dtype=torch.float32, device=device),
+            torch.empty(n, top_k, dtype=torch.long, device=device))
+
+
+def _finish(ctx, hidden, ce, pred, grad, top_val, top_idx):
+    """Keep the gradient for the backward, mark the outputs that carry none; the forward's return value."""
+    if grad is not None:
+        ctx.save_for_backward(grad)
+    ctx.hidden_dtype = hidden.dtype
+    ctx.mark_non_differentiable(pred, top_val, top_idx)
+    return ce, pred, top_val, top_idx
 
 
 def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, softcap: float | None,
@@ -158,11 +169,7 @@ def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_
     n = hidden.shape[0]
     need_grad = ctx.needs_input_grad[0]
     stats = _compiled_statistics()
-    ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    pred = torch.empty(n, dtype=torch.long, device=hidden.device)
-    grad = torch.empty(hidden.shape, dtype=compute, device=hidden.device) if need_grad else None
-    top_val = torch.empty(n, top_k, dtype=torch.float32, device=hidden.device)
-    top_idx = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+    ce, pred, grad, top_val, top_idx = _outputs(hidden, compute, top_k, need_grad)
     with torch.autocast(hidden.device.type, enabled=False):
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
@@ -177,11 +184,7 @@ def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_
             if need_grad:
                 torch.matmul(g, head_weight, out=grad[s:e])
             del z, g  # the next chunk's logits are not allocated beside this one's
-    if need_grad:
-        ctx.save_for_backward(grad)
-    ctx.hidden_dtype = hidden.dtype
-    ctx.mark_non_differentiable(pred, top_val, top_idx)
-    return ce, pred, top_val, top_idx
+    return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx)
 
 
 def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
