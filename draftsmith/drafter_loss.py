@@ -230,6 +230,51 @@ def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, lab
                                           float(softcap) if softcap else None, rows, int(top_k), bool(fused))
 
 
+class _CandidateLogits(torch.autograd.Function):
+    """The logits of a few candidate tokens per row, already computed, made differentiable w.r.t. the hidden state.
+
+    Forward returns ``values`` as they are; backward is ``dL/dh_n = sum_k dL/dz_nk * dz_nk/dlogit * W[ids_nk]`` by
+    one ``embedding_bag`` (the ``[N, k, H]`` rows of the head are never gathered).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, values, ids, head_weight, multiplier, softcap):
+        ctx.save_for_backward(values, ids, head_weight)
+        ctx.multiplier, ctx.softcap, ctx.hidden_dtype = multiplier, softcap, hidden.dtype
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, ids, head_weight = ctx.saved_tensors
+        scale = grad.float() * ctx.multiplier
+        if ctx.softcap:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 1 - (value / c)^2
+            scale = scale * (1.0 - (values.float() / ctx.softcap) ** 2)
+        dh = F.embedding_bag(ids, head_weight, per_sample_weights=scale.to(head_weight.dtype), mode="sum")
+        return dh.to(ctx.hidden_dtype), None, None, None, None, None
+
+
+def candidate_logits(hidden: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, head_weight: torch.Tensor, *,
+                     multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Differentiable logits of ``k`` candidate tokens per row whose values the chunked head pass already computed
+    (:func:`head_cross_entropy_topk`'s top-k, DFlash2's candidates), so a loss on them trains the hidden states
+    through the frozen head without a second ``[N, V]`` matmul: speculators 0.9.0's DFlash2 selector loss reaches
+    the backbone this way (``unary_logits.gather``; ``train.selector_stop_gradient: false``).
+
+    Args:
+        hidden: ``[N, H]`` the rows' hidden states (differentiable).
+        values: ``[N, k]`` float32 ``softcap(multiplier * hidden @ head_weight[ids].T)``, computed under no grad.
+        ids: ``[N, k]`` int64 candidate token ids.
+        head_weight: ``[V, H]`` the frozen LM head.
+        multiplier, softcap: as the head pass's (``dflash_config``); ``None`` or 0: no softcap.
+
+    Returns:
+        ``[N, k]`` float32, equal to ``values``; its gradient w.r.t. ``hidden`` is the true logits' gradient
+        (tested against autograd through ``head_weight[ids]``).
+    """
+    return _CandidateLogits.apply(hidden, values, ids, head_weight, float(multiplier),
+                                  float(softcap) if softcap else None)
+
+
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
     """``[B - 1]`` float32 decay weights ``exp(-(k - 1) / gamma)`` for slots k = 1..B-1 (SpecForge DFlash loss)."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)

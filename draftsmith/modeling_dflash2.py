@@ -24,8 +24,9 @@ official ``dflash`` package (``dflash/model.py`` 0.1.0, MIT: ``GroupedDynamicCau
 Training (the objective is not published by z-lab; docs/design.md "DFlash2 training"): the backbone and the
 convolutions learn DFlash's loss unchanged; the selector learns a K-way cross entropy over the unary top-k of each
 slot with the gold token injected when it is missing (SpecForge #772, speculators #1006), teacher-forced on the
-gold predecessor, weighted by the same slot decay, on detached hidden states and logits (the selector reranks, it
-does not move the backbone). New modules start as the identity (convolutions) and a near-zero bilinear term.
+gold predecessor, weighted by the same slot decay; by default on detached hidden states and logits (the selector
+reranks, it does not move the backbone), with ``train.selector_stop_gradient: false`` its gradient reaches the
+backbone as in speculators 0.9.0. New modules start as the identity (convolutions) and a near-zero bilinear term.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafter_config import DFlash2Config, draft_value
-from draftsmith.drafter_loss import head_cross_entropy_topk, slot_loss_weights
+from draftsmith.drafter_loss import candidate_logits, head_cross_entropy_topk, slot_loss_weights
 from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel, DFlashTrainOutput, PackedBatch, block_targets
 
 
@@ -234,6 +235,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(config)
         #: weight of the selector's loss in :meth:`training_forward` (``train.selector_loss_weight``)
         self.selector_loss_weight = 1.0
+        #: the selector's loss trains only the selector (``train.selector_stop_gradient``), else the backbone too
+        self.selector_stop_gradient = True
         for layer in self.layers:  # post_init may have drawn the projections: start as the identity
             layer.attention_conv.reset_to_identity()
             layer.mlp_conv.reset_to_identity()
@@ -254,9 +257,11 @@ class DFlash2DraftModel(DFlashDraftModel):
 
         Selector loss per valid slot k (label ``y_k``, predecessor ``y_{k-1}``, the anchor token for k = 1):
         candidates = the unary top-k of the slot's logits, ``y_k`` replacing the lowest one when missing;
-        ``CE_sel = logsumexp_b S(y_{k-1}, b) - S(y_{k-1}, y_k)`` on detached hidden states and logits; weighted
-        by ``exp(-(k - 1) / gamma)`` (or D-PACE's weight of the slot, ``dpace_alpha``) and normalised as the
-        DFlash loss.
+        ``CE_sel = logsumexp_b S(y_{k-1}, b) - S(y_{k-1}, y_k)``; weighted by ``exp(-(k - 1) / gamma)`` (or
+        D-PACE's weight of the slot, ``dpace_alpha``) and normalised as the DFlash loss. With
+        :attr:`selector_stop_gradient` (the default) on detached hidden states and logits: it trains the selector
+        only. Without, its gradient also reaches the backbone through the selector's hidden projection and the
+        candidates' logits (:func:`~draftsmith.drafter_loss.candidate_logits`), as speculators 0.9.0 trains it.
 
         Raises:
             ValueError: as :meth:`DFlashDraftModel.training_forward`.
@@ -283,10 +288,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
         with torch.no_grad():
-            h_sel = h.detach()
             gold_hit = top_idx == tgt[:, None]
             recalled = gold_hit.any(-1)
-            gold_logit = (h_sel.to(head_weight.dtype) * head_weight[tgt]).sum(-1).float() * multiplier
+            gold_logit = (h.to(head_weight.dtype) * head_weight[tgt]).sum(-1).float() * multiplier
             if softcap:
                 gold_logit = torch.tanh(gold_logit / softcap) * softcap
             lowest = top_val.argmin(-1)
@@ -295,7 +299,11 @@ class DFlash2DraftModel(DFlashDraftModel):
             rows = torch.arange(tgt.shape[0], device=tgt.device)
             loss_idx[rows, inject] = tgt
             loss_val[rows, inject] = gold_logit
-        projected = self.candidate_selector.hidden_projection(h_sel)
+        if self.selector_stop_gradient:
+            projected = self.candidate_selector.hidden_projection(h.detach())
+        else:  # the selector's loss trains the backbone too: through its projection and the candidates' logits
+            projected = self.candidate_selector.hidden_projection(h)
+            loss_val = candidate_logits(h, loss_val, loss_idx, head_weight, multiplier=multiplier, softcap=softcap)
         scores = self.candidate_selector.score(projected, prev, loss_idx, loss_val)
         sel_ce = torch.logsumexp(scores, -1) - scores[rows, inject]
         sel_loss = (sel_ce * w).sum() / weight_sum.clamp_min(1e-12)
@@ -304,7 +312,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         weighted_ce = (ce * w).sum() + float(self.selector_loss_weight) * (sel_ce * w).sum()
         with torch.no_grad():
             nslot = B - 1
-            serving = self.candidate_selector.score(projected, prev, top_idx, top_val)
+            serving = self.candidate_selector.score(projected.detach(), prev, top_idx, top_val)
             sel_hit = top_idx[rows, serving.argmax(-1)] == tgt
             per_slot = lambda v, dtype: torch.zeros(nslot, dtype=dtype, device=hidden.device).index_add_(  # noqa: E731
                 0, slot, v.to(dtype))

@@ -32,7 +32,8 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
     "output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio",
                "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors", "max_anchors_per_row", "loss_gamma",
                "loss_weighting", "dpace_alpha", "optimizer", "muon_lr", "muon_weight_decay", "labels",
-               "eval_fraction", "attention", "compile", "selector_loss_weight"),
+               "eval_fraction", "attention", "compile", "selector_loss_weight",
+               "selector_stop_gradient"),
     "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "loader_workers",
                 "progress_interval", "logits_chunk_mib", "activation_checkpointing", "time_phases",
                 "profile_steps")}

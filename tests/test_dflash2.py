@@ -297,6 +297,39 @@ def test_selector_loss_trains_the_selector_only_and_the_backbone_sees_the_dflash
     assert any("_conv.kernel_projection" in n and g1[n].abs().sum() > 0 for n in g1)  # the convolutions learn
 
 
+def test_selector_gradient_reaches_the_backbone_as_autograd_through_the_full_head(target, monkeypatch):
+    """``selector_stop_gradient = False`` (speculators' DFlash2): the same loss value, the selector's own gradients
+    unchanged, the backbone's now moved by the selector loss too, and equal to autograd through the candidates'
+    logits recomputed from ``W[ids]`` (what :func:`candidate_logits` stands for without gathering ``[N, k, H]``)."""
+    import draftsmith.modeling_dflash2 as m2
+
+    model = make_drafter2(target)
+    model.train()
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    batch = packed_batch()
+    out_sg = model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa")
+    g_sg = _grads(model, out_sg)
+    model.selector_stop_gradient = False
+    out = model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa")
+    g = _grads(model, out)
+    assert torch.equal(out.loss.detach(), out_sg.loss.detach())
+
+    def autograd_candidates(h, values, ids, head, *, multiplier=1.0, softcap=None):
+        z = (h[:, None, :].float() * head.float()[ids]).sum(-1) * multiplier
+        assert torch.allclose(z.detach(), values, rtol=1e-5, atol=1e-5)
+        return z
+
+    monkeypatch.setattr(m2, "candidate_logits", autograd_candidates)
+    g_ref = _grads(model, model.training_forward(batch, E, Hd, gamma=3.5, backend="sdpa"))
+    backbone = [n for n in g if not n.startswith("candidate_selector.")]
+    for n in g:
+        assert float((g[n] - g_ref[n]).abs().max()) <= 1e-4 * float(g_ref[n].abs().max()) + 1e-7, n
+        if n.startswith("candidate_selector."):
+            assert torch.allclose(g[n], g_sg[n], rtol=1e-5, atol=1e-7), n
+    moved = [n for n in backbone if not torch.allclose(g[n], g_sg[n], rtol=1e-3, atol=1e-6)]
+    assert len(moved) > len(backbone) // 2, moved
+
+
 def test_selector_loss_with_every_token_a_candidate_and_no_pair_term_is_the_cross_entropy(target):
     """top_k = V (nothing injected) and zero codebooks: S = the logits, so the selector's CE per slot is DFlash's
     CE, its accuracy the argmax accuracy, and every label is recalled."""

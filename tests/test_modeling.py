@@ -663,6 +663,42 @@ def test_logit_statistics_equal_the_eager_chunks(multiplier, softcap, top_k):
                                                chunk_bytes=4 * V * 13)[0])
 
 
+@pytest.mark.parametrize("multiplier,softcap,dtype", [(1.0, None, torch.float32), (0.5, 3.0, torch.float32),
+                                                     (1.0, None, torch.bfloat16)])
+def test_candidate_logits_backpropagate_as_the_logits_through_the_head(multiplier, softcap, dtype):
+    """``candidate_logits`` returns the top-k values the chunked head pass computed and gives the hidden states the
+    gradient autograd gives through ``softcap(multiplier * h . W[ids])``, the injected gold token included."""
+    from draftsmith.drafter_loss import candidate_logits, head_cross_entropy_topk
+
+    torch.manual_seed(3)
+    N, H, V, k = 97, 16, 300, 6
+    head = torch.randn(V, H).to(dtype)
+    hidden = torch.randn(N, H).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, V, (N,))
+    with torch.no_grad():
+        _, _, val, ids = head_cross_entropy_topk(hidden, head, labels, k, multiplier=multiplier, softcap=softcap)
+    ids = ids.clone()
+    ids[:, 0] = labels  # an injected gold token: not among the top-k in most rows
+    with torch.no_grad():
+        val = val.clone()
+        z = (hidden.float() @ head.float().T) * multiplier
+        z = torch.tanh(z / softcap) * softcap if softcap else z
+        val[:, 0] = z.gather(1, labels[:, None])[:, 0]
+    g = torch.randn(N, k)
+    out = candidate_logits(hidden, val, ids, head, multiplier=multiplier, softcap=softcap)
+    assert torch.equal(out.detach(), val)
+    (out * g).sum().backward()
+    got = hidden.grad.float().clone()
+    hidden.grad = None
+    ref = (hidden.float()[:, None, :] * head.float()[ids]).sum(-1) * multiplier
+    ref = torch.tanh(ref / softcap) * softcap if softcap else ref
+    exact = dtype == torch.float32  # bf16: the head pass rounds its logits to bf16 before the float32 statistics
+    assert torch.allclose(ref.detach(), val, rtol=1e-4 if exact else 1e-2, atol=1e-4 if exact else 5e-2)
+    (ref * g).sum().backward()
+    tol = 1e-5 if exact else 2e-2
+    assert float((got - hidden.grad.float()).abs().max() / hidden.grad.float().abs().max()) < tol
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, 30.0, 8)])
 def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier, softcap, top_k):

@@ -360,6 +360,11 @@ def test_run_fingerprint_is_pinned():
     fp = lambda **kw: run_fingerprint(drafter_config, TrainSettings.from_config(train=dict(train_cfg, **kw)).train,  # noqa: E731
                                       meta, 2)
     assert fp(loss_weighting="exp", dpace_alpha=0.3, optimizer="adamw", muon_lr=1e-2, muon_weight_decay=0) == pinned
+    assert fp(selector_stop_gradient=False) == pinned  # a DFlash drafter has no selector
+    dflash2 = dict(drafter_config, architectures=["DFlash2DraftModel"])
+    fp2 = lambda **kw: run_fingerprint(dflash2, TrainSettings.from_config(train=dict(train_cfg, **kw)).train,  # noqa: E731
+                                       meta, 2)
+    assert fp2(selector_stop_gradient=True) == fp2() != fp2(selector_stop_gradient=False)
     assert len({pinned, fp(loss_weighting="dpace"), fp(loss_weighting="dpace", dpace_alpha=0.3), fp(optimizer="muon"),
                 fp(optimizer="muon", muon_lr=1e-2)}) == 5
     defaults = {k: v for k, v in train_cfg.items() if k not in ("optimizer", "loss_weighting")}
@@ -812,7 +817,8 @@ def test_a_rerun_of_a_finished_run_over_a_damaged_chunk_keeps_its_checkpoints(qw
     assert sorted(p.name for p in ckpts.iterdir()) == before
 
 
-@pytest.mark.parametrize("recipe", [{"optimizer": "adamw", "loss_weighting": "exp"}, {}], ids=["adamw", "muon-dpace"])
+@pytest.mark.parametrize("recipe", [{"optimizer": "adamw", "loss_weighting": "exp"}, {},
+                                    {"selector_stop_gradient": False}], ids=["adamw", "muon-dpace", "selector-grad"])
 def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, tmp_path, recipe):
     """drafter.architecture dflash2: the same trainer trains the backbone, the convolutions and the selector (every
     new module leaves its initialisation, with AdamW and with Muon + D-PACE), reports the selector's held-out

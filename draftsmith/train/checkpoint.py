@@ -56,8 +56,9 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
                     plan_identity: dict | None = None, *, start: str | None = None) -> str:
     """sha256 (hex) of everything that decides the training trajectory: the drafter's config dict, the ``train``
     keys except :data:`~draftsmith.train.settings.CADENCE_KEYS` (save / eval / log cadence; the GPU count enters as
-    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` (DFlash2 only), and the recipe keys added later
-    at the value that trains as before (:data:`LATER_RECIPE_KEYS`), the features' identity and the world size.
+    ``world``) and, for a DFlash drafter, ``selector_loss_weight`` and ``selector_stop_gradient`` (DFlash2 only),
+    and the recipe keys added later at the value that trains as before (:data:`LATER_RECIPE_KEYS`), the features'
+    identity and the world size.
 
     Offline (``plan_identity`` None) the features' identity is the index's sample and token counts, layer ids,
     target and tokenizer fingerprints, storage dtype and content: the digest of its chunk files' sha256
@@ -77,7 +78,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
     train = {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS}
     if "DFlash2DraftModel" not in (drafter_config.get("architectures") or []):
-        train.pop("selector_loss_weight", None)  # no selector to weigh: a DFlash run keeps its fingerprint
+        for key in ("selector_loss_weight", "selector_stop_gradient"):  # no selector: a DFlash run keeps its
+            train.pop(key, None)  # fingerprint
     for key, (before, uses) in LATER_RECIPE_KEYS.items():  # the earlier recipe keeps its fingerprint (and resumes)
         if train.get(key, before) == before:
             for name in (key, *uses):
@@ -99,9 +101,10 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
 
 #: train keys added after runs existed: key -> (the value that trains as before, the keys only its other values
 #: read); a run at that value leaves them out of its fingerprint
-LATER_RECIPE_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+LATER_RECIPE_KEYS: dict[str, tuple[object, tuple[str, ...]]] = {
     "loss_weighting": ("exp", ("dpace_alpha",)),
     "optimizer": ("adamw", ("muon_lr", "muon_weight_decay")),
+    "selector_stop_gradient": (True, ()),
 }
 
 

@@ -107,9 +107,9 @@ def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.
 
     DDP whenever a process group exists: :func:`setup_distributed` makes one for WORLD_SIZE > 1; bench_train's
     ``--ddp-overhead`` makes a one-process group to measure DDP's own memory and speed cost on one GPU. Sets
-    ``train.activation_checkpointing`` (and, on a DFlash2 drafter, ``train.selector_loss_weight``) on the drafter;
-    with ``train.compile`` on a GPU compiles each layer in place (state-dict names unchanged) and fuses the LM-head
-    loss's chunks (:func:`draftsmith.drafter_loss.logit_statistics`).
+    ``train.activation_checkpointing`` (and, on a DFlash2 drafter, ``train.selector_loss_weight`` and
+    ``selector_stop_gradient``) on the drafter; with ``train.compile`` on a GPU compiles each layer in place
+    (state-dict names unchanged) and fuses the LM-head loss's chunks (:func:`draftsmith.drafter_loss.logit_statistics`).
     """
     on_gpu = device.type == "cuda"
     step_model: torch.nn.Module = _TrainStep(model)
@@ -123,6 +123,7 @@ def prepare_step(model: DFlashDraftModel, settings: TrainOptions, device: torch.
     model.fused_loss = bool(settings.compile and on_gpu)  # the LM-head loss's chunks compiled too
     if isinstance(model, DFlash2DraftModel):
         model.selector_loss_weight = float(settings.selector_loss_weight)
+        model.selector_stop_gradient = bool(settings.selector_stop_gradient)
     if settings.compile and on_gpu:
         if ddp:
             whole_layer_graphs_under_ddp()

@@ -48,6 +48,7 @@ class TrainOptions(SectionSettings):
     attention: str
     compile: bool
     selector_loss_weight: float  # DFlash2 drafters only
+    selector_stop_gradient: bool  # DFlash2 drafters only
     # runtime keys: how the run goes, not what it trains
     save_every: int
     eval_every: int
