@@ -109,7 +109,7 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
                     block_size: int, mask_token_id: int, architecture: str, train_ratio: float, total_seq_len: int,
                     max_anchors: int, lr: float, epochs: int, max_steps: int, warmup_ratio: float, log_dir: Path,
                     seed: int = 0, num_workers: int | None = None, dflash2: dict | None = None,
-                    optimizer: str | None = None, cpu: bool = False) -> list[str]:
+                    optimizer: str | None = None, loss: dict | None = None, cpu: bool = False) -> list[str]:
     """``python -m speculators.train`` (speculators 0.9.0, file backend, no vLLM: ``--on-missing raise``) on the
     writer's folder. Kept from its recipe: Muon (``--optimizer muon``, its default), its loss (CE on the verifier's
     argmax with D-PACE for DFlash; KL + fixed-exp-decay for DFlash2), grad clip 1.0 (hard-coded), bf16 autocast,
@@ -117,7 +117,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
     anchors per packed row, steps, seed. Loader workers: ``num_workers``, else ``$SPECULATORS_WORKERS``, else 8
     (its default, 12 spawned workers with 4 batches each in flight, holds ~50 GB of pinned host memory at the 27B
     shape). ``optimizer``: ``--optimizer`` (None: its default, Muon; ``adamw``: draftsmith's optimizer, the matched
-    ablation). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
+    ablation). ``loss``: loss flags, e.g. ``{"loss_fn": "ce", "per_position_loss_weight": "dpace"}`` (None: its
+    defaults for the architecture). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
 
     Loss kernel: ``$SPECULATORS_LOSS`` (default ``eager``). Its default, ``fused`` (Triton kernels called inside its
     compiled forward), stopped torch 2.11's dynamo on the H200 before the first step ("ListVariable ... is already
@@ -145,6 +146,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if optimizer:
         cmd += ["--optimizer", optimizer]
+    for key, value in (loss or {}).items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
     if cpu:
         cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
     return cmd

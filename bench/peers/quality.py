@@ -14,8 +14,10 @@ in DIR, and this run holds only the features, which must equal that run's (:func
 
 Peers: ``speculators``, ``specforge``, ``speculators-dflash2`` (SpecForge 0.2.0 has no DFlash2) and
 ``speculators-adamw`` (speculators with ``--optimizer adamw``, draftsmith's optimizer, where its default is Muon: the
-ablation that tells its optimizer from the rest of its recipe). What each is told
-(from draftsmith's run; each setting named in ``results/peers/<peer>/train.json``):
+ablation that tells its optimizer from the rest of its recipe), ``speculators-dflash2-ce`` (its DFlash2 with
+draftsmith's backbone loss, CE on the target's argmax with D-PACE, where its DFlash2 default is KL to the target's
+distribution with the fixed decay, gamma 4: the ablation that tells its loss from its selector's gradient). What each
+is told (from draftsmith's run; each setting named in ``results/peers/<peer>/train.json``):
 
 * the drafter: ``results/drafter/final/config.json`` (draftsmith's export: layers, block size, taps, mask token,
   layer types; DFlash2 sizes for the DFlash2 peer) through :func:`peer_run.drafter_config`;
@@ -53,7 +55,9 @@ sys.path.insert(0, str(HERE.parent))  # bench_train
 import peer_run  # noqa: E402
 from peerlib import REPO, draftsmith_split, json_ready, load_config  # noqa: E402
 
-PEERS = ("speculators", "specforge", "speculators-dflash2", "speculators-adamw")
+PEERS = ("speculators", "specforge", "speculators-dflash2", "speculators-adamw", "speculators-dflash2-ce")
+#: a peer variant's loss flags (speculators 0.9.0's); the others train with its defaults for the architecture
+PEER_LOSS = {"speculators-dflash2-ce": {"loss_fn": "ce", "per_position_loss_weight": "dpace"}}
 
 
 def say(msg: str) -> None:
@@ -190,7 +194,7 @@ def train(run: Run, peer: str, out: Path, *, cpu: bool, timeout: float, keep_dat
     for key in ("data", "train"):
         shutil.rmtree(dirs[key], ignore_errors=True)
     dirs["base"].mkdir(parents=True, exist_ok=True)
-    dflash2 = peer.endswith("dflash2")
+    dflash2 = "dflash2" in peer
     config = peer_run.drafter_config(run.target, run.drafter_section(dflash2), list(run.final_config.target_layer_ids),
                                      int(run.final_config.mask_token_id))
     cfgs = peer_run.write_draft_configs(config, dirs["cfg"])
@@ -224,7 +228,7 @@ def train(run: Run, peer: str, out: Path, *, cpu: bool, timeout: float, keep_dat
             architecture="dflash2" if dflash2 else "dflash", train_ratio=wrep["train_data_ratio"],
             total_seq_len=total_seq_len, max_anchors=max_anchors, lr=lr, epochs=epochs, max_steps=run.steps,
             warmup_ratio=warmup, log_dir=dirs["train"] / "tb", seed=seed, dflash2=extra,
-            optimizer="adamw" if peer.endswith("-adamw") else None, cpu=cpu)
+            optimizer="adamw" if peer.endswith("-adamw") else None, loss=PEER_LOSS.get(peer), cpu=cpu)
         record.update(writer=wrep, epochs=epochs, steps_per_epoch=per_epoch, total_seq_len=total_seq_len,
                       max_anchors=max_anchors, command=cmd)
         work = epoch_work([rows.tokenized.row(r)[1] for r in train_rows], config, trainer="speculators",

@@ -21,7 +21,8 @@
 #                                             wrote into OUT/peers-<mode>.tgz and print its tables
 # Environment:
 #   PEERS_CONFIGS   quality's config files (default "config/gpu-proof.yaml docs/peers/quality.yaml")
-#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw;
+#   PEERS_LIST      quality's peers (default "specforge speculators"; also speculators-dflash2, speculators-adamw,
+#                   speculators-dflash2-ce;
 #                   none: draftsmith's run alone, whose results a later session's PEERS_BASE pairs peers with)
 #   PEERS_BASE      a folder holding an earlier draftsmith run of the same configs (config.json, trainer_state.json,
 #                   report.json, features-index.json; e.g. docs/peers/quality-2026-12-04/draftsmith): quality then
@@ -124,10 +125,10 @@ quality)
     LIST=
   fi
   for peer in $LIST; do  # bench/peers/quality.py's PEERS, checked before anything is removed or built
-    case " speculators specforge speculators-dflash2 speculators-adamw " in
+    case " speculators specforge speculators-dflash2 speculators-adamw speculators-dflash2-ce " in
       *" $peer "*) ;;
       *) echo "PEERS_LIST: unknown peer '$peer' (speculators, specforge, speculators-dflash2, speculators-adamw, \
-or none alone)" >&2; exit 2 ;;
+speculators-dflash2-ce, or none alone)" >&2; exit 2 ;;
     esac
   done
   rm -rf "$P" results logs benchmarks .snakemake && mkdir -p "$P" && date +%s > "$P/start" && echo quality > "$P/mode"
