@@ -829,6 +829,7 @@ def test_dflash2_trains_through_the_trainer_and_exports(official, qwen3_setup, t
     cfg = dict(TINY_TRAIN, max_steps=6, eval_fraction=0.25, **recipe)
     state = train(qwen3_setup["index"], qwen3_setup["target_dir"], tmp_path, settings(cfg, drafter), threads=1)
     assert state["architecture"] == "DFlash2DraftModel" and math.isfinite(state["heldout"]["loss"])
+    assert state["selector_stop_gradient"] is recipe.get("selector_stop_gradient", True)
     heldout = state["heldout"]
     assert len(heldout["selector_accuracy_per_position"]) == 3 and heldout["selector_tau_expected"] >= 1.0
     assert all(0.0 <= r <= 1.0 for r in heldout["candidate_recall_per_position"])

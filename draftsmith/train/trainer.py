@@ -310,12 +310,16 @@ class Trainer:
         # train.time_phases: every step's time by phase (host and GPU; no added sync), medians in trainer_state
         self.step_times = StepTimes(self.device) if cfg.time_phases else None
         self.phase_summary = None
-        log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, %s, %s, labels "
+        selector = ""
+        if self.config.ARCHITECTURE == "DFlash2DraftModel":
+            selector = (f", selector loss x {cfg.selector_loss_weight:g} "
+                        + ("(stop-gradient)" if cfg.selector_stop_gradient else "(trains the backbone too)"))
+        log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, %s%s, %s, labels "
                  "%s; %d steps (%s, warmup %d), %d process(es) on %s", self.config.ARCHITECTURE,
                  self.config.num_hidden_layers,
                  self.config.hidden_size, n_params, n_params / 1e6, self.block,
                  f"slot weights D-PACE (alpha {self.dpace_alpha:g})" if self.dpace_alpha is not None
-                 else f"gamma {self.gamma:.3g}", optimizer_summary(self.optimizer),
+                 else f"gamma {self.gamma:.3g}", selector, optimizer_summary(self.optimizer),
                  "target tokens" if data.use_target_tokens else "data tokens", self.total_steps, steps_note,
                  self.warmup, ranks.world, self.device)
         self.n_params = n_params
@@ -638,6 +642,9 @@ class Trainer:
             "architecture": self.config.ARCHITECTURE, "block_size": self.block, "gamma": self.gamma,
             "loss_weighting": self.cfg.loss_weighting, "dpace_alpha": self.dpace_alpha,
             "optimizer": self.cfg.optimizer,
+            **({"selector_loss_weight": self.cfg.selector_loss_weight,
+                "selector_stop_gradient": self.cfg.selector_stop_gradient}
+               if self.config.ARCHITECTURE == "DFlash2DraftModel" else {}),
             "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
