@@ -40,7 +40,7 @@ def muon_shapes(shape: dict, sizes: dict) -> list[tuple[int, int]]:
     """The shapes of the drafter's Muon matrices (bench_train.drafter_config, built on the meta device)."""
     with torch.device("meta"):
         model = DFlashDraftModel(drafter_config(shape, sizes))
-    return [tuple(p.shape) for p in muon_matrices([p for p in model.parameters() if p.requires_grad])]
+    return [tuple(p.shape) for p in muon_matrices([(n, p) for n, p in model.named_parameters() if p.requires_grad])]
 
 
 def time_steps(opt: torch.optim.Optimizer, device: torch.device, warmup: int, iters: int) -> float:

@@ -365,6 +365,7 @@ def test_run_fingerprint_is_pinned():
     fp2 = lambda **kw: run_fingerprint(dflash2, TrainSettings.from_config(train=dict(train_cfg, **kw)).train,  # noqa: E731
                                        meta, 2)
     assert fp2(selector_stop_gradient=True) == fp2() != fp2(selector_stop_gradient=False)
+    assert fp2(optimizer="muon") != fp2(optimizer="adamw") == fp2(optimizer="adamw", selector_stop_gradient=True)
     assert len({pinned, fp(loss_weighting="dpace"), fp(loss_weighting="dpace", dpace_alpha=0.3), fp(optimizer="muon"),
                 fp(optimizer="muon", muon_lr=1e-2)}) == 5
     defaults = {k: v for k, v in train_cfg.items() if k not in ("optimizer", "loss_weighting")}
@@ -568,6 +569,29 @@ def test_muon_state_refuses_another_split_of_the_parameters(qwen3_setup):
     again.load_state_dict(opt.state_dict())
     assert torch.equal(again.optimizers[1].state[model[0].weight]["momentum_buffer"],
                        opt.optimizers[1].state[model[0].weight]["momentum_buffer"])
+
+
+def test_muon_leaves_the_dflash2_codebooks_to_adamw():
+    """Muon takes the drafter's hidden-layer matrices (attention, MLP, fc, the convolutions' and the selector's
+    projections), AdamW the norms, the static kernels and the selector's vocabulary-sized codebooks (rows looked up
+    per token, as an embedding's: speculators 0.9.0 and Muon's authors keep those on AdamW)."""
+    from draftsmith.drafter_config import build_drafter_config
+    from draftsmith.modeling_dflash2 import DFlash2DraftModel
+    from draftsmith.train import MuonAdamW, make_optimizer
+
+    target = tiny_target("qwen3")
+    cfg = build_drafter_config(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 2], mask_token_id=5,
+                               architecture="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4)
+    model = DFlash2DraftModel(cfg)
+    opt, _ = make_optimizer(model, settings(dict(TINY_TRAIN, optimizer="muon")).train, on_gpu=False)
+    assert isinstance(opt, MuonAdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw, muon = ({names[id(p)] for g in o.param_groups for p in g["params"]} for o in opt.optimizers)
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "layers.0.attention_conv.base_kernel"} <= adamw
+    assert {"candidate_selector.hidden_projection.weight", "layers.0.attention_conv.kernel_projection.weight",
+            "layers.0.self_attn.q_proj.weight", "fc.weight"} <= muon
+    assert not any("codebook" in n or "norm" in n for n in muon)
 
 
 def _save_args(tmp_path: Path):

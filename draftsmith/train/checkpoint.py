@@ -68,6 +68,10 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     same fingerprint, whatever its slice holds (a phase's checkpoints record its slice's content instead:
     :func:`draftsmith.train.phases.resume_phase`).
 
+    A DFlash2 drafter under Muon adds the optimizer's split (:data:`~draftsmith.train.model.MUON_EXCLUDED_NAMES`:
+    its codebooks on AdamW since 2026-12-04), so a run checkpointed with them on Muon starts afresh instead of
+    failing to load its optimizer state.
+
     ``start`` (``drafter.init_from``'s :func:`draftsmith.warm_start.start_digest`: the sha256 of its files) joins the
     payload when the run starts from a drafter folder, so another start, or the same folder with other weights, trains
     a fresh run; a run from random weights keeps the fingerprint it always had.
@@ -90,6 +94,9 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }
+    if "DFlash2DraftModel" in (drafter_config.get("architectures") or []) and train.get("optimizer") == "muon":
+        # the selector's codebooks left Muon for AdamW (MUON_EXCLUDED_NAMES): a run before holds another split
+        payload["muon_split"] = "codebooks-adamw"
     if start is not None:
         payload["start"] = start
     if plan_identity is not None:

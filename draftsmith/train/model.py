@@ -131,9 +131,10 @@ class MuonAdamW:
     ``torch.optim.Muon`` (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural networks"; the
     ``match_rms_adamw`` learning-rate adjustment of Liu et al. 2025, "Muon is Scalable for LLM Training", so that
     ``train.muon_lr`` is on AdamW's scale) takes every trainable 2D parameter with both sides above 1 (attention and
-    MLP projections, ``fc``; DFlash2's selector matrices), ``torch.optim.AdamW`` the others (norms, DFlash2's
-    convolutions), as speculators 0.9.0 splits them (``speculators.train.optimizers``). The drafter's embedding and
-    LM head are the target's, frozen, so neither group holds them.
+    MLP projections, ``fc``; DFlash2's convolution and selector projections) except vocabulary-sized tables
+    (:data:`MUON_EXCLUDED_NAMES`: DFlash2's selector codebooks), ``torch.optim.AdamW`` the others (norms, DFlash2's
+    static convolution kernels and codebooks), as speculators 0.9.0 splits them (``speculators.train.optimizers``).
+    The drafter's embedding and LM head are the target's, frozen, so neither group holds them.
 
     It offers what the loop and the checkpoints use: ``param_groups`` (AdamW's first; each group's ``peak_lr`` is
     the peak the schedule scales), ``step``, ``zero_grad``, ``state_dict`` / ``load_state_dict`` in
@@ -183,9 +184,17 @@ class MuonAdamW:
             first, offset = first + n_groups, offset + n_params
 
 
-def muon_matrices(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """The parameters Muon takes (``train.optimizer: muon``): every 2-D one with both sides above 1."""
-    return [p for p in params if p.dim() == 2 and min(p.shape) > 1]
+#: 2-D parameters Muon leaves to AdamW by name: vocabulary-sized tables (DFlash2's selector codebooks), whose rows
+#: are looked up per token like an embedding's. Muon orthogonalises the update of hidden layers' matrices (Jordan et
+#: al. 2024 keep embeddings and heads on AdamW; speculators 0.9.0's ``_ADAMW_NAME_HINTS`` has "codebook")
+MUON_EXCLUDED_NAMES = ("codebook", "embed_tokens", "lm_head")
+
+
+def muon_matrices(named_params: list[tuple[str, torch.nn.Parameter]]) -> list[torch.nn.Parameter]:
+    """The parameters Muon takes (``train.optimizer: muon``) of ``named_params`` (``(name, parameter)`` pairs):
+    every 2-D one with both sides above 1 whose name holds none of :data:`MUON_EXCLUDED_NAMES`."""
+    return [p for name, p in named_params
+            if p.dim() == 2 and min(p.shape) > 1 and not any(hint in name for hint in MUON_EXCLUDED_NAMES)]
 
 
 def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
@@ -199,9 +208,10 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
     about 1/world of the matrices and broadcasts them (one process: ``torch.optim.Muon``'s step). Every group
     records its peak learning rate as ``peak_lr``.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if settings.optimizer == "muon":
-        matrices = muon_matrices(params)
+        matrices = muon_matrices(named)
         chosen = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in chosen]
         muon_lr = float(settings.muon_lr if settings.muon_lr is not None else settings.lr)
