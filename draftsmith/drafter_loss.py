@@ -315,7 +315,8 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -
 
 
 def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, *,
-                      gamma: float, dpace_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      gamma: float, dpace_alpha: float | None = None, index: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights of a batch's supervised slots and their normaliser, for the loss ``sum(CE * w) / normaliser``.
 
     Fixed decay (``dpace_alpha`` None): ``w = exp(-(k - 1) / gamma)`` (:func:`slot_weights`), normaliser
@@ -328,6 +329,8 @@ def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, 
         slot: ``[N]`` int64 their slot index 0..B-2 (slot k = index + 1).
         flat: ``[R * A * (B - 1)]`` bool, ``valid`` flattened.
         valid: ``[R, A, B - 1]`` bool.
+        index: ``[N]`` int64, ``flat.nonzero()`` when the caller has it (indexing by it needs no host sync, a
+            boolean mask does); default: computed here.
 
     Returns:
         ``(w [N] float32 without gradient, normaliser 0-dim float32)``.
@@ -335,7 +338,9 @@ def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, 
     if dpace_alpha is None:
         w = slot_weights(valid.shape[-1] + 1, gamma, ce.device)[slot]
         return w, w.sum()
+    if index is None:
+        index = flat.nonzero().squeeze(1)
     confidence = torch.zeros(flat.shape, dtype=torch.float32, device=ce.device)
-    confidence[flat] = torch.exp(-ce.detach().float())
-    w = dpace_weights(confidence.view(valid.shape), valid, float(dpace_alpha)).view(-1)[flat]
+    confidence.index_copy_(0, index, torch.exp(-ce.detach().float()))
+    w = dpace_weights(confidence.view(valid.shape), valid, float(dpace_alpha)).view(-1).index_select(0, index)
     return w, flat.sum().to(torch.float32)

@@ -520,6 +520,37 @@ def block_targets(batch: PackedBatch, block_size: int, use_target_tokens: bool
     return labels, valid
 
 
+def supervised_slots(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The supervised slots of ``valid [R, A, B - 1]`` (bool): ``(flat [R * A * (B - 1)] bool, index [N] int64,
+    slot [N] int64)``, ``index`` the flat positions of the True entries in order and ``slot`` their slot 0..B-2.
+
+    One ``nonzero`` (the training forward's one host sync before the loss): the tensors are then gathered by
+    ``index`` (``index_select``), which needs none, where boolean masks would each wait for the GPU.
+    """
+    flat = valid.reshape(-1)
+    index = flat.nonzero().squeeze(1)
+    return flat, index, index.remainder(valid.shape[-1])
+
+
+def per_slot_sums(slot: torch.Tensor, nslot: int, ce: torch.Tensor, hit: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot ``(CE sum [nslot] float32, hits [nslot] int64, count [nslot] int64)`` of the supervised slots
+    (``slot``, ``ce`` and ``hit`` ``[N]``), by ``index_add_`` (no host sync, where ``bincount`` has one)."""
+    zeros = lambda dtype: torch.zeros(nslot, dtype=dtype, device=slot.device)  # noqa: E731
+    return (zeros(torch.float32).index_add_(0, slot, ce.float()), zeros(torch.long).index_add_(0, slot, hit.long()),
+            zeros(torch.long).index_add_(0, slot, torch.ones_like(slot)))
+
+
+def accepted_prefix(valid: torch.Tensor, index: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced accepted length of the fully supervised blocks: ``(sum over them of the number of leading
+    hits, their count)``, 0-dim int64 each; ``hit [N]`` bool of the supervised slots at ``index``."""
+    grid = torch.zeros(valid.numel(), dtype=torch.long, device=valid.device)
+    grid.index_copy_(0, index, hit.long())
+    full = valid.all(-1)  # blocks whose every slot is supervised
+    prefix = grid.view(valid.shape).cumprod(-1).sum(-1)  # accepted draft tokens
+    return (prefix * full).sum(), full.sum()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------
@@ -701,30 +732,20 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              "PackedBatch.dequantize(dtype) first")
         hidden = self.block_hidden(batch, embed_weight, masks, backend)[:, :, 1:]  # [R, A, B-1, H]
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
-        flat = valid.view(-1)
-        tgt = labels.view(-1)[flat]
+        flat, index, slot = supervised_slots(valid)
+        tgt = labels.view(-1).index_select(0, index)
         softcap = draft_value(self.config, "final_logit_softcapping")
-        ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1])[flat], head_weight, tgt,
+        ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), head_weight, tgt,
                                       multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
                                       softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
                                       chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)  # [N]
-        slot = torch.arange(self.block_size - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
-        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
+        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha, index=index)
         weighted_ce = (ce * w).sum()
         loss = weighted_ce / weight_sum.clamp_min(1e-12)
         with torch.no_grad():
             hit = pred == tgt
-            nslot = self.block_size - 1
-            ce_sum = torch.zeros(nslot, device=hidden.device).index_add_(0, slot, ce.detach())
-            correct = torch.zeros(nslot, dtype=torch.long, device=hidden.device).index_add_(0, slot, hit.long())
-            count = torch.bincount(slot, minlength=nslot)
-            hit_grid = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device).view(-1)
-            hit_grid[flat] = hit
-            hit_grid = hit_grid.view(valid.shape)
-            full = valid.all(-1)  # blocks whose every slot is supervised
-            prefix = hit_grid.long().cumprod(-1).sum(-1)  # accepted draft tokens
-            accept_sum = prefix[full].sum()
-            full_blocks = full.sum()
+            ce_sum, correct, count = per_slot_sums(slot, self.block_size - 1, ce.detach(), hit)
+            accept_sum, full_blocks = accepted_prefix(valid, index, hit)
         return DFlashTrainOutput(loss, weighted_ce, weight_sum, ce_sum, correct, count, accept_sum, full_blocks)
 
     # -- checkpoint I/O -------------------------------------------------------------------------------------
@@ -807,6 +828,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
 __all__ = [
     "DFlashDraftModel", "DFlashAttention", "DFlashDecoderLayer", "PackedBatch", "DFlashTrainOutput",
-    "sample_anchors", "block_targets", "slot_weights",
+    "sample_anchors", "block_targets", "slot_weights", "supervised_slots", "per_slot_sums", "accepted_prefix",
     "dflash_mask_mod", "dense_mask", "inference_attention_mask",
 ]

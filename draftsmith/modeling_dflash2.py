@@ -40,7 +40,16 @@ from torch import nn
 
 from draftsmith.drafter_config import DFlash2Config, draft_value
 from draftsmith.drafter_loss import candidate_logits, head_cross_entropy_topk, slot_loss_weights
-from draftsmith.modeling import DFlashDecoderLayer, DFlashDraftModel, DFlashTrainOutput, PackedBatch, block_targets
+from draftsmith.modeling import (
+    DFlashDecoderLayer,
+    DFlashDraftModel,
+    DFlashTrainOutput,
+    PackedBatch,
+    accepted_prefix,
+    block_targets,
+    per_slot_sums,
+    supervised_slots,
+)
 
 
 def grouped_dynamic_conv(x: torch.Tensor, dynamic: torch.Tensor, static: torch.Tensor, group_size: int
@@ -274,17 +283,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         labels, valid = block_targets(batch, B, use_target_tokens)
         anchor_tok = torch.gather(batch.input_ids, 1, batch.anchors)
         predecessors = torch.cat([anchor_tok[:, :, None], labels[:, :, :-1]], dim=2)
-        flat = valid.view(-1)
-        tgt, prev = labels.view(-1)[flat], predecessors.reshape(-1)[flat]
-        h = hidden.reshape(-1, hidden.shape[-1])[flat]
+        flat, index, slot = supervised_slots(valid)
+        tgt, prev = labels.view(-1).index_select(0, index), predecessors.reshape(-1).index_select(0, index)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         multiplier = float(draft_value(self.config, "output_multiplier", 1.0))
         softcap = draft_value(self.config, "final_logit_softcapping")
         softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
         ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, multiplier=multiplier,
                                                              softcap=softcap, chunk_bytes=logits_chunk_bytes,
                                                              fused=self.fused_loss)
-        slot = torch.arange(B - 1, device=hidden.device).expand_as(labels).reshape(-1)[flat]
-        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha)
+        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha, index=index)
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
         with torch.no_grad():
@@ -314,18 +322,15 @@ class DFlash2DraftModel(DFlashDraftModel):
             nslot = B - 1
             serving = self.candidate_selector.score(projected.detach(), prev, top_idx, top_val)
             sel_hit = top_idx[rows, serving.argmax(-1)] == tgt
-            per_slot = lambda v, dtype: torch.zeros(nslot, dtype=dtype, device=hidden.device).index_add_(  # noqa: E731
-                0, slot, v.to(dtype))
             hit = pred == tgt
-            hit_grid = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device).view(-1)
-            hit_grid[flat] = hit
-            full = valid.all(-1)
-            prefix = hit_grid.view(valid.shape).long().cumprod(-1).sum(-1)
+            ce_sum, correct, count = per_slot_sums(slot, nslot, ce.detach(), hit)
+            sel_ce_sum, sel_correct, _ = per_slot_sums(slot, nslot, sel_ce.detach(), sel_hit)
+            recall = torch.zeros(nslot, dtype=torch.long, device=hidden.device).index_add_(0, slot, recalled.long())
+            accept_sum, full_blocks = accepted_prefix(valid, index, hit)
             return DFlash2TrainOutput(
-                total, weighted_ce, weight_sum, per_slot(ce.detach(), torch.float32), per_slot(hit, torch.long),
-                torch.bincount(slot, minlength=nslot), prefix[full].sum(), full.sum(),
-                selector_loss=sel_loss.detach(), selector_ce_sum=per_slot(sel_ce.detach(), torch.float32),
-                selector_correct=per_slot(sel_hit, torch.long), candidate_recall=per_slot(recalled, torch.long))
+                total, weighted_ce, weight_sum, ce_sum, correct, count, accept_sum, full_blocks,
+                selector_loss=sel_loss.detach(), selector_ce_sum=sel_ce_sum, selector_correct=sel_correct,
+                candidate_recall=recall)
 
 
 def model_class_for(architectures: list[str] | None) -> type[DFlashDraftModel]:

@@ -436,6 +436,35 @@ def test_labels_validity_and_weighted_loss(target):
     assert out.count.tolist() == [3, 1, 0] and out.full_blocks.item() == 0
 
 
+def test_supervised_slot_statistics_equal_the_boolean_mask_forms():
+    """The training forward's index-based gathers and per-slot sums (one ``nonzero``, no other host sync) give what
+    the boolean masks and ``bincount`` gave: the same supervised rows in the same order, per-slot CE, hits and
+    counts, and the accepted prefix of fully supervised blocks."""
+    from draftsmith.modeling import accepted_prefix, per_slot_sums, supervised_slots
+
+    g = torch.Generator().manual_seed(5)
+    for R, A, S in ((2, 7, 5), (1, 3, 1), (3, 4, 15)):
+        valid = torch.rand(R, A, S, generator=g) < 0.8
+        valid[0, 0] = True  # a fully supervised block at least
+        values = torch.randn(R, A, S, 6, generator=g)
+        flat, index, slot = supervised_slots(valid)
+        assert torch.equal(flat, valid.view(-1))
+        assert torch.equal(values.reshape(-1, 6).index_select(0, index), values.reshape(-1, 6)[flat])
+        assert torch.equal(slot, torch.arange(S).expand_as(valid).reshape(-1)[flat])
+        ce = torch.rand(index.numel(), generator=g)
+        hit = torch.rand(index.numel(), generator=g) < 0.6
+        ce_sum, correct, count = per_slot_sums(slot, S, ce, hit)
+        assert torch.allclose(ce_sum, torch.zeros(S).index_add_(0, slot, ce))
+        assert torch.equal(correct, torch.zeros(S, dtype=torch.long).index_add_(0, slot, hit.long()))
+        assert torch.equal(count, torch.bincount(slot, minlength=S))
+        grid = torch.zeros(valid.numel(), dtype=torch.bool)
+        grid[flat] = hit
+        full = valid.all(-1)
+        prefix = grid.view(valid.shape).long().cumprod(-1).sum(-1)
+        accept, blocks = accepted_prefix(valid, index, hit)
+        assert accept.item() == prefix[full].sum().item() and blocks.item() == full.sum().item() >= 1
+
+
 def _dpace_reference(q: list[float], valid: list[bool], alpha: float) -> list[float]:
     """D-PACE's Eq. 7-8 (arXiv 2605.18810) written out: w_j = sum_{m >= j} prod_{i <= m} q~_i, q~ = 1 where no
     label."""
