@@ -197,6 +197,11 @@ def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
     return value
 
 
+#: Output keys added after runs existed, with the value every run before had: a config at that value renders the
+#: rule's params without the key (the text Snakemake recorded for those runs), so upgrading draftsmith reruns nothing;
+#: another value is a new param and reruns the stage. :func:`stage_config` gives the stage the key either way.
+LATER_OUTPUT_KEYS: dict[tuple[str, str], Any] = {("train", "selector_stop_gradient"): True}
+
 #: Mappings whose key order is part of the output (the report lists the evaluation sets in config order):
 #: :func:`rule_params` keeps their order and canonicalises their values only.
 ORDERED_MAPPINGS = {("evaluate", "sets")}
@@ -218,7 +223,8 @@ def canonical(value: Any) -> Any:
 
 def rule_params(config: Mapping, stage: str) -> dict[str, dict[str, Any]]:
     """The ``params`` of ``stage``'s rule: ``{section: {key: value}}`` of its output keys only, each value in
-    :func:`canonical` form (:data:`ORDERED_MAPPINGS` keep their own order).
+    :func:`canonical` form (:data:`ORDERED_MAPPINGS` keep their own order), less the :data:`LATER_OUTPUT_KEYS` at
+    the value runs before them had.
 
     Raises:
         KeyError: an unknown stage, or a key missing from the (schema-validated) config.
@@ -229,7 +235,12 @@ def rule_params(config: Mapping, stage: str) -> dict[str, dict[str, Any]]:
             return {name: canonical(item) for name, item in v.items()}
         return canonical(v)
 
-    return {section: {key: value(section, key) for key in keys} for section, keys in _keys(stage, "output").items()}
+    def earlier(section: str, key: str) -> bool:  # a later key at the value runs before it had: left out
+        return ((section, key) in LATER_OUTPUT_KEYS
+                and _effective(config, stage, section, key) == LATER_OUTPUT_KEYS[(section, key)])
+
+    return {section: {key: value(section, key) for key in keys if not earlier(section, key)}
+            for section, keys in _keys(stage, "output").items()}
 
 
 def stage_config(stage: str, params: Mapping, config: Mapping) -> Mapping[str, Mapping[str, Any]]:
@@ -240,6 +251,9 @@ def stage_config(stage: str, params: Mapping, config: Mapping) -> Mapping[str, M
         KeyError: a runtime key missing from the config.
     """
     merged: dict[str, dict[str, Any]] = {section: dict(values) for section, values in params.items()}
+    for (section, key), default in LATER_OUTPUT_KEYS.items():  # left out of params at the value runs before had
+        if key in _keys(stage, "output").get(section, ()) and key not in merged.get(section, {}):
+            merged.setdefault(section, {})[key] = config[section].get(key, default)
     for section, keys in _keys(stage, "runtime").items():
         merged.setdefault(section, {}).update({key: config[section][key] for key in keys})
     return MappingProxyType({section: MappingProxyType(values) for section, values in merged.items()})

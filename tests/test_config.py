@@ -360,6 +360,26 @@ def test_rule_params_hold_output_keys_and_stage_config_adds_runtime_ones():
         rule_params(config, "tokenise")
 
 
+def test_a_later_output_key_at_the_value_runs_before_had_leaves_the_params_as_they_were():
+    """``train.selector_stop_gradient`` came after runs existed: at its default (what they trained) the train
+    rule's params text is what Snakemake recorded for them (no rerun on upgrade), and the stage still reads it;
+    another value is in the params, so the stage reruns."""
+    from draftsmith.config import check_config
+    from draftsmith.stages import LATER_OUTPUT_KEYS, rule_params, stage_config
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    check_config(config, str(REPO / "schemas" / "config.schema.yaml"))
+    assert ("train", "selector_stop_gradient") in LATER_OUTPUT_KEYS and config["train"]["selector_stop_gradient"]
+    for stage in ("train", "train_phase"):
+        params = rule_params(config, stage)
+        assert "selector_stop_gradient" not in params["train"] and "selector_loss_weight" in params["train"]
+        assert stage_config(stage, params, config)["train"]["selector_stop_gradient"] is True
+        changed = {**config, "train": {**config["train"], "selector_stop_gradient": False}}
+        params = rule_params(changed, stage)
+        assert params["train"]["selector_stop_gradient"] is False
+        assert stage_config(stage, params, changed)["train"]["selector_stop_gradient"] is False
+
+
 def test_gpu_node_drafter_is_the_published_27b_shape():
     """config/gpu-node.yaml over config.yaml (as Snakemake merges --configfile) gives the drafter the benchmarks
     measure: 5 layers, one tap per layer at [1, 16, 31, 46, 61] of a 64-layer target, four sliding layers and a

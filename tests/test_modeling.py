@@ -729,6 +729,31 @@ def test_candidate_logits_backpropagate_as_the_logits_through_the_head(multiplie
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_candidate_logits_on_the_gpu_backpropagate_as_the_logits_through_a_bf16_head(softcap):
+    """``candidate_logits`` on CUDA (``embedding_bag`` over a bf16 head, as ``train.selector_stop_gradient:
+    false`` runs it) on the fused head pass's top-k: the gradient autograd gives through ``W[ids]`` in float32,
+    to bf16's precision."""
+    from draftsmith.drafter_loss import candidate_logits, head_cross_entropy_topk
+
+    torch.manual_seed(4)
+    N, H, V, k = 3001, 64, 5003, 16
+    head = (torch.randn(V, H) * H ** -0.5).cuda().bfloat16()
+    hidden = (torch.randn(N, H) * 2).cuda().bfloat16().requires_grad_(True)
+    labels = torch.randint(0, V, (N,)).cuda()
+    with torch.no_grad():
+        _, _, val, ids = head_cross_entropy_topk(hidden, head, labels, k, softcap=softcap, fused=True)
+    g = torch.randn(N, k, device="cuda")
+    (candidate_logits(hidden, val, ids, head, softcap=softcap) * g).sum().backward()
+    got = hidden.grad.float().clone()
+    hidden.grad = None
+    ref = (hidden.float()[:, None, :] * head.float()[ids]).sum(-1)
+    ref = torch.tanh(ref / softcap) * softcap if softcap else ref
+    (ref * g).sum().backward()
+    assert float((got - hidden.grad.float()).abs().max() / hidden.grad.float().abs().max()) < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, 30.0, 8)])
 def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier, softcap, top_k):
     """On a GPU ``fused=True`` runs the compiled ``logit_statistics`` (whole graph; the row count dynamic: chunks

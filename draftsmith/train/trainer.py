@@ -642,8 +642,8 @@ class Trainer:
             "architecture": self.config.ARCHITECTURE, "block_size": self.block, "gamma": self.gamma,
             "loss_weighting": self.cfg.loss_weighting, "dpace_alpha": self.dpace_alpha,
             "optimizer": self.cfg.optimizer,
-            **({"selector_loss_weight": self.cfg.selector_loss_weight,
-                "selector_stop_gradient": self.cfg.selector_stop_gradient}
+            **({"selector_loss_weight": float(self.model.selector_loss_weight),  # as the drafter trained
+                "selector_stop_gradient": bool(self.model.selector_stop_gradient)}
                if self.config.ARCHITECTURE == "DFlash2DraftModel" else {}),
             "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
