@@ -14,7 +14,8 @@ Shapes (the configs' step: slots = anchors x (block - 1)):
 
 Prints per shape and path the forward + backward time (median of ``--iters`` after ``--warmup``, GPU-synchronised),
 the matmul FLOPs' rate, peak memory, the ratio fused / eager measured in the same run, and the largest differences
-of CE, gradient and argmax agreement between the two paths. Writes ``OUT/bench_head_loss.json``.
+of CE, gradient and argmax agreement between the two paths. Writes ``OUT/bench_head_loss.json`` after each shape
+(a run cut short keeps the shapes it finished).
 
     python bench/bench_head_loss.py --out $OUT                 # both GPU shapes (DFlash)
     python bench/bench_head_loss.py --top-k 16 --out $OUT      # the DFlash2 path (the selector's candidates)
@@ -94,6 +95,7 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "chunk_mib": args.chunk_mib, "softcap": args.softcap, "top_k": args.top_k, "shapes": {}}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     print(f"{out['device']}, torch {out['torch']}, chunks of {args.chunk_mib} MiB of float32 logits")
     print("shape          N      H       V     eager ms  fused ms  fused/eager  TFLOP/s e/f   peak GiB e/f   "
           "max |dCE|  max |dgrad|/max|grad|  argmax equal")
@@ -118,8 +120,7 @@ def main() -> int:
               f"{fused['ms']:9.1f} {fused['ms'] / eager['ms']:10.2f}x   "
               f"{eager['tflops']:5.0f} / {fused['tflops']:<5.0f}  {peak:>13s}   {d_ce:9.2e}  {d_grad:12.2e}"
               f"           {agree:.4f}", flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_head_loss.json").write_text(json.dumps(out, indent=1))
+        (Path(args.out) / "bench_head_loss.json").write_text(json.dumps(out, indent=1))  # each shape as it ends
     return 0
 
 

@@ -314,9 +314,8 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -
         return (prefix * mask).flip(-1).cumsum(-1).flip(-1) * mask
 
 
-def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, valid: torch.Tensor, *,
-                      gamma: float, dpace_alpha: float | None = None, index: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, *,
+                      gamma: float, dpace_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights of a batch's supervised slots and their normaliser, for the loss ``sum(CE * w) / normaliser``.
 
     Fixed decay (``dpace_alpha`` None): ``w = exp(-(k - 1) / gamma)`` (:func:`slot_weights`), normaliser
@@ -327,10 +326,9 @@ def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, 
     Args:
         ce: ``[N]`` float32 cross entropy of the supervised slots (``valid``'s True entries, in order).
         slot: ``[N]`` int64 their slot index 0..B-2 (slot k = index + 1).
-        flat: ``[R * A * (B - 1)]`` bool, ``valid`` flattened.
+        index: ``[N]`` int64 their positions in ``valid`` flattened (:func:`draftsmith.modeling.supervised_slots`:
+            indexing by it needs no host sync, a boolean mask does).
         valid: ``[R, A, B - 1]`` bool.
-        index: ``[N]`` int64, ``flat.nonzero()`` when the caller has it (indexing by it needs no host sync, a
-            boolean mask does); default: computed here.
 
     Returns:
         ``(w [N] float32 without gradient, normaliser 0-dim float32)``.
@@ -338,9 +336,7 @@ def slot_loss_weights(ce: torch.Tensor, slot: torch.Tensor, flat: torch.Tensor, 
     if dpace_alpha is None:
         w = slot_weights(valid.shape[-1] + 1, gamma, ce.device)[slot]
         return w, w.sum()
-    if index is None:
-        index = flat.nonzero().squeeze(1)
-    confidence = torch.zeros(flat.shape, dtype=torch.float32, device=ce.device)
+    confidence = torch.zeros(valid.numel(), dtype=torch.float32, device=ce.device)
     confidence.index_copy_(0, index, torch.exp(-ce.detach().float()))
     w = dpace_weights(confidence.view(valid.shape), valid, float(dpace_alpha)).view(-1).index_select(0, index)
-    return w, flat.sum().to(torch.float32)
+    return w, valid.sum().to(torch.float32)

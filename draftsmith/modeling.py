@@ -520,25 +520,22 @@ def block_targets(batch: PackedBatch, block_size: int, use_target_tokens: bool
     return labels, valid
 
 
-def supervised_slots(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The supervised slots of ``valid [R, A, B - 1]`` (bool): ``(flat [R * A * (B - 1)] bool, index [N] int64,
-    slot [N] int64)``, ``index`` the flat positions of the True entries in order and ``slot`` their slot 0..B-2.
+def supervised_slots(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The supervised slots of ``valid [R, A, B - 1]`` (bool): ``(index [N] int64, slot [N] int64)``, ``index`` the
+    flattened positions of the True entries in order and ``slot`` their slot 0..B-2.
 
     One ``nonzero`` (the training forward's one host sync before the loss): the tensors are then gathered by
     ``index`` (``index_select``), which needs none, where boolean masks would each wait for the GPU.
     """
-    flat = valid.reshape(-1)
-    index = flat.nonzero().squeeze(1)
-    return flat, index, index.remainder(valid.shape[-1])
+    index = valid.reshape(-1).nonzero().squeeze(1)
+    return index, index.remainder(valid.shape[-1])
 
 
-def per_slot_sums(slot: torch.Tensor, nslot: int, ce: torch.Tensor, hit: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-slot ``(CE sum [nslot] float32, hits [nslot] int64, count [nslot] int64)`` of the supervised slots
-    (``slot``, ``ce`` and ``hit`` ``[N]``), by ``index_add_`` (no host sync, where ``bincount`` has one)."""
-    zeros = lambda dtype: torch.zeros(nslot, dtype=dtype, device=slot.device)  # noqa: E731
-    return (zeros(torch.float32).index_add_(0, slot, ce.float()), zeros(torch.long).index_add_(0, slot, hit.long()),
-            zeros(torch.long).index_add_(0, slot, torch.ones_like(slot)))
+def per_slot_sum(slot: torch.Tensor, nslot: int, values: torch.Tensor) -> torch.Tensor:
+    """``[nslot]`` sums of ``values [N]`` by the supervised slots' ``slot [N]``: float32 for floating values, int64
+    for counts and hits (bool), by ``index_add_`` (no host sync, where ``bincount`` has one)."""
+    dtype = torch.float32 if values.is_floating_point() else torch.long
+    return torch.zeros(nslot, dtype=dtype, device=slot.device).index_add_(0, slot, values.to(dtype))
 
 
 def accepted_prefix(valid: torch.Tensor, index: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -732,19 +729,21 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              "PackedBatch.dequantize(dtype) first")
         hidden = self.block_hidden(batch, embed_weight, masks, backend)[:, :, 1:]  # [R, A, B-1, H]
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
-        flat, index, slot = supervised_slots(valid)
+        index, slot = supervised_slots(valid)
         tgt = labels.view(-1).index_select(0, index)
         softcap = draft_value(self.config, "final_logit_softcapping")
         ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), head_weight, tgt,
                                       multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
                                       softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
                                       chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)  # [N]
-        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha, index=index)
+        w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         weighted_ce = (ce * w).sum()
         loss = weighted_ce / weight_sum.clamp_min(1e-12)
         with torch.no_grad():
             hit = pred == tgt
-            ce_sum, correct, count = per_slot_sums(slot, self.block_size - 1, ce.detach(), hit)
+            nslot = self.block_size - 1
+            ce_sum, correct = per_slot_sum(slot, nslot, ce.detach()), per_slot_sum(slot, nslot, hit)
+            count = per_slot_sum(slot, nslot, torch.ones_like(slot))
             accept_sum, full_blocks = accepted_prefix(valid, index, hit)
         return DFlashTrainOutput(loss, weighted_ce, weight_sum, ce_sum, correct, count, accept_sum, full_blocks)
 
@@ -828,6 +827,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
 __all__ = [
     "DFlashDraftModel", "DFlashAttention", "DFlashDecoderLayer", "PackedBatch", "DFlashTrainOutput",
-    "sample_anchors", "block_targets", "slot_weights", "supervised_slots", "per_slot_sums", "accepted_prefix",
+    "sample_anchors", "block_targets", "slot_weights", "supervised_slots", "per_slot_sum", "accepted_prefix",
     "dflash_mask_mod", "dense_mask", "inference_attention_mask",
 ]

@@ -47,7 +47,7 @@ from draftsmith.modeling import (
     PackedBatch,
     accepted_prefix,
     block_targets,
-    per_slot_sums,
+    per_slot_sum,
     supervised_slots,
 )
 
@@ -283,7 +283,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         labels, valid = block_targets(batch, B, use_target_tokens)
         anchor_tok = torch.gather(batch.input_ids, 1, batch.anchors)
         predecessors = torch.cat([anchor_tok[:, :, None], labels[:, :, :-1]], dim=2)
-        flat, index, slot = supervised_slots(valid)
+        index, slot = supervised_slots(valid)
         tgt, prev = labels.view(-1).index_select(0, index), predecessors.reshape(-1).index_select(0, index)
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         multiplier = float(draft_value(self.config, "output_multiplier", 1.0))
@@ -292,7 +292,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, multiplier=multiplier,
                                                              softcap=softcap, chunk_bytes=logits_chunk_bytes,
                                                              fused=self.fused_loss)
-        w, weight_sum = slot_loss_weights(ce, slot, flat, valid, gamma=gamma, dpace_alpha=dpace_alpha, index=index)
+        w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
         with torch.no_grad():
@@ -323,14 +323,12 @@ class DFlash2DraftModel(DFlashDraftModel):
             serving = self.candidate_selector.score(projected.detach(), prev, top_idx, top_val)
             sel_hit = top_idx[rows, serving.argmax(-1)] == tgt
             hit = pred == tgt
-            ce_sum, correct, count = per_slot_sums(slot, nslot, ce.detach(), hit)
-            sel_ce_sum, sel_correct, _ = per_slot_sums(slot, nslot, sel_ce.detach(), sel_hit)
-            recall = torch.zeros(nslot, dtype=torch.long, device=hidden.device).index_add_(0, slot, recalled.long())
+            per_slot = lambda values: per_slot_sum(slot, nslot, values)  # noqa: E731
             accept_sum, full_blocks = accepted_prefix(valid, index, hit)
             return DFlash2TrainOutput(
-                total, weighted_ce, weight_sum, ce_sum, correct, count, accept_sum, full_blocks,
-                selector_loss=sel_loss.detach(), selector_ce_sum=sel_ce_sum, selector_correct=sel_correct,
-                candidate_recall=recall)
+                total, weighted_ce, weight_sum, per_slot(ce.detach()), per_slot(hit), per_slot(torch.ones_like(slot)),
+                accept_sum, full_blocks, selector_loss=sel_loss.detach(), selector_ce_sum=per_slot(sel_ce.detach()),
+                selector_correct=per_slot(sel_hit), candidate_recall=per_slot(recalled))
 
 
 def model_class_for(architectures: list[str] | None) -> type[DFlashDraftModel]:

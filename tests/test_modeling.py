@@ -440,20 +440,20 @@ def test_supervised_slot_statistics_equal_the_boolean_mask_forms():
     """The training forward's index-based gathers and per-slot sums (one ``nonzero``, no other host sync) give what
     the boolean masks and ``bincount`` gave: the same supervised rows in the same order, per-slot CE, hits and
     counts, and the accepted prefix of fully supervised blocks."""
-    from draftsmith.modeling import accepted_prefix, per_slot_sums, supervised_slots
+    from draftsmith.modeling import accepted_prefix, per_slot_sum, supervised_slots
 
     g = torch.Generator().manual_seed(5)
     for R, A, S in ((2, 7, 5), (1, 3, 1), (3, 4, 15)):
         valid = torch.rand(R, A, S, generator=g) < 0.8
         valid[0, 0] = True  # a fully supervised block at least
         values = torch.randn(R, A, S, 6, generator=g)
-        flat, index, slot = supervised_slots(valid)
-        assert torch.equal(flat, valid.view(-1))
+        index, slot = supervised_slots(valid)
+        flat = valid.view(-1)
         assert torch.equal(values.reshape(-1, 6).index_select(0, index), values.reshape(-1, 6)[flat])
         assert torch.equal(slot, torch.arange(S).expand_as(valid).reshape(-1)[flat])
         ce = torch.rand(index.numel(), generator=g)
         hit = torch.rand(index.numel(), generator=g) < 0.6
-        ce_sum, correct, count = per_slot_sums(slot, S, ce, hit)
+        ce_sum, correct, count = (per_slot_sum(slot, S, v) for v in (ce, hit, torch.ones_like(slot)))
         assert torch.allclose(ce_sum, torch.zeros(S).index_add_(0, slot, ce))
         assert torch.equal(correct, torch.zeros(S, dtype=torch.long).index_add_(0, slot, hit.long()))
         assert torch.equal(count, torch.bincount(slot, minlength=S))

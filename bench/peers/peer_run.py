@@ -142,11 +142,9 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
            "--no-resume-from-checkpoint"]
     if not cpu:
         cmd += ["--loss-implementation", os.environ.get("SPECULATORS_LOSS", "eager")]
-    for key, value in (dflash2 or {}).items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
     if optimizer:
         cmd += ["--optimizer", optimizer]
-    for key, value in (loss or {}).items():
+    for key, value in {**(dflash2 or {}), **(loss or {})}.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if cpu:
         cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]

@@ -81,7 +81,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     """
     keys = SHARED_FEATURE_KEYS if plan_identity is not None else ("num_samples", "num_tokens", *SHARED_FEATURE_KEYS)
     train = {k: v for k, v in sorted(settings.to_dict().items()) if k not in CADENCE_KEYS}
-    if "DFlash2DraftModel" not in (drafter_config.get("architectures") or []):
+    dflash2 = "DFlash2DraftModel" in (drafter_config.get("architectures") or [])
+    if not dflash2:
         for key in ("selector_loss_weight", "selector_stop_gradient"):  # no selector: a DFlash run keeps its
             train.pop(key, None)  # fingerprint
     for key, (before, uses) in LATER_RECIPE_KEYS.items():  # the earlier recipe keeps its fingerprint (and resumes)
@@ -94,7 +95,7 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }
-    if "DFlash2DraftModel" in (drafter_config.get("architectures") or []) and train.get("optimizer") == "muon":
+    if dflash2 and train.get("optimizer") == "muon":
         # the selector's codebooks left Muon for AdamW (MUON_EXCLUDED_NAMES): a run before holds another split
         payload["muon_split"] = "codebooks-adamw"
     if start is not None:

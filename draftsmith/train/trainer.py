@@ -311,7 +311,7 @@ class Trainer:
         self.step_times = StepTimes(self.device) if cfg.time_phases else None
         self.phase_summary = None
         selector = ""
-        if self.config.ARCHITECTURE == "DFlash2DraftModel":
+        if self.selector:
             selector = (f", selector loss x {cfg.selector_loss_weight:g} "
                         + ("(stop-gradient)" if cfg.selector_stop_gradient else "(trains the backbone too)"))
         log.info("drafter: %s, %d layers, hidden %d, %d trainable parameters (%.1f M); block %d, %s%s, %s, labels "
@@ -644,7 +644,7 @@ class Trainer:
             "optimizer": self.cfg.optimizer,
             **({"selector_loss_weight": float(self.model.selector_loss_weight),  # as the drafter trained
                 "selector_stop_gradient": bool(self.model.selector_stop_gradient)}
-               if self.config.ARCHITECTURE == "DFlash2DraftModel" else {}),
+               if self.selector else {}),
             "labels": "target" if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
