@@ -1,5 +1,5 @@
 set -u
-cd "/work/main"
+cd "<repo>"
 stamp() { echo "$(date +%s) $1" >> "<peers-home>/times"; }
 sm() { python3 -m snakemake "$@" --cores all --resources gpu=1 --scheduler greedy --allowed-rules fetch_target materialize_target disk_plan regenerate_shard regenerate tokenize extract_plan extract_shard merge train export evaluate all --configfile config/gpu-proof.yaml docs/peers/quality.yaml; }
 stamp "draftsmith start"
