@@ -280,10 +280,16 @@ def cross_key_errors(config: dict) -> list[str]:
     regen = config.get("regenerate", {})
     if regen.get("enabled") and regen.get("temperature", 0) > 0:
         if not config.get("extract", {}).get("store_target_tokens", True) or config.get("train", {}).get(
-                "labels", "target") != "target":
+                "labels", "target") not in ("target", "target_topk"):
             errors.append("regenerate.temperature > 0 samples the training answers, so the labels must be the "
-                          "target's own greedy next tokens: set extract.store_target_tokens: true and "
-                          "train.labels: target")
+                          "target's own: set extract.store_target_tokens: true and train.labels: target (or "
+                          "target_topk)")
+    extract, labels = config.get("extract", {}), config.get("train", {}).get("labels", "target")
+    if labels == "target_topk" and (extract.get("store_target_topk", 0) < 2
+                                    or not extract.get("store_target_tokens", True)):
+        errors.append(f"train.labels: target_topk trains on the target's top-k distribution, which extraction stores "
+                      f"with extract.store_target_topk >= 2 (it is {extract.get('store_target_topk', 0)}) and "
+                      f"extract.store_target_tokens: true (it is {extract.get('store_target_tokens', True)})")
     # the drafter's shape (draftsmith.drafter_config.build_drafter_config checks it again when training starts:
     # here it fails before regenerate and extraction have run)
     drafter = config.get("drafter", {})

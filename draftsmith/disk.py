@@ -51,22 +51,25 @@ def _storage_bytes(storage_dtype: str) -> int:
     return DTYPE_BYTES[STORAGE_DTYPES[storage_dtype]]
 
 
-def bytes_per_token(num_layers: int, hidden: int, storage_dtype: str, target_token: bool) -> int:
+def bytes_per_token(num_layers: int, hidden: int, storage_dtype: str, target_token: bool, *,
+                    target_topk: int = 0) -> int:
     """Bytes one token costs in a chunk file: features (+ fp8 scales) + input id + loss mask
-    (+ target token). Example: 5 layers x 5120 in bf16 with target tokens = 51,209 bytes.
+    (+ target token) (+ 6 bytes per each of the target's top ``target_topk``: an int32 id and a float16 log-prob,
+    ``extract.store_target_topk``). Example: 5 layers x 5120 in bf16 with target tokens = 51,209 bytes.
 
     Raises:
         ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`.
     """
     extra = 4 * num_layers if storage_dtype == FP8 else 0
-    return num_layers * hidden * _storage_bytes(storage_dtype) + extra + 4 + 1 + (4 if target_token else 0)
+    return (num_layers * hidden * _storage_bytes(storage_dtype) + extra + 4 + 1 + (4 if target_token else 0)
+            + 6 * target_topk)
 
 
 def projected_bytes(num_tokens: int, num_samples: int, num_layers: int, hidden: int,
-                    storage_dtype: str, target_token: bool, num_chunks: int = 1) -> int:
+                    storage_dtype: str, target_token: bool, num_chunks: int = 1, *, target_topk: int = 0) -> int:
     """Projected chunk bytes: tokens x :func:`bytes_per_token` + 16 bytes per sample (offsets,
     sample_index) + ~1 KB of safetensors header per chunk."""
-    return (num_tokens * bytes_per_token(num_layers, hidden, storage_dtype, target_token)
+    return (num_tokens * bytes_per_token(num_layers, hidden, storage_dtype, target_token, target_topk=target_topk)
             + 16 * num_samples + 8 * num_chunks + 1024 * num_chunks)
 
 
@@ -395,7 +398,8 @@ def _min_slices(feature_bytes: int, num_samples: int, room: int, headroom: float
 def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size: int, storage_dtype: str,
              target_token: bool, free_bytes: int, reserve_bytes: int, headroom: float, slices: int = 1,
              slices_on_disk: int = 1, kept_bytes: int = 0, where: str | os.PathLike = "the results folder",
-             room: Room | None = None, max_slices: int | None = None, steps_note: str = "") -> DiskFit:
+             room: Room | None = None, max_slices: int | None = None, steps_note: str = "",
+             target_topk: int = 0) -> DiskFit:
     """Whether the features of ``num_tokens`` tokens (``num_samples`` samples) fit the free disk beside the reserve,
     whole (``slices`` 1, the offline mode) or cut into ``slices`` slices of which ``slices_on_disk`` are on disk at
     once, and the smallest ``stream.slices`` that fits, in the configured storage and in float8.
@@ -410,8 +414,9 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
 
     Args:
         num_tokens, num_samples: one pass over the training data (held-out samples kept apart: ``kept_bytes``).
-        num_layers, hidden_size, storage_dtype, target_token: the tapped layers n, the target's H,
-            ``extract.storage_dtype``, ``extract.store_target_tokens`` (:func:`bytes_per_token`).
+        num_layers, hidden_size, storage_dtype, target_token, target_topk: the tapped layers n, the target's H,
+            ``extract.storage_dtype``, ``extract.store_target_tokens``, ``extract.store_target_topk``
+            (:func:`bytes_per_token`).
         free_bytes: :func:`free_disk_bytes` of the results folder; reserve_bytes: :func:`reserve_bytes`.
         headroom: ``extract.disk_headroom``; slices, slices_on_disk: ``stream.slices`` / ``stream.slices_on_disk``.
         kept_bytes: features on disk for the whole run besides the slices (the held-out features).
@@ -429,19 +434,21 @@ def disk_fit(*, num_tokens: int, num_samples: int, num_layers: int, hidden_size:
     if room is not None:
         free_bytes, where = room.free_bytes, room.features_where
     separate = room is not None and room.reserve_free_bytes is not None
-    features = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, storage_dtype, target_token)
-    fp8 = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, FP8, target_token)
+    features = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, storage_dtype, target_token,
+                               target_topk=target_topk)
+    fp8 = projected_bytes(num_tokens, num_samples, num_layers, hidden_size, FP8, target_token, target_topk=target_topk)
     here = kept_bytes + (0 if separate else reserve_bytes)  # what the features' file system holds besides them
     space = free_bytes - here
     on_disk = _on_disk(features, slices, slices_on_disk)
     return DiskFit(
         num_tokens=num_tokens, num_samples=num_samples, storage_dtype=storage_dtype,
-        bytes_per_token=bytes_per_token(num_layers, hidden_size, storage_dtype, target_token),
+        bytes_per_token=bytes_per_token(num_layers, hidden_size, storage_dtype, target_token, target_topk=target_topk),
         feature_bytes=features, slices=slices, slices_on_disk=slices_on_disk, on_disk_bytes=on_disk,
         headroom=headroom, reserve_bytes=reserve_bytes, kept_bytes=kept_bytes, free_bytes=free_bytes,
         where=str(where), needed_bytes=needed_bytes(on_disk, headroom, here),
         min_slices=_min_slices(features, num_samples, space, headroom, slices_on_disk),
-        fp8_bytes_per_token=bytes_per_token(num_layers, hidden_size, FP8, target_token), fp8_feature_bytes=fp8,
+        fp8_bytes_per_token=bytes_per_token(num_layers, hidden_size, FP8, target_token, target_topk=target_topk),
+        fp8_feature_bytes=fp8,
         fp8_min_slices=_min_slices(fp8, num_samples, space, headroom, slices_on_disk),
         reserve_free_bytes=room.reserve_free_bytes if separate else None,
         reserve_where=room.reserve_where if separate else None, max_slices=max_slices, steps_note=steps_note,

@@ -13,18 +13,28 @@ Chunk file (``shard-{i}/chunk-{j:05d}.safetensors``), samples concatenated witho
 :data:`CHUNK_TENSORS`, written by :func:`write_chunk`, read by :class:`ChunkFile` / :func:`read_chunk` (and, without
 torch, :func:`read_safetensors_header` / :func:`read_chunk_samples`):
 
-==================  =========================  ==============================================
-name                shape                      dtype
-==================  =========================  ==============================================
-``hidden_states``   [tokens, n_layers * H]     bfloat16 | float32 | float8_e4m3fn
-``scales``          [tokens, n_layers]         float32 (fp8 storage only; x = q * scale)
-``input_ids``       [tokens]                   int32
-``loss_mask``       [tokens]                   int8
-``offsets``         [samples + 1]              int64 (sample s = rows offsets[s]:offsets[s+1])
-``sample_index``    [samples]                  int64 (row index in the tokenized train parquet)
-``target_token``    [tokens]                   int32 (optional; argmax of the target's logits
-                                               at position t = its prediction for t + 1)
-==================  =========================  ==============================================
+========================  =========================  ================================================
+name                      shape                      dtype
+========================  =========================  ================================================
+``hidden_states``         [tokens, n_layers * H]     bfloat16 | float32 | float8_e4m3fn
+``scales``                [tokens, n_layers]         float32 (fp8 storage only; x = q * scale)
+``input_ids``             [tokens]                   int32
+``loss_mask``             [tokens]                   int8
+``offsets``               [samples + 1]              int64 (sample s = rows offsets[s]:offsets[s+1])
+``sample_index``          [samples]                  int64 (row index in the tokenized train parquet)
+``target_token``          [tokens]                   int32 (optional; argmax of the target's logits
+                                                     at position t = its prediction for t + 1)
+``target_topk_ids``       [tokens, k]                int32 (optional, ``extract.store_target_topk`` = k;
+                                                     the target's k most likely next tokens at t,
+                                                     most likely first; column 0 = ``target_token``
+                                                     up to exact ties)
+``target_topk_logprobs``  [tokens, k]                float16 (with ``target_topk_ids``: their
+                                                     log-probabilities under the target's full
+                                                     softmax, not renormalised over the k)
+========================  =========================  ================================================
+
+The shard manifests and the index record k as ``target_top_k`` only when k > 0 (:func:`target_top_k`: absent
+reads as 0, as in every folder written before the key existed), so features without top-k are unchanged.
 
 Layer ids: see :data:`LAYER_SEMANTICS`. ``storage_dtype`` is one of :data:`STORAGE_DTYPES`; float8 stores one
 float32 scale per token and tapped layer (:func:`quantize_fp8`).
@@ -80,6 +90,18 @@ def storage_torch_dtype(storage_dtype: str):
     if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"extract.storage_dtype {storage_dtype!r} not in {list(STORAGE_DTYPES)}")
     return getattr(torch, storage_dtype)
+
+
+def check_target_topk(store_target_topk: int, store_target_tokens: bool) -> None:
+    """Refuse an ``extract.store_target_topk`` that extraction cannot honour (the bound by the vocabulary is checked
+    with the target loaded, :class:`draftsmith.extract.FeatureExtractor`).
+
+    Raises:
+        ValueError: a negative k, or k > 0 without ``extract.store_target_tokens`` (both keys named).
+    """
+    if store_target_topk < 0 or (store_target_topk and not store_target_tokens):
+        raise ValueError(f"extract.store_target_topk {store_target_topk} must be 0, or > 0 with "
+                         f"extract.store_target_tokens: true (it is {store_target_tokens})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,9 +228,10 @@ class ChunkTensor:
         name: the tensor's name in the file.
         dtype: the torch dtype name written; ``None`` for ``hidden_states``, stored in ``extract.storage_dtype``.
         shape: dimensions, each one of ``"tokens"``, ``"samples"``, ``"samples + 1"``, ``"layers"`` (tapped
-            layers n) and ``"layers * H"`` (n x the target's hidden size).
-        when: ``"always"``, ``"float8"`` (float8 storage only) or ``"target_token"`` (when the shard stores
-            target tokens).
+            layers n), ``"layers * H"`` (n x the target's hidden size) and ``"topk"`` (the manifest's
+            ``target_top_k``).
+        when: ``"always"``, ``"float8"`` (float8 storage only), ``"target_token"`` (when the shard stores
+            target tokens) or ``"target_topk"`` (when it stores the target's top-k, ``target_top_k`` > 0).
         also_accepted: further safetensors dtypes a reader accepts.
     """
 
@@ -228,13 +251,23 @@ CHUNK_TENSORS = (
     ChunkTensor("sample_index", "int64", ("samples",)),
     ChunkTensor("scales", "float32", ("tokens", "layers"), when="float8"),
     ChunkTensor("target_token", "int32", ("tokens",), when="target_token"),
+    ChunkTensor("target_topk_ids", "int32", ("tokens", "topk"), when="target_topk"),
+    ChunkTensor("target_topk_logprobs", "float16", ("tokens", "topk"), when="target_topk"),
 )
 _SPEC = {t.name: t for t in CHUNK_TENSORS}
 
 
-def chunk_tensors(storage_dtype: str, has_target_token: bool) -> list[ChunkTensor]:
-    """The tensors a chunk of this storage dtype holds (``scales`` with float8, ``target_token`` when stored)."""
-    present = {"always": True, "float8": storage_dtype == "float8_e4m3fn", "target_token": bool(has_target_token)}
+def target_top_k(meta: Mapping[str, Any]) -> int:
+    """k of the target's top-k a shard manifest or an index records (``target_top_k``); 0 when absent (features
+    without top-k, and every folder written before the key existed)."""
+    return int(meta.get("target_top_k") or 0)
+
+
+def chunk_tensors(storage_dtype: str, has_target_token: bool, top_k: int = 0) -> list[ChunkTensor]:
+    """The tensors a chunk of this storage dtype holds (``scales`` with float8, ``target_token`` when stored,
+    ``target_topk_ids`` / ``target_topk_logprobs`` when ``top_k`` > 0)."""
+    present = {"always": True, "float8": storage_dtype == "float8_e4m3fn", "target_token": bool(has_target_token),
+               "target_topk": top_k > 0}
     return [t for t in CHUNK_TENSORS if present[t.when]]
 
 
@@ -243,16 +276,18 @@ def expected_tensors(meta: dict[str, Any], num_samples: int, num_tokens: int
     """Tensor name -> (allowed safetensors dtypes, shape) a chunk must hold (the extraction contract).
 
     Args:
-        meta: the shard manifest's ``layer_ids``, ``hidden_size``, ``storage_dtype``, ``has_target_token``.
+        meta: the shard manifest's ``layer_ids``, ``hidden_size``, ``storage_dtype``, ``has_target_token`` and
+            ``target_top_k`` (absent: 0, :func:`target_top_k`).
         num_samples / num_tokens: the chunk's samples and tokens.
     Returns:
         ``{name: (dtypes, shape)}`` for :func:`chunk_tensors` (an unknown storage dtype gives ``"?"``).
     """
     n_layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
+    top_k = target_top_k(meta)
     dims = {"tokens": num_tokens, "samples": num_samples, "samples + 1": num_samples + 1, "layers": n_layers,
-            "layers * H": n_layers * hidden}
+            "layers * H": n_layers * hidden, "topk": top_k}
     want = {}
-    for t in chunk_tensors(meta["storage_dtype"], meta["has_target_token"]):
+    for t in chunk_tensors(meta["storage_dtype"], meta["has_target_token"], top_k):
         written = _ST_DTYPES[t.dtype][0] if t.dtype else STORAGE_DTYPES.get(meta["storage_dtype"], "?")
         want[t.name] = ((written, *t.also_accepted), [dims[d] for d in t.shape])
     return want
@@ -328,8 +363,8 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | N
 # safetensors dtype names and their rank in the format's tensor order (safetensors sorts tensors by
 # dtype, largest enum value first, then by name; matching it makes our files byte-identical to
 # ``safetensors.torch.save_file`` -- tested)
-_ST_DTYPES = {"int64": ("I64", 6), "float32": ("F32", 5), "int32": ("I32", 4), "bfloat16": ("BF16", 3),
-              "float8_e4m3fn": ("F8_E4M3", 2), "int8": ("I8", 1)}
+_ST_DTYPES = {"int64": ("I64", 7), "float32": ("F32", 6), "int32": ("I32", 5), "bfloat16": ("BF16", 4),
+              "float16": ("F16", 3), "float8_e4m3fn": ("F8_E4M3", 2), "int8": ("I8", 1)}
 
 
 def _dtype_name(t) -> str:
@@ -347,7 +382,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
     write + re-read + hash.
 
     Args:
-        tensors: contiguous CPU tensors of dtypes int64, float32, int32, bfloat16, float8_e4m3fn, int8.
+        tensors: contiguous CPU tensors of dtypes int64, float32, int32, bfloat16, float16, float8_e4m3fn, int8.
     Raises:
         ValueError: an unsupported dtype or a non-CPU tensor.
     """
@@ -390,7 +425,8 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
 def write_chunk(path: str | os.PathLike, *, features: torch.Tensor, lengths: Sequence[int],
                 sample_index: Sequence[int], input_ids, loss_mask, storage_dtype: str,
                 target_token: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                num_layers: int | None = None, metadata: dict[str, str] | None = None) -> str:
+                num_layers: int | None = None, metadata: dict[str, str] | None = None,
+                target_topk_ids: torch.Tensor | None = None, target_topk_logprobs: torch.Tensor | None = None) -> str:
     """Write one chunk file (samples concatenated, :data:`CHUNK_TENSORS`) atomically; return its sha256.
 
     Args:
@@ -407,10 +443,13 @@ def write_chunk(path: str | os.PathLike, *, features: torch.Tensor, lengths: Seq
         scales: ``[tokens, n_layers]`` float32 of already encoded float8 ``features``.
         num_layers: n, the tapped layers (float8 encoding only).
         metadata: the safetensors ``__metadata__`` string map.
+        target_topk_ids / target_topk_logprobs: ``[tokens, k]`` the target's k most likely next tokens per position
+            (stored int32) and their log-probabilities (stored float16), both or neither.
 
     Raises:
         ValueError: an unknown storage dtype, float8 values without scales (or scales with another storage
-            dtype), float8 encoding without ``num_layers``, or tensors whose lengths disagree with ``lengths``.
+            dtype), float8 encoding without ``num_layers``, tensors whose lengths disagree with ``lengths``, or
+            one of the top-k tensors without the other, or the two of other shapes or not ``[tokens, k]``.
     """
     import torch
 
@@ -430,6 +469,15 @@ def write_chunk(path: str | os.PathLike, *, features: torch.Tensor, lengths: Seq
     tensors["sample_index"] = torch.as_tensor(sample_index, dtype=torch.int64)
     if target_token is not None:
         tensors["target_token"] = torch.as_tensor(target_token).to(torch.int32)
+    if (target_topk_ids is None) != (target_topk_logprobs is None):
+        raise ValueError(f"write_chunk {path}: target_topk_ids and target_topk_logprobs go together")
+    if target_topk_ids is not None:
+        tensors["target_topk_ids"] = torch.as_tensor(target_topk_ids).to(torch.int32)
+        tensors["target_topk_logprobs"] = torch.as_tensor(target_topk_logprobs).to(torch.float16)
+        shapes = {tuple(tensors[n].shape) for n in ("target_topk_ids", "target_topk_logprobs")}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"write_chunk {path}: target_topk_ids / target_topk_logprobs have shapes "
+                             f"{sorted(shapes)}, expected one [tokens, k]")
     num_tokens = int(tensors["offsets"][-1])
     rows = {"offsets": len(lengths) + 1, "sample_index": len(lengths)}
     for name, t in tensors.items():
@@ -568,21 +616,26 @@ class ChunkFile:
             self._fh = safe_open(str(self.path), framework="pt")
         self.names = set(self._fh.keys())
 
-    def check(self, *, storage_dtype: str, has_target_token: bool, width: int, context: str = ""
+    def check(self, *, storage_dtype: str, has_target_token: bool, width: int, context: str = "", top_k: int = 0
               ) -> tuple[list[int], list[int]]:
-        """Check the tensors are there, ``hidden_states`` is ``[tokens, width]`` and ``offsets`` partition the
-        tokens; return ``(offsets, sample_index)`` as lists.
+        """Check the tensors are there, ``hidden_states`` is ``[tokens, width]``, the top-k tensors (``top_k`` > 0)
+        ``[tokens, top_k]``, and ``offsets`` partition the tokens; return ``(offsets, sample_index)`` as lists.
 
         Raises:
-            ValueError: a missing tensor, another width, offsets that do not partition the tokens (the file
-                named, then ``context``).
+            ValueError: a missing tensor, another width (the file named, then ``context``) or k, offsets that do
+                not partition the tokens.
         """
-        for t in chunk_tensors(storage_dtype, has_target_token):
+        for t in chunk_tensors(storage_dtype, has_target_token, top_k):
             if t.name not in self.names:
                 raise ValueError(f"{self.path}: tensor {t.name!r} is missing")
         shape = self._fh.get_slice("hidden_states").get_shape()
         if len(shape) != 2 or shape[1] != width:
             raise ValueError(f"{self.path}: hidden_states has shape {shape}, expected [tokens, {width}]{context}")
+        for name in ("target_topk_ids", "target_topk_logprobs") if top_k > 0 else ():
+            got = self._fh.get_slice(name).get_shape()
+            if list(got) != [shape[0], top_k]:
+                raise ValueError(f"{self.path}: {name} has shape {got}, expected [tokens, k] = [{shape[0]}, {top_k}] "
+                                 "(the index's target_top_k)")
         offsets = self._fh.get_tensor("offsets").tolist()
         rows = self._fh.get_tensor("sample_index").tolist()
         if (len(offsets) != len(rows) + 1 or offsets[0] != 0 or offsets[-1] != shape[0]
@@ -592,10 +645,12 @@ class ChunkFile:
         return offsets, rows
 
     def read(self, start: int = 0, end: int | None = None, dtype: torch.dtype | None = None, *,
-             dequantize: bool = True) -> dict[str, torch.Tensor]:
+             dequantize: bool = True, topk: bool = True) -> dict[str, torch.Tensor]:
         """Tokens ``start:end`` (default all): ``features [T, n*H]`` in ``dtype`` (default float32; float8 decoded
         with :func:`dequantize_fp8`, or with ``dequantize=False`` left float8 as stored, with ``scales [T, n]``
-        float32), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored, ``target_token [T]`` int32."""
+        float32), ``input_ids [T]`` int32, ``loss_mask [T]`` int8 and, when stored, ``target_token [T]`` int32,
+        ``target_topk_ids [T, k]`` int32 and ``target_topk_logprobs [T, k]`` float16 (those two only with
+        ``topk``)."""
         import torch
 
         dtype = dtype or torch.float32
@@ -610,8 +665,9 @@ class ChunkFile:
         out = {"features": hidden if scales is not None else hidden.to(dtype),
                "input_ids": self._fh.get_slice("input_ids")[start:end],
                "loss_mask": self._fh.get_slice("loss_mask")[start:end]}
-        if "target_token" in self.names:
-            out["target_token"] = self._fh.get_slice("target_token")[start:end]
+        for name in ("target_token", "target_topk_ids", "target_topk_logprobs") if topk else ("target_token",):
+            if name in self.names:
+                out[name] = self._fh.get_slice(name)[start:end]
         if scales is not None:
             out["scales"] = scales
         return out
@@ -623,7 +679,8 @@ class ChunkFile:
 
 def read_chunk(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a chunk file, decoded: ``features [tokens, n*H]`` in ``dtype`` (default float32),
-    ``input_ids`` / ``loss_mask`` / ``target_token`` (when stored) ``[tokens]``, ``offsets [samples + 1]`` and
+    ``input_ids`` / ``loss_mask`` / ``target_token`` (when stored) ``[tokens]``, ``target_topk_ids`` /
+    ``target_topk_logprobs`` (when stored) ``[tokens, k]``, ``offsets [samples + 1]`` and
     ``sample_index [samples]`` (see :meth:`ChunkFile.read`; the tensors are backed by the file's memory map)."""
     chunk = ChunkFile(path)
     return {**chunk.read(dtype=dtype), **chunk.samples()}
@@ -734,6 +791,7 @@ class FeatureIndex:
     Attributes:
         meta: the index JSON. samples: one :class:`SampleRef` per stored sample, in index order.
         layer_ids, hidden_size, num_target_layers, storage_dtype, has_target_token: from the index.
+        target_top_k: the index's ``target_top_k``, 0 when absent (:func:`target_top_k`).
 
     The index is held to what it describes at open time, from what is cheap: each chunk entry's ``bytes`` against
     the file's size, ``num_samples`` / ``num_tokens`` / ``rows`` against the chunk header's ``offsets`` and
@@ -762,6 +820,7 @@ class FeatureIndex:
         self.num_target_layers = int(self.meta["num_target_layers"])
         self.storage_dtype = self.meta["storage_dtype"]
         self.has_target_token = bool(self.meta["has_target_token"])
+        self.target_top_k = target_top_k(self.meta)
         self.width = len(self.layer_ids) * self.hidden_size
         self.files: list[Path] = []
         self.chunks: list[ChunkFile] = []
@@ -779,7 +838,7 @@ class FeatureIndex:
             self.chunks.append(ChunkFile(file))
             offsets, rows = self.chunks[ci].check(
                 storage_dtype=self.storage_dtype, has_target_token=self.has_target_token, width=self.width,
-                context=f" ({len(self.layer_ids)} layers x {self.hidden_size})")
+                context=f" ({len(self.layer_ids)} layers x {self.hidden_size})", top_k=self.target_top_k)
             self._check_entry(ci, chunk, file, offsets, rows)
             for i, row in enumerate(rows):
                 if int(row) in self._by_row:
@@ -831,19 +890,25 @@ class FeatureIndex:
                            f"{len(self.samples)} samples)") from None
 
     def read(self, ref: SampleRef, length: int | None = None, dtype: torch.dtype | None = None, *,
-             dequantize: bool = True) -> dict[str, torch.Tensor]:
+             dequantize: bool = True, topk: bool = True) -> dict[str, torch.Tensor]:
         """Tensors of one sample (first ``length`` tokens): ``features [T, n*H]`` in ``dtype`` (default bfloat16;
         fp8 dequantised as ``fp8 * scale`` per token and layer, or with ``dequantize=False`` left float8 with
         ``scales [T, n]`` float32, for decoding on the GPU), ``input_ids`` / ``target_token`` ``[T]`` int64,
-        ``loss_mask`` ``[T]`` bool."""
+        ``loss_mask`` ``[T]`` bool and, with ``target_top_k`` = k > 0 and ``topk``, ``target_topk_ids [T, k]``
+        int64 and ``target_topk_logprobs [T, k]`` float32 (``topk=False``: not read, for a run that trains on the
+        greedy token)."""
         import torch
 
         end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
-        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16, dequantize=dequantize)
+        part = self.chunks[ref.chunk].read(ref.start, end, dtype or torch.bfloat16, dequantize=dequantize,
+                                           topk=topk)
         out = {"features": part["features"], "input_ids": part["input_ids"].long(),
                "loss_mask": part["loss_mask"].bool()}
         if self.has_target_token:
             out["target_token"] = part["target_token"].long()
+        if self.target_top_k and topk:
+            out["target_topk_ids"] = part["target_topk_ids"].long()
+            out["target_topk_logprobs"] = part["target_topk_logprobs"].float()
         if "scales" in part:
             out["scales"] = part["scales"]
         return out

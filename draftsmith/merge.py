@@ -21,9 +21,10 @@ What is checked (every failure names the shard, the chunk and the sample: tokeni
 * **token counts** -- per chunk, the manifest's token count equals the sum of the tokenized
   ``num_tokens`` of its rows; totals equal the tokenized train set's;
 * **metadata** -- layer ids, layer semantics, hidden size, number of target layers, storage dtype,
-  target tokens present or not, target and tokenizer fingerprints and chat template kwargs are equal
-  across shards, agree with ``plan.json``, and (fingerprint, template kwargs) with the tokenized
-  parquet's metadata (a thinking-on/off template mismatch between stages, z-lab dflash #133, is caught);
+  target tokens present or not, the k of the target's top-k (``target_top_k``, absent = 0), target and tokenizer
+  fingerprints and chat template kwargs are equal across shards, agree with ``plan.json``, and (fingerprint,
+  template kwargs) with the tokenized parquet's metadata (a thinking-on/off template mismatch between stages,
+  z-lab dflash #133, is caught);
 * **numeric sanity** -- the per-layer statistics the shards gathered (RMS, non-finite values,
   all-zero rows) are merged into one table; any non-finite value or all-zero row fails (the silent
   all-zero hidden states of vLLM #46301).
@@ -77,6 +78,10 @@ SHARED_FIELDS = (
     "tokenizer_fingerprint",
     "chat_template_kwargs",
 )
+#: Shared metadata added later, with the value every manifest before had: absent reads as that value, shards must
+#: agree on it like on :data:`SHARED_FIELDS`, and index.json records it only at another value (an index of features
+#: without the target's top-k is the same as before the key existed).
+LATER_SHARED_FIELDS: dict[str, Any] = {"target_top_k": 0}
 MANIFEST_FIELDS = ("format", "shard", "num_shards", *SHARED_FIELDS, "num_samples", "num_tokens", "bytes",
                    "chunks")
 CHUNK_FIELDS = ("file", "sha256", "bytes", "num_samples", "num_tokens", "rows", "ids", "stats")
@@ -116,7 +121,7 @@ class Chunk:
     file: str
     path: Path
     entry: dict[str, Any]
-    meta: dict[str, Any]  # the shard manifest's shared metadata (SHARED_FIELDS)
+    meta: dict[str, Any]  # the shard manifest's shared metadata (_shared_meta)
 
     @property
     def where(self) -> str:
@@ -377,21 +382,28 @@ def _read_manifests(manifest_paths: Sequence[str | os.PathLike], num_shards: int
     return manifests
 
 
+def _shared_meta(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's shared metadata: :data:`SHARED_FIELDS`, then :data:`LATER_SHARED_FIELDS` (their earlier value
+    when absent)."""
+    return {**{k: manifest[k] for k in SHARED_FIELDS},
+            **{k: manifest.get(k, before) for k, before in LATER_SHARED_FIELDS.items()}}
+
+
 def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: Tokenized,
                            problems: list[str]) -> dict[str, Any]:
-    """The metadata every shard must share (:data:`SHARED_FIELDS`), checked across shards, against the plan and
+    """The metadata every shard must share (:func:`_shared_meta`), checked across shards, against the plan and
     against the tokenized set's (tokenizer, chat template); empty without manifests."""
     meta: dict[str, Any] = {}
     if manifests:
         ref_shard = min(manifests)
-        meta = {k: manifests[ref_shard][1][k] for k in SHARED_FIELDS}
+        meta = _shared_meta(manifests[ref_shard][1])
         for s, (mpath, manifest) in sorted(manifests.items()):
             chunks = manifest["chunks"]
             context = (f"chunk {chunks[0].get('file')} ({tok.describe_rows(chunks[0].get('rows', []))})"
                        if chunks else "no chunks")
-            for key in SHARED_FIELDS:
-                if manifest[key] != meta[key]:
-                    problems.append(f"shard {s}: {key} {manifest[key]!r} differs from shard {ref_shard}'s "
+            for key, value in _shared_meta(manifest).items():
+                if value != meta[key]:
+                    problems.append(f"shard {s}: {key} {value!r} differs from shard {ref_shard}'s "
                                     f"{meta[key]!r} (shard {s} {context})")
         for key in ("layer_ids", "hidden_size", "num_target_layers"):
             if meta[key] != plan[key]:
@@ -404,7 +416,16 @@ def _check_shared_metadata(manifests: dict, plan: dict, plan_path: str, tok: Tok
             if manifest["storage_dtype"] not in STORAGE_DTYPES:
                 problems.append(f"shard {s}: storage_dtype {manifest['storage_dtype']!r} is not one of "
                                 f"{', '.join(STORAGE_DTYPES)}")
+            if not _valid_top_k(manifest):
+                problems.append(f"shard {s}: target_top_k {manifest['target_top_k']!r} is not a positive integer "
+                                f"stored with target tokens (has_target_token {manifest['has_target_token']!r})")
     return meta
+
+
+def _valid_top_k(meta: dict[str, Any]) -> bool:
+    """Whether a manifest's ``target_top_k`` is absent, or a positive integer beside target tokens."""
+    k = meta.get("target_top_k", 0)
+    return k == 0 or (isinstance(k, int) and not isinstance(k, bool) and k > 0 and meta["has_target_token"] is True)
 
 
 def _check_chunks(manifests: dict, owner: np.ndarray, tok: Tokenized, problems: list[str]
@@ -424,8 +445,7 @@ def _check_chunks(manifests: dict, owner: np.ndarray, tok: Tokenized, problems: 
             if os.path.basename(name) != name or name in ("", ".", ".."):
                 problems.append(f"shard {s} chunks[{j}]: file {name!r} must be a plain file name")
                 continue
-            chunk = Chunk(shard=s, file=name, path=mpath.parent / name, entry=entry,
-                          meta={k: manifest[k] for k in SHARED_FIELDS})
+            chunk = Chunk(shard=s, file=name, path=mpath.parent / name, entry=entry, meta=_shared_meta(manifest))
             rows = np.asarray(entry["rows"], dtype=np.int64)
             for key in sums:
                 sums[key] += int(entry[key])
@@ -508,7 +528,7 @@ def _check_stats(chunks: list[Chunk], tok: Tokenized, problems: list[str]) -> li
 def _check_chunk_files(chunks: list[Chunk], tok: Tokenized, verify_sha256: bool, threads: int,
                        problems: list[str]) -> None:
     """The chunk files themselves (headers; with ``verify_sha256`` every byte), ``threads`` at a time."""
-    checkable = [c for c in chunks if c.meta["storage_dtype"] in STORAGE_DTYPES]
+    checkable = [c for c in chunks if c.meta["storage_dtype"] in STORAGE_DTYPES and _valid_top_k(c.meta)]
 
     def check_batch(batch: list[Chunk]) -> list[str]:
         return [p for c in batch for p in check_chunk_file(c, tok, verify_sha256=verify_sha256)]
@@ -525,7 +545,8 @@ def _check_chunk_files(chunks: list[Chunk], tok: Tokenized, verify_sha256: bool,
 def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk], meta: dict[str, Any],
                  num_shards: int, verify_sha256: bool, base: Path, subset: Any = None) -> dict[str, Any]:
     """The index document (:func:`draftsmith.features.index_document`): chunk paths relative to ``base``, totals,
-    shared metadata, stats (and the plan's ``subset`` when it has one)."""
+    shared metadata (:data:`LATER_SHARED_FIELDS` only at another value than their earlier one), stats (and the plan's
+    ``subset`` when it has one)."""
     folders = {s: os.path.relpath(mpath.parent, base) for s, (mpath, _) in manifests.items()}
     index_chunks = [{"path": os.path.join(folders[c.shard], c.file), "shard": c.shard,
                      "sha256": c.entry["sha256"], "num_samples": int(c.entry["num_samples"]),
@@ -538,7 +559,7 @@ def _build_index(manifests: dict, chunks: list[Chunk], stat_chunks: list[Chunk],
         "num_samples": sum(c["num_samples"] for c in index_chunks),
         "num_tokens": sum(c["num_tokens"] for c in index_chunks),
         "bytes": sum(c["bytes"] for c in index_chunks),
-        **meta,
+        **{k: v for k, v in meta.items() if k not in LATER_SHARED_FIELDS or v != LATER_SHARED_FIELDS[k]},
         "sha256_verified": bool(verify_sha256),
         "layer_stats": merge_layer_stats(stat_chunks, meta["layer_ids"]),
         "stats": {"nonfinite": sum(_count(c.entry["stats"]["nonfinite"]) for c in stat_chunks),
@@ -602,7 +623,8 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
         The index (:data:`draftsmith.features.INDEX_FORMAT`): ``chunks`` (``path``, ``shard``, ``sha256``,
         ``num_samples``, ``num_tokens``, ``bytes``, ``rows``) in shard order, totals
         ``num_samples`` / ``num_tokens`` / ``bytes`` (equal to the tokenized train set's rows and
-        tokens, or to the subset's), the shared metadata (:data:`SHARED_FIELDS`), ``num_shards`` (and ``subset``
+        tokens, or to the subset's), the shared metadata (:data:`SHARED_FIELDS`, and ``target_top_k`` when the
+        shards store the target's top-k: :data:`LATER_SHARED_FIELDS`), ``num_shards`` (and ``subset``
         when the plan has one), ``layer_stats`` (see
         :func:`merge_layer_stats`) and ``stats`` (total non-finite values and zero rows).
 

@@ -70,7 +70,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_plan": {
-        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens"), "runtime": ("disk_headroom",)},
+        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens", "store_target_topk"),
+                    "runtime": ("disk_headroom",)},
         # the tapped layers: target_layer_ids, else num_target_features (else num_layers) evenly spread; the
         # drafter's size only sizes the disk reserve for checkpoints (runtime)
         "drafter": {"output": ("target_layer_ids", "num_target_features"),
@@ -82,7 +83,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_shard": {
-        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "store_target_topk", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "gpu": {"runtime": ("cpu_fallback",)},
@@ -95,7 +96,8 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "train": {"output": ("gpus", "seed", "epochs", "max_steps", "tokens_per_batch", "grad_accum",
                              "eval_fraction"),
                   "runtime": ("keep_checkpoints",)},
-        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens"), "runtime": ("disk_headroom",)},
+        "extract": {"output": ("shards", "storage_dtype", "store_target_tokens", "store_target_topk"),
+                    "runtime": ("disk_headroom",)},
         # the tapped layers (output); the drafter's size only sizes the disk reserve for checkpoints (runtime)
         "drafter": {"output": ("target_layer_ids", "num_target_features"),
                     "runtime": ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -104,13 +106,13 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
         "target": {"output": ("trust_remote_code",)},
     },
     "extract_heldout": {
-        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "store_target_topk", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "gpu": {"runtime": ("cpu_fallback",)},
     },
     "extract_slice": {
-        "extract": {"output": ("storage_dtype", "store_target_tokens", "chunk_tokens"),
+        "extract": {"output": ("storage_dtype", "store_target_tokens", "store_target_topk", "chunk_tokens"),
                     "runtime": ("token_budget", "padding_mask", "require_fla", "disk_headroom", "fuse")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         "gpu": {"runtime": ("cpu_fallback",)},
@@ -132,7 +134,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "disk_plan": {
         "regenerate": {"runtime": ("max_new_tokens", "max_turns", "num_answers")},
         "tokenize": {"runtime": ("max_length", "chat_template_kwargs")},
-        "extract": {"runtime": ("storage_dtype", "store_target_tokens", "disk_headroom")},
+        "extract": {"runtime": ("storage_dtype", "store_target_tokens", "store_target_topk", "disk_headroom")},
         "drafter": {"runtime": ("target_layer_ids", "num_target_features", "num_layers", "intermediate_size",
                                 "num_attention_heads", "num_key_value_heads", "head_dim", "export_dtype",
                                 "architecture", "conv_kernel_size", "conv_group_size", "selector_rank")},
@@ -200,7 +202,8 @@ def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
 #: Output keys added after runs existed, with the value every run before had: a config at that value renders the
 #: rule's params without the key (the text Snakemake recorded for those runs), so upgrading draftsmith reruns nothing;
 #: another value is a new param and reruns the stage. :func:`stage_config` gives the stage the key either way.
-LATER_OUTPUT_KEYS: dict[tuple[str, str], Any] = {("train", "selector_stop_gradient"): True}
+LATER_OUTPUT_KEYS: dict[tuple[str, str], Any] = {("train", "selector_stop_gradient"): True,
+                                                  ("extract", "store_target_topk"): 0}
 
 #: Mappings whose key order is part of the output (the report lists the evaluation sets in config order):
 #: :func:`rule_params` keeps their order and canonicalises their values only.

@@ -38,7 +38,7 @@ from draftsmith.disk import (
     measure_room,
     reserve_bytes,
 )
-from draftsmith.features import shard_plan
+from draftsmith.features import check_target_topk, shard_plan
 from draftsmith.io import CURATED_PARQUET, reading, write_json
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.stages import num_phases
@@ -85,13 +85,22 @@ class PlanTrainOptions(SectionSettings):
 
 @dataclass(frozen=True)
 class PlanExtractOptions(SectionSettings):
-    """The ``extract`` keys: shards per slice, how features are stored, the disk headroom."""
+    """The ``extract`` keys: shards per slice, how features are stored, the disk headroom.
+
+    Raises:
+        ValueError: ``store_target_topk`` > 0 without ``store_target_tokens``
+            (:func:`draftsmith.features.check_target_topk`).
+    """
 
     SECTION: ClassVar[str] = "extract"
     shards: int
     storage_dtype: str
     store_target_tokens: bool
+    store_target_topk: int
     disk_headroom: float
+
+    def __post_init__(self) -> None:
+        check_target_topk(self.store_target_topk, self.store_target_tokens)
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,8 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
         raise ValueError(f"the plan has {len(plan.phases)} phases where train.epochs / stream.reuse x stream.slices "
                          f"gives {expected}")
 
-    per_token = bytes_per_token(len(layer_ids), hidden, x.storage_dtype, x.store_target_tokens)
+    per_token = bytes_per_token(len(layer_ids), hidden, x.storage_dtype, x.store_target_tokens,
+                                target_topk=x.store_target_topk)
     trust = settings.target.trust_remote_code
     reserve = reserve_bytes(target_dir, DrafterSize.from_settings(d, num_taps=len(layer_ids)),
                             keep_checkpoints=t.keep_checkpoints, reserve_gb=s.reserve_gb, trust_remote_code=trust)
@@ -249,7 +259,8 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
              else "")
     if need > free or (separate and reserve > room.reserve_free_bytes):
         fit = disk_fit(**fit_args, storage_dtype=x.storage_dtype, target_token=x.store_target_tokens,
-                       free_bytes=free, headroom=x.disk_headroom, where=out_dir, room=room)
+                       target_topk=x.store_target_topk, free_bytes=free, headroom=x.disk_headroom, where=out_dir,
+                       room=room)
         reserve_text = (f" + a reserve of {reserve / 1e9:.3f} GB = {need / 1e9:.3f} GB, but only {free / 1e9:.3f} GB "
                         f"are free under {out_dir}" if not separate else
                         f" = {need / 1e9:.3f} GB with {free / 1e9:.3f} GB free under {out_dir}, and a reserve of "
@@ -259,8 +270,11 @@ def build_stream_plan(tokenized_path: str | os.PathLike, target_dir: str | os.Pa
             f"stream.slices = {s.slices}: {s.slices_on_disk} slice(s) of up to {largest / 1e9:.3f} GB (x "
             f"extract.disk_headroom {x.disk_headroom}) + the held-out features {held_bytes / 1e9:.3f} GB"
             f"{reserve_text}. For one pass over the data: {fit.message()}")
+    recorded = settings.to_dict()
+    if not x.store_target_topk:  # added later: at 0 the plan reads as the plans of before
+        del recorded["extract"]["store_target_topk"]
     doc = {
-        "format": STREAM_PLAN_FORMAT, "settings": settings.to_dict(), "world": max(1, t.gpus),
+        "format": STREAM_PLAN_FORMAT, "settings": recorded, "world": max(1, t.gpus),
         "lengths_sha256": _lengths_digest(lengths), "tokenized_rows": len(rows),
         "train_samples": len(train_rows), "total_steps": plan.total_steps, "layer_ids": layer_ids,
         "phases": phases, "heldout": {"samples": len(held), "tokens": held_tokens},
@@ -294,6 +308,7 @@ class DiskExtractOptions(SectionSettings):
     SECTION: ClassVar[str] = "extract"
     storage_dtype: str
     store_target_tokens: bool
+    store_target_topk: int
     disk_headroom: float
 
 
@@ -499,7 +514,8 @@ def check_disk_before_regeneration(curated_path: str | os.PathLike, target_dir: 
     def fit(tokens: int):
         return disk_fit(num_tokens=tokens, num_samples=rows, num_layers=tapped, hidden_size=hidden,
                         storage_dtype=x.storage_dtype, target_token=x.store_target_tokens,
-                        free_bytes=room.free_bytes, reserve_bytes=reserve, headroom=x.disk_headroom,
+                        target_topk=x.store_target_topk, free_bytes=room.free_bytes, reserve_bytes=reserve,
+                        headroom=x.disk_headroom,
                         slices=s.slices, slices_on_disk=s.slices_on_disk, room=room, max_slices=max_slices,
                         steps_note=steps)
 

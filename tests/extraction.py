@@ -76,7 +76,8 @@ def stored_samples(folder: Path, manifest: dict):
         for s, row in enumerate(rec["rows"]):
             sl = slice(off[s], off[s + 1])
             yield row, hidden[sl], {k: v[sl] for k, v in t.items()
-                                    if k in ("input_ids", "loss_mask", "target_token")}
+                                    if k in ("input_ids", "loss_mask", "target_token", "target_topk_ids",
+                                             "target_topk_logprobs")}
 
 
 @torch.no_grad()
@@ -97,7 +98,8 @@ def rewrite_chunk(path: Path, change, storage_dtype: str) -> str:
     return write_chunk(path, features=t["hidden_states"], input_ids=t["input_ids"], loss_mask=t["loss_mask"],
                        lengths=[b - a for a, b in zip(offsets, offsets[1:])], sample_index=t["sample_index"].tolist(),
                        target_token=t.get("target_token"), scales=t.get("scales"), storage_dtype=storage_dtype,
-                       metadata=read_safetensors_header(path).metadata or None)
+                       metadata=read_safetensors_header(path).metadata or None,
+                       target_topk_ids=t.get("target_topk_ids"), target_topk_logprobs=t.get("target_topk_logprobs"))
 
 
 def rewrite_index_chunk(index_path: Path, ci: int, change) -> None:

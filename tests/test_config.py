@@ -265,6 +265,22 @@ def test_sampled_regeneration_needs_the_targets_own_labels():
         errors = cross_key_errors({**sampled, **bad})
         assert len(errors) == 1 and "store_target_tokens: true and train.labels: target" in errors[0]
     assert cross_key_errors({"regenerate": {"enabled": False, "temperature": 0.7}, "train": {"labels": "data"}}) == []
+    topk = {"extract": {"store_target_tokens": True, "store_target_topk": 8}, "train": {"labels": "target_topk"}}
+    assert cross_key_errors({**sampled, **topk}) == []
+
+
+def test_soft_labels_need_the_targets_topk_in_the_features():
+    """``train.labels: target_topk`` is refused before anything runs unless extraction stores a top-k of at least
+    2 tokens and the greedy token, naming both keys and their values."""
+    from draftsmith.config import cross_key_errors
+
+    soft = {"train": {"labels": "target_topk"}}
+    assert cross_key_errors({**soft, "extract": {"store_target_topk": 16}}) == []
+    for extract, shown in (({}, "(it is 0)"), ({"store_target_topk": 1}, "(it is 1)"),
+                           ({"store_target_topk": 8, "store_target_tokens": False}, "(it is False)")):
+        errors = cross_key_errors({**soft, "extract": extract})
+        assert len(errors) == 1 and "extract.store_target_topk >= 2" in errors[0] and shown in errors[0]
+    assert cross_key_errors({"extract": {"store_target_topk": 8}, "train": {"labels": "target"}}) == []
 
 
 def test_a_drafter_shape_that_cannot_train_is_refused_before_anything_runs():
@@ -378,6 +394,13 @@ def test_a_later_output_key_at_the_value_runs_before_had_leaves_the_params_as_th
         params = rule_params(changed, stage)
         assert params["train"]["selector_stop_gradient"] is False
         assert stage_config(stage, params, changed)["train"]["selector_stop_gradient"] is False
+    # extract.store_target_topk (soft labels) at 0: every extraction stage's params as before, the key still read
+    assert config["extract"]["store_target_topk"] == 0
+    soft = {**config, "extract": {**config["extract"], "store_target_topk": 16}}
+    for stage in ("extract_plan", "extract_shard", "stream_plan", "extract_heldout", "extract_slice"):
+        assert "store_target_topk" not in rule_params(config, stage)["extract"]
+        assert stage_config(stage, rule_params(config, stage), config)["extract"]["store_target_topk"] == 0
+        assert rule_params(soft, stage)["extract"]["store_target_topk"] == 16
 
 
 def test_gpu_node_drafter_is_the_published_27b_shape():

@@ -91,6 +91,21 @@ def test_bytes_per_token_of_a_27b_hybrid_target():
         disk.bytes_per_token(5, 5120, "float16", True)
 
 
+def test_the_target_topk_adds_six_bytes_a_token_per_k():
+    """extract.store_target_topk = k stores an int32 id and a float16 log-prob per token and k: 6k bytes a token, in
+    every projection (the features, fp8's advice, a plan's shards); k = 0 projects what it did before."""
+    assert disk.bytes_per_token(5, 5120, "bfloat16", True, target_topk=8) == 51_209 + 48
+    assert disk.bytes_per_token(5, 5120, "float8_e4m3fn", True, target_topk=1) == 25_629 + 6
+    assert disk.bytes_per_token(5, 5120, "bfloat16", True, target_topk=0) == 51_209
+    assert (disk.projected_bytes(1000, 10, 5, 5120, "bfloat16", True, 2, target_topk=16)
+            == disk.projected_bytes(1000, 10, 5, 5120, "bfloat16", True, 2) + 1000 * 96)
+    fit, plain = _fit(target_topk=16, free_bytes=10**12), _fit(free_bytes=10**12)
+    assert fit.bytes_per_token == plain.bytes_per_token + 96
+    assert fit.fp8_bytes_per_token == plain.fp8_bytes_per_token + 96
+    assert fit.feature_bytes == plain.feature_bytes + 96 * 1_000_000
+    assert fit.fp8_feature_bytes == plain.fp8_feature_bytes + 96 * 1_000_000
+
+
 def _fit(**kw):
     base = dict(num_tokens=1_000_000, num_samples=5_000, num_layers=5, hidden_size=5120, storage_dtype="bfloat16",
                 target_token=True, reserve_bytes=3 * 10**9, headroom=1.05)

@@ -184,6 +184,120 @@ def test_features_only_stops_after_the_deepest_tapped_layer(tmp_path, targets):
         assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_target_topk_equals_the_models_distribution_per_sample(tmp_path, targets, kind):
+    """extract.store_target_topk = 4, right-padded batches of mixed lengths: per real token the stored ids are
+    torch.topk of the sample's logits alone, most likely first, their float16 log-probs its log_softmax there, and
+    column 0 the stored target_token; the chunks hold the contract's layout and merge into an index of k = 4 whose
+    reader gives them as int64 / float32."""
+    from draftsmith.features import FeatureIndex, expected_tensors, read_safetensors_header
+    from draftsmith.merge import merge_features
+
+    ids, plan = setup_run(tmp_path, targets[kind], shards=2)
+    rows0 = plan["shards"][0]["rows"]
+    assert any(len(set(b.lengths)) >= 3 for b in ex.make_batches(rows0, [LENGTHS[r] for r in rows0], 200))
+    model = tiny_target(kind)
+    manifests, seen = [], []
+    for shard in range(2):
+        man = run_shard(tmp_path, targets[kind], shard=shard, store_target_topk=4)
+        assert man["target_top_k"] == 4 and man["has_target_token"]
+        projected = disk.projected_bytes(man["num_tokens"], man["num_samples"], 3, 64, "float32", True,
+                                         len(man["chunks"]), target_topk=4)
+        assert abs(man["bytes"] - projected) <= 0.02 * projected, (man["bytes"], projected)
+        manifests.append(tmp_path / "features" / f"shard-{shard}" / "manifest.json")
+        folder = manifests[-1].parent
+        for rec in man["chunks"]:
+            header = read_safetensors_header(folder / rec["file"])
+            assert {k: (v["dtype"], v["shape"]) for k, v in header.tensors.items()} == {
+                k: (dtypes[0], shape) for k, (dtypes, shape)
+                in expected_tensors(man, rec["num_samples"], rec["num_tokens"]).items()}
+            assert header.tensors["target_topk_logprobs"]["shape"] == [rec["num_tokens"], 4]
+            assert json.loads(header.metadata["draftsmith"])["target_top_k"] == 4
+        for row, _, t in stored_samples(folder, man):
+            with torch.no_grad():
+                logits = model(torch.from_numpy(ids[row].astype(np.int64))[None], use_cache=False).logits[0]
+            want = torch.topk(logits, 4)
+            assert t["target_topk_ids"].dtype == torch.int32 and t["target_topk_logprobs"].dtype == torch.float16
+            assert torch.equal(t["target_topk_ids"].long(), want.indices), f"{kind} row {row}: top-k ids"
+            torch.testing.assert_close(t["target_topk_logprobs"].float(),
+                                       logits.float().log_softmax(-1).gather(-1, want.indices),
+                                       rtol=2 ** -10, atol=1e-4)  # float16 rounding
+            assert torch.equal(t["target_topk_ids"][:, 0], t["target_token"])
+            assert torch.equal(t["target_token"], logits.argmax(-1).to(torch.int32))
+            seen.append(row)
+    assert sorted(seen) == list(range(len(LENGTHS)))
+    index = merge_features(tmp_path / "plan.json", manifests, tmp_path / "train.parquet",
+                           tmp_path / "features" / "index.json",
+                           settings=MergeSettings.from_config({"merge": {"verify_sha256": True}}))
+    assert index["target_top_k"] == 4
+    features = FeatureIndex(tmp_path / "features" / "index.json")
+    got = features.read(features.ref(3))
+    assert features.target_top_k == 4 and got["target_topk_ids"].shape == (LENGTHS[3], 4)
+    assert got["target_topk_ids"].dtype == torch.int64 and got["target_topk_logprobs"].dtype == torch.float32
+    assert torch.equal(got["target_topk_ids"][:, 0], got["target_token"])
+
+
+def test_default_target_topk_writes_what_extraction_wrote_before(tmp_path, targets):
+    """extract.store_target_topk at its default 0 (or given as 0) changes no output: the manifest, the chunks'
+    tensors and metadata and the resume layout are those of before the key existed (no target_top_k anywhere, the
+    layout key of the same parts), so folders extracted before resume and their indexes keep their fingerprints."""
+    from draftsmith.extract.shard import _chunk_work, _content_hash, _layout_key
+    from draftsmith.features import read_safetensors_header
+
+    setup_run(tmp_path, targets["llama"])
+    man = run_shard(tmp_path, targets["llama"], out="default")
+    assert list(man) == ["format", "shard", "num_shards", "layer_ids", "layer_semantics", "hidden_size",
+                         "num_target_layers", "storage_dtype", "has_target_token", "target_fingerprint",
+                         "tokenizer_fingerprint", "chat_template_kwargs", "num_samples", "num_tokens", "bytes",
+                         "chunks", "stats"]
+    folder = tmp_path / "default" / "shard-0"
+    for rec in man["chunks"]:
+        header = read_safetensors_header(folder / rec["file"])
+        assert sorted(header.tensors) == ["hidden_states", "input_ids", "loss_mask", "offsets", "sample_index",
+                                          "target_token"]
+        assert list(json.loads(header.metadata["draftsmith"])) == ["shard", "layer_ids", "hidden_size",
+                                                                  "storage_dtype", "has_target_token",
+                                                                  "target_fingerprint"]
+    # the layout key of before: the same parts, no target_topk among them
+    opts = ex.ExtractShardSettings.from_config({"extract": {"token_budget": 200, "chunk_tokens": 100}}).extract
+    tok = read_tokenized(tmp_path / "train.parquet")
+    rows = read_json(tmp_path / "plan.json")["shards"][0]["rows"]
+    chunks = _chunk_work(ex.make_batches(rows, [LENGTHS[r] for r in rows], opts.token_budget), tok, opts.chunk_tokens)
+    before = _layout_key(chunks=[[c.rows, c.ids, [list(b.rows) for b in c.batches]] for c in chunks],
+                         layer_ids=LAYER_IDS, storage="float32", target_token=True, padding_mask=True,
+                         target=man["target_fingerprint"], dtype="float32",
+                         content=_content_hash(tok, rows))
+    assert read_json(folder / "progress.json")["layout"] == before
+    again = run_shard(tmp_path, targets["llama"], out="explicit", store_target_topk=0)
+    for rec, other in zip(man["chunks"], again["chunks"]):
+        assert rec["sha256"] == other["sha256"]
+    assert (tmp_path / "explicit/shard-0/manifest.json").read_bytes() == (folder / "manifest.json").read_bytes()
+
+
+def test_target_topk_is_refused_without_target_tokens_or_above_the_vocabulary():
+    with pytest.raises(ValueError, match=r"extract.store_target_topk 4 must be 0, or > 0 with "
+                                         r"extract.store_target_tokens: true \(it is False\)"):
+        ex.ExtractShardSettings.from_config({"extract": {"store_target_topk": 4, "store_target_tokens": False}})
+    with pytest.raises(ValueError, match="extract.store_target_topk -1 must be 0"):
+        ex.ExtractPlanSettings.from_config({"extract": {"store_target_topk": -1}})
+    model = tiny_target("llama")
+    with pytest.raises(ValueError, match=rf"extract.store_target_topk {VOCAB + 1} is outside 0..{VOCAB}"):
+        ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True, target_topk=VOCAB + 1)
+    with pytest.raises(ValueError, match="extract.store_target_topk 2 needs the target tokens"):
+        ex.FeatureExtractor(model, LAYER_IDS, target_tokens=False, target_topk=2)
+    # a target whose logits are not lm_head's output (Gemma's soft-capping, Cohere's scale): its top-k is refused,
+    # its greedy token is not
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match=r"transforms its logits after lm_head \(final_logit_softcapping = 30.0\)"):
+        ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True, target_topk=4)
+    ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True)
+    model.config.final_logit_softcapping = None
+    model.config.logit_scale = 0.0625
+    assert ex.logit_transform(model.config) == "logit_scale = 0.0625"
+    model.config.logit_scale = 1.0
+    assert ex.logit_transform(model.config) == ""
+
+
 def test_bf16_storage_projection_and_stats(tmp_path, targets):
     ids, _ = setup_run(tmp_path, targets["llama"])
     model = tiny_target("llama")
@@ -212,7 +326,8 @@ def test_chunk_writer_is_byte_identical_to_safetensors(tmp_path):
                "input_ids": torch.randint(0, 9, (37,), dtype=torch.int32),
                "loss_mask": torch.ones(37, dtype=torch.int8),
                "offsets": torch.tensor([0, 10, 37]), "sample_index": torch.tensor([4, 2]),
-               "fp8": torch.randn(7, 3).to(torch.float8_e4m3fn), "f32": torch.randn(3, 3)}
+               "fp8": torch.randn(7, 3).to(torch.float8_e4m3fn), "f32": torch.randn(3, 3),
+               "target_topk_logprobs": torch.randn(37, 4).half(), "f16": torch.randn(5).half()}
     meta = {"draftsmith": json.dumps({"layer_ids": [1, 2], "note": 'quote " here'})}
     save_file(tensors, str(tmp_path / "lib.safetensors"), metadata=meta)
     digest = write_safetensors(tmp_path / "ours.safetensors", tensors, metadata=meta)
@@ -220,8 +335,8 @@ def test_chunk_writer_is_byte_identical_to_safetensors(tmp_path):
     assert digest == sha256_file(tmp_path / "ours.safetensors")
     back = load_file(str(tmp_path / "ours.safetensors"))
     assert all(torch.equal(back[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
-    with pytest.raises(ValueError, match="'x' is torch.float16"):
-        write_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(2, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="'x' is torch.float64"):
+        write_safetensors(tmp_path / "bad.safetensors", {"x": torch.zeros(2, dtype=torch.float64)})
 
 
 def test_chunk_round_trip_through_the_features_format(tmp_path):
@@ -251,6 +366,47 @@ def test_chunk_round_trip_through_the_features_format(tmp_path):
     with pytest.raises(ValueError, match="tensor 'input_ids' has 12 rows, 2 samples of 11 tokens need 11"):
         write_chunk(tmp_path / "bad.safetensors", features=x[:11], lengths=[5, 6], sample_index=[0, 1],
                     input_ids=ids, loss_mask=mask[:11], storage_dtype="float32")
+
+
+def test_chunk_with_target_topk_round_trip_and_a_chunk_without_it_is_refused(tmp_path):
+    """write_chunk stores the top-k as the format declares (int32 ids, float16 log-probs, [tokens, k]); ChunkFile
+    reads them back and its check, at the index's k, refuses a chunk without them or of another k, naming the
+    file and the tensor; the writer refuses one of the two without the other."""
+    from draftsmith.features import ChunkFile, expected_tensors, read_safetensors_header, write_chunk
+
+    x = torch.randn(12, 2 * 8)
+    ids, mask = np.arange(12, dtype=np.int64), np.ones(12, dtype=np.int8)
+    top = torch.stack([torch.from_numpy(ids) + j for j in range(3)], dim=1)
+    logprobs = -torch.rand(12, 3).cumsum(1)
+    common = dict(features=x, lengths=[5, 7], sample_index=[9, 4], input_ids=ids, loss_mask=mask,
+                  storage_dtype="bfloat16", target_token=ids)
+    path = tmp_path / "topk.safetensors"
+    write_chunk(path, **common, target_topk_ids=top, target_topk_logprobs=logprobs)
+    meta = {"layer_ids": [1, 3], "hidden_size": 8, "storage_dtype": "bfloat16", "has_target_token": True,
+            "target_top_k": 3}
+    header = read_safetensors_header(path)
+    assert {k: (v["dtype"], v["shape"]) for k, v in header.tensors.items()} == {
+        k: (dtypes[0], shape) for k, (dtypes, shape) in expected_tensors(meta, 2, 12).items()}
+    assert header.tensors["target_topk_ids"]["shape"] == [12, 3]
+    assert header.tensors["target_topk_logprobs"]["dtype"] == "F16"
+    chunk = ChunkFile(path)
+    assert chunk.check(storage_dtype="bfloat16", has_target_token=True, width=16, top_k=3) == ([0, 5, 12], [9, 4])
+    part = chunk.read(5, 12)
+    assert torch.equal(part["target_topk_ids"], top[5:].to(torch.int32))
+    assert torch.equal(part["target_topk_logprobs"], logprobs[5:].half())
+    with pytest.raises(ValueError, match=r"topk\.safetensors: target_topk_ids has shape \[12, 3\], expected "
+                                         r"\[tokens, k\] = \[12, 4\]"):
+        chunk.check(storage_dtype="bfloat16", has_target_token=True, width=16, top_k=4)
+    write_chunk(tmp_path / "plain.safetensors", **common)
+    assert "target_topk_ids" not in ChunkFile(tmp_path / "plain.safetensors").read()
+    with pytest.raises(ValueError, match=r"plain\.safetensors: tensor 'target_topk_ids' is missing"):
+        ChunkFile(tmp_path / "plain.safetensors").check(storage_dtype="bfloat16", has_target_token=True, width=16,
+                                                        top_k=3)
+    with pytest.raises(ValueError, match="target_topk_ids and target_topk_logprobs go together"):
+        write_chunk(tmp_path / "bad.safetensors", **common, target_topk_ids=top)
+    with pytest.raises(ValueError, match="tensor 'target_topk_ids' has 11 rows"):
+        write_chunk(tmp_path / "bad.safetensors", **common, target_topk_ids=top[:11],
+                    target_topk_logprobs=logprobs[:11])
 
 
 # ------------------------------------------------------------------------------------------- resume
@@ -646,6 +802,27 @@ def test_cuda_bf16_padded_equals_alone_on_a_hybrid_target(tmp_path, fuse):
               f"(relative to the row max {worst_rel:.2e}), target_token mismatches {mismatched}/{total}")
         assert worst_rel <= 2 ** -6, worst_rel  # a couple of bf16 ulps at most (kernel choice)
         assert mismatched <= 0.01 * total  # near-ties of bf16 logits may flip between kernels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_target_topk_of_padded_batches(tmp_path):
+    """On the GPU (bf16 logits, pinned host buffers filled on a side stream): the stored top 4 of right-padded
+    batches are those of each sample alone but for near-ties of bf16 logits, column 0 is the stored target_token."""
+    model = tiny_target("llama").to(torch.bfloat16).cuda()
+    model.save_pretrained(tmp_path / "target")
+    ids, _ = setup_run(tmp_path, tmp_path / "target")
+    man = run_shard(tmp_path, tmp_path / "target", model=model, store_target_topk=4, storage_dtype="bfloat16")
+    mismatched, total = 0, 0
+    for row, _, t in stored_samples(tmp_path / "features" / "shard-0", man):
+        assert torch.equal(t["target_topk_ids"][:, 0], t["target_token"])
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids[row].astype(np.int64))[None].cuda(), use_cache=False).logits[0]
+        want = logits.float().log_softmax(-1).topk(4, dim=-1)
+        same = t["target_topk_ids"].long() == want.indices.cpu()
+        mismatched, total = mismatched + int((~same).sum()), total + same.numel()
+        got = t["target_topk_logprobs"].float()
+        assert ((got - want.values.cpu()).abs() <= 0.05)[same].all()
+    assert mismatched <= 0.02 * total, (mismatched, total)  # near-ties of bf16 logits may swap between kernels
 
 
 def test_hybrid_on_cpu_with_fla_installed_is_refused_with_a_sentence(targets, monkeypatch):

@@ -83,9 +83,10 @@ def _stats(hidden: torch.Tensor, n_layers: int) -> dict:
 
 
 def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int, layer_ids, storage="bfloat16",
-                target_token=True, chunk_samples=2, input_ids=None, loss_mask=None, seed=0, subset=None) -> Path:
+                target_token=True, chunk_samples=2, input_ids=None, loss_mask=None, seed=0, subset=None,
+                top_k=0) -> Path:
     """Write shard-{shard}/ chunk files + manifest to the extraction contract (a subset plan's manifest records
-    its ``subset``)."""
+    its ``subset``; ``top_k`` > 0 stores the target's top-k and records ``target_top_k``)."""
     folder = fs.root / "features" / f"shard-{shard}"
     folder.mkdir(parents=True, exist_ok=True)
     n = len(layer_ids)
@@ -96,11 +97,15 @@ def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int,
         lengths = [fs.lengths[r] for r in part]
         hidden = torch.randn(sum(lengths), n * HIDDEN, generator=gen) * (1 + torch.arange(n).repeat_interleave(HIDDEN))
         tt = torch.randint(3, 500, (len(hidden),), dtype=torch.int32, generator=gen) if target_token else None
+        topk = {}
+        if top_k:
+            topk = {"target_topk_ids": torch.randint(3, 500, (len(hidden), top_k), generator=gen),
+                    "target_topk_logprobs": -torch.rand(len(hidden), top_k, generator=gen).cumsum(1)}
         name = f"chunk-{j // chunk_samples:05d}.safetensors"
         write_chunk(folder / name, features=hidden, lengths=lengths, sample_index=part,
                     input_ids=np.concatenate([input_ids[r] for r in part]),
                     loss_mask=np.concatenate([loss_mask[r] for r in part]), storage_dtype=storage,
-                    target_token=tt, num_layers=n)
+                    target_token=tt, num_layers=n, **topk)
         stored = read_chunk(folder / name)["features"]  # float32, as stored (fp8 decoded)
         offsets = np.cumsum([0, *lengths]).tolist()
         for k, r in enumerate(part):
@@ -113,7 +118,8 @@ def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int,
         "format": "draftsmith.features/1", "shard": shard, "num_shards": num_shards,
         **({"subset": subset} if subset is not None else {}), "layer_ids": list(layer_ids),
         "layer_semantics": SEMANTICS, "hidden_size": HIDDEN, "num_target_layers": 4, "storage_dtype": storage,
-        "has_target_token": target_token, "target_fingerprint": "target-fp", "tokenizer_fingerprint": "tok-fp",
+        "has_target_token": target_token, **({"target_top_k": top_k} if top_k else {}),
+        "target_fingerprint": "target-fp", "tokenizer_fingerprint": "tok-fp",
         "chat_template_kwargs": {}, "num_samples": len(rows), "num_tokens": sum(c["num_tokens"] for c in chunks),
         "bytes": sum(c["bytes"] for c in chunks), "chunks": chunks, "stats": _stats(all_hidden, n),
     }
@@ -122,7 +128,7 @@ def write_shard(fs: FeatureSet, shard: int, rows: list[int], *, num_shards: int,
 
 
 def make_feature_set(root: Path, *, num_rows=9, num_shards=2, layer_ids=(1, 3), shard_layer_ids=None,
-                     storage="bfloat16", target_token=True, chunk_samples=2) -> FeatureSet:
+                     storage="bfloat16", target_token=True, chunk_samples=2, top_k=0) -> FeatureSet:
     """A complete, correct feature set: tokenized train parquet, plan.json, one manifest per shard."""
     lengths = [5 + (7 * r) % 11 for r in range(num_rows)]
     ids = [f"{r:04x}c0ffee{r:02d}" + ("#1" if r % 3 == 0 else "") for r in range(num_rows)]
@@ -141,7 +147,7 @@ def make_feature_set(root: Path, *, num_rows=9, num_shards=2, layer_ids=(1, 3), 
         lids = (shard_layer_ids or {}).get(s, layer_ids)
         fs.manifests.append(write_shard(fs, s, rows, num_shards=num_shards, layer_ids=lids, storage=storage,
                                         target_token=target_token, chunk_samples=chunk_samples,
-                                        input_ids=input_ids, loss_mask=loss_mask))
+                                        input_ids=input_ids, loss_mask=loss_mask, top_k=top_k))
     return fs
 
 
@@ -321,6 +327,64 @@ def test_broken_features_and_header_shapes_fail(tmp_path):
     _edit_manifest(fs, 0, lambda m: m.update(bytes=sum(c["bytes"] for c in m["chunks"])))
     msg = _fail(fs)
     assert "shard 0 chunk chunk-00000.safetensors" in msg and "no tensor 'target_token'" in msg
+
+
+def test_target_topk_is_carried_by_merge_and_checked_in_every_chunk(tmp_path):
+    """Shards storing the target's top-k (target_top_k 3) merge into an index recording it, whose reader gives the
+    tensors; a chunk without them, of another k, or shards disagreeing on k fail naming shard and chunk. Features
+    without top-k merge into an index without the key (as before it existed), and such an index reads as k = 0."""
+    from draftsmith.features import FeatureIndex
+    from draftsmith.train.plan import FeatureMeta
+
+    fs = make_feature_set(tmp_path / "k3", top_k=3, storage="float8_e4m3fn")
+    index = fs.merge(verify_sha256=True)
+    assert index["target_top_k"] == 3 and list(index).index("target_top_k") > list(index).index("has_target_token")
+    header = read_safetensors_header(fs.index.parent / index["chunks"][0]["path"])
+    tokens = index["chunks"][0]["num_tokens"]
+    assert (header.tensors["target_topk_ids"]["dtype"], header.tensors["target_topk_ids"]["shape"]) == ("I32",
+                                                                                                        [tokens, 3])
+    assert (header.tensors["target_topk_logprobs"]["dtype"],
+            header.tensors["target_topk_logprobs"]["shape"]) == ("F16", [tokens, 3])
+    features = FeatureIndex(fs.index)
+    assert features.target_top_k == 3 and FeatureMeta.of(features).target_top_k == 3
+    got = features.read(features.ref(4))
+    assert got["target_topk_ids"].shape == (fs.lengths[4], 3) and got["target_topk_logprobs"].dtype == torch.float32
+
+    fs.index.unlink()  # shard 1 recorded without the top-k: the shards disagree
+    _edit_manifest(fs, 1, lambda m: m.pop("target_top_k"))
+    msg = _fail(fs)
+    assert "shard 1: target_top_k 0 differs from shard 0's 3" in msg
+    _edit_manifest(fs, 1, lambda m: m.update(target_top_k=4))  # the manifest says 4, its chunks hold 3
+    msg = _fail(fs)
+    assert "shard 1 chunk chunk-00000.safetensors" in msg and "tensor 'target_topk_ids' is I32 [" in msg
+    assert "the manifest implies I32" in msg and ", 4]" in msg
+    for s in (0, 1):
+        _edit_manifest(fs, s, lambda m: m.update(target_top_k="3"))
+    assert "shard 0: target_top_k '3' is not a positive integer" in _fail(fs)
+
+    # a chunk rewritten without the top-k while its manifest records them
+    fs = make_feature_set(tmp_path / "missing", top_k=2)
+    path = fs.chunk_path(0, 1)
+    t = read_chunk(path, dtype=torch.bfloat16)
+    write_chunk(path, features=t["features"], lengths=np.diff(t["offsets"].numpy()), sample_index=t["sample_index"],
+                input_ids=t["input_ids"], loss_mask=t["loss_mask"], storage_dtype="bfloat16",
+                target_token=t["target_token"])
+    _edit_manifest(fs, 0, lambda m: m["chunks"][1].update(bytes=path.stat().st_size))
+    _edit_manifest(fs, 0, lambda m: m.update(bytes=sum(c["bytes"] for c in m["chunks"])))
+    msg = _fail(fs)
+    assert "shard 0 chunk chunk-00001.safetensors" in msg and "no tensor 'target_topk_ids'" in msg
+    assert "no tensor 'target_topk_logprobs'" in msg
+
+    # no top-k: no key in the manifests nor in the index; such an index (any written before the key) reads as 0
+    fs = make_feature_set(tmp_path / "k0")
+    assert "target_top_k" not in fs.manifest(0)
+    index = fs.merge()
+    assert "target_top_k" not in index and "target_top_k" not in read_json(fs.index)
+    features = FeatureIndex(fs.index)
+    meta = FeatureMeta.of(features)
+    assert features.target_top_k == 0 and meta.target_top_k == 0 and "target_top_k" not in meta.meta
+    got = features.read(features.ref(0))
+    assert "target_topk_ids" not in got and "target_topk_logprobs" not in got
 
 
 def test_float8_storage_with_scales_merges(tmp_path):

@@ -72,6 +72,21 @@ def test_the_plan_writes_each_slice_s_extraction_plan(tmp_path, target):
             seen |= rows
 
 
+def test_the_plan_counts_the_target_topk_and_records_it_only_when_stored(tmp_path, target):
+    """extract.store_target_topk = 8 adds 6 x 8 bytes a token to the slices' projection and is recorded with the
+    plan's settings; at its default 0 the plan records the settings it did before the key existed."""
+    write_tokenized(tmp_path / "train.parquet", LENGTHS)
+    plain = st.build_stream_plan(tmp_path / "train.parquet", target, tmp_path / "plain", _settings())
+    topk = st.build_stream_plan(tmp_path / "train.parquet", target, tmp_path / "topk",
+                                _settings(extract={"store_target_topk": 8}))
+    assert topk["disk"]["bytes_per_token"] == plain["disk"]["bytes_per_token"] + 48
+    assert [p["bytes"] for p in topk["phases"]] == [p["bytes"] + 48 * p["tokens"] for p in plain["phases"]]
+    assert topk["settings"]["extract"]["store_target_topk"] == 8
+    assert "store_target_topk" not in plain["settings"]["extract"]
+    with pytest.raises(ValueError, match="extract.store_target_topk 8 must be 0, or > 0 with"):
+        _settings(extract={"store_target_topk": 8, "store_target_tokens": False})
+
+
 def test_a_plan_whose_slices_do_not_fit_is_refused_naming_what_fits(tmp_path, target, monkeypatch):
     write_tokenized(tmp_path / "train.parquet", LENGTHS)
     settings = _settings(stream={"reserve_gb": 0})

@@ -57,6 +57,7 @@ from draftsmith.extract.shard import (
     ShardTargetOptions,
     chunk_name,
     extract_shard,
+    logit_transform,
     make_batches,
     make_chunks,
 )
@@ -65,5 +66,5 @@ __all__ = [
     "Batch", "ExtractHeldoutSettings", "ExtractPlanSettings", "ExtractShardSettings", "ExtractSliceSettings",
     "FeatureExtractor", "FeatureSanityError", "PlanDrafterOptions", "PlanExtractOptions", "PlanStreamOptions",
     "PlanTargetOptions", "PlanTrainOptions", "ShardExtractOptions", "ShardTargetOptions", "build_plan", "chunk_name",
-    "extract_shard", "make_batches", "make_chunks", "resolve_layer_ids",
+    "extract_shard", "logit_transform", "make_batches", "make_chunks", "resolve_layer_ids",
 ]

@@ -123,10 +123,10 @@ def finished_bytes(folders: list[Path], rows: set[int]) -> int:
 
 
 def bytes_left(plan: dict, shard: int, own_left: int, dirs: list[list[Path]], *, storage: str, want_tt: bool,
-               chunk_tokens: int) -> dict[int, int]:
+               chunk_tokens: int, target_topk: int = 0) -> dict[int, int]:
     """Bytes every shard of ``plan`` still has to write: ``own_left`` for ``shard``; for another shard its projected
-    bytes (:func:`draftsmith.disk.projected_bytes`, chunks of ``chunk_tokens``) minus its finished chunks on disk
-    in ``dirs[j]`` (:func:`finished_bytes`), at least 0."""
+    bytes (:func:`draftsmith.disk.projected_bytes`, chunks of ``chunk_tokens``, the target's top ``target_topk``)
+    minus its finished chunks on disk in ``dirs[j]`` (:func:`finished_bytes`), at least 0."""
     n_layers, hidden = len(plan["layer_ids"]), int(plan["hidden_size"])
     left = {shard: own_left}
     for spec in plan["shards"]:
@@ -134,6 +134,7 @@ def bytes_left(plan: dict, shard: int, own_left: int, dirs: list[list[Path]], *,
         if j == shard:
             continue
         n_chunks = -(-tokens // int(chunk_tokens))
-        projected = projected_bytes(tokens, len(spec["rows"]), n_layers, hidden, storage, want_tt, n_chunks)
+        projected = projected_bytes(tokens, len(spec["rows"]), n_layers, hidden, storage, want_tt, n_chunks,
+                                    target_topk=target_topk)
         left[j] = max(0, projected - finished_bytes(dirs[j], set(spec["rows"])))
     return left

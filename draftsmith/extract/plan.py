@@ -18,12 +18,11 @@ from typing import ClassVar
 from draftsmith.disk import (
     DrafterSize,
     PlanDrafterOptions,
-    bytes_per_token,
     disk_fit,
     measure_room,
     reserve_bytes,
 )
-from draftsmith.features import shard_plan, storage_torch_dtype
+from draftsmith.features import check_target_topk, shard_plan, storage_torch_dtype
 from draftsmith.settings import SectionSettings, StageSettings
 from draftsmith.target import target_dims
 from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids
@@ -37,17 +36,20 @@ class PlanExtractOptions(SectionSettings):
     """The ``extract`` keys rule extract_plan reads: the shard count and what the projected bytes depend on.
 
     Raises:
-        ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`.
+        ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`; ``store_target_topk``
+            > 0 without ``store_target_tokens`` (:func:`draftsmith.features.check_target_topk`).
     """
 
     SECTION: ClassVar[str] = "extract"
     shards: int
     storage_dtype: str
     store_target_tokens: bool
+    store_target_topk: int
     disk_headroom: float
 
     def __post_init__(self) -> None:
         storage_torch_dtype(self.storage_dtype)  # refuses an unknown name
+        check_target_topk(self.store_target_topk, self.store_target_tokens)
 
 
 @dataclass(frozen=True)
@@ -153,13 +155,15 @@ def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike,
              plan["tokenized_rows"], plan["tokenized_tokens"], num_shards, min(loads), max(loads),
              layer_ids)
     storage, want_tt = settings.extract.storage_dtype, bool(settings.extract.store_target_tokens)
+    top_k = int(settings.extract.store_target_topk)
     room = measure_room(where, drafter_dir, results_dir=results_dir)
-    fit = disk_fit(**fit_args, storage_dtype=storage, target_token=want_tt, free_bytes=room.free_bytes,
-                   headroom=float(settings.extract.disk_headroom), where=where, room=room)
+    fit = disk_fit(**fit_args, storage_dtype=storage, target_token=want_tt, target_topk=top_k,
+                   free_bytes=room.free_bytes, headroom=float(settings.extract.disk_headroom), where=where, room=room)
+    what = (" + target tokens" if want_tt else "") + (f" + top-{top_k}" if top_k else "")
     log.info("projected features: %.3f GB (%d bytes/token: %d layers x %d x %s%s); reserve %.3f GB; %.3f GB free "
-             "under %s%s", fit.feature_bytes / 1e9, bytes_per_token(len(layer_ids), hidden, storage, want_tt),
-             len(layer_ids), hidden, storage, " + target tokens" if want_tt else "", reserve / 1e9,
-             fit.free_bytes / 1e9, where, f" ({fit.reserve_free_bytes / 1e9:.3f} GB free under {fit.reserve_where} "
-             "for the reserve)" if fit.reserve_where else "")
+             "under %s%s", fit.feature_bytes / 1e9, fit.bytes_per_token, len(layer_ids), hidden, storage, what,
+             reserve / 1e9, fit.free_bytes / 1e9, where,
+             f" ({fit.reserve_free_bytes / 1e9:.3f} GB free under {fit.reserve_where} for the reserve)"
+             if fit.reserve_where else "")
     fit.check()
     return plan

@@ -30,6 +30,7 @@ from draftsmith.features import (
     LAYER_SEMANTICS,
     PLAN_FORMAT,
     PROGRESS_FORMAT,
+    check_target_topk,
     quantize_fp8,
     row_absmax,
     storage_torch_dtype,
@@ -140,6 +141,12 @@ class FeatureExtractor:
     The argmax equals that of the model's logits for HF decoders whose logits are a monotone map of
     ``lm_head`` output (logit scaling, tanh soft-capping).
 
+    With ``target_topk`` = k > 0 the same slices also give the k most likely next tokens: the float32
+    ``log_softmax`` of ``lm_head`` output over the whole vocabulary, its top k (most likely first) and their
+    log-probabilities (not renormalised over the k); ``target_token`` is then column 0 of the ids (the argmax; on an
+    exact tie, the one ``topk`` ranks first). They are the distribution of decoders whose logits are ``lm_head``
+    output itself (a target that scales or caps its logits after ``lm_head`` has another one).
+
     Args:
         model: a loaded ``AutoModelForCausalLM`` (eval mode).
         layer_ids: target layer ids (id i = output of decoder layer i).
@@ -148,10 +155,15 @@ class FeatureExtractor:
             causal model never lets a real token see a pad, so ``False`` gives the same features
             (tested) and lets SDPA skip the mask.
         pad_token_id: id written into pad positions (any valid id).
+        target_topk: k, also return the target's top-k next tokens and their log-probabilities (0: none).
+
+    Raises:
+        ValueError: no output embeddings with ``target_tokens``; ``target_topk`` > 0 without ``target_tokens``, or
+            above the vocabulary (``extract.store_target_topk`` named).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], *, target_tokens: bool,
-                 padding_mask: bool = True, pad_token_id: int | None = None):
+                 padding_mask: bool = True, pad_token_id: int | None = None, target_topk: int = 0):
         self.model = model
         self.layer_ids = list(layer_ids)
         self.num_layers = len(self.layer_ids)
@@ -166,6 +178,19 @@ class FeatureExtractor:
         cfg = text_config(model.config)
         self.hidden = int(cfg.hidden_size)
         self.vocab = int(cfg.vocab_size)
+        self.target_topk = int(target_topk)
+        if self.target_topk and not target_tokens:
+            raise ValueError(f"extract.store_target_topk {self.target_topk} needs the target tokens: set "
+                             "extract.store_target_tokens: true")
+        if not 0 <= self.target_topk <= self.vocab:
+            raise ValueError(f"extract.store_target_topk {self.target_topk} is outside 0..{self.vocab} (the "
+                             "target's vocabulary)")
+        transform = logit_transform(cfg)
+        if self.target_topk and transform:
+            raise ValueError(f"extract.store_target_topk {self.target_topk}: {type(model).__name__} transforms its "
+                             f"logits after lm_head ({transform}), so lm_head's top-k would not be its distribution; "
+                             "soft labels are built for targets whose logits are lm_head's output: set "
+                             "extract.store_target_topk: 0 and train.labels: target")
         pad = pad_token_id if pad_token_id is not None else getattr(cfg, "pad_token_id", None)
         self.pad_token_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab else 0
         self.forward_calls = 0
@@ -179,14 +204,15 @@ class FeatureExtractor:
         self.capture.clear()
 
     @torch.inference_mode()
-    def __call__(self, samples: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, samples: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         """Features of one batch.
 
         Args:
             samples: token ids of each row (int arrays), longest first or any order.
         Returns:
             ``(hidden [T, n_layers * H] in the model dtype on the model device, target_token [T] int32
-            or None)`` with T = sum of lengths, rows concatenated in the given order.
+            or None)`` with T = sum of lengths, rows concatenated in the given order; with ``target_topk`` = k > 0
+            ``(hidden, target_token, topk_ids [T, k] int32, topk_logprobs [T, k] float16)`` (on the model device).
         """
         lengths = [len(s) for s in samples]
         bsz, seq = len(samples), max(lengths)
@@ -213,6 +239,8 @@ class FeatureExtractor:
         if self.target_tokens:
             last = out.last_hidden_state  # after the final norm
             last = last[0] if index is None else last.reshape(bsz * seq, -1).index_select(0, index)
+            if self.target_topk:
+                return hidden, *self._topk_logits(last)
             target_token = self._argmax_logits(last)
         return hidden, target_token
 
@@ -224,6 +252,36 @@ class FeatureExtractor:
             out[a:a + step] = self.lm_head(last[a:a + step]).argmax(-1).to(torch.int32)
         return out
 
+    def _topk_logits(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(target_token [T] int32, topk_ids [T, k] int32, topk_logprobs [T, k] float16)``: the argmax of
+        ``lm_head(last)`` as :meth:`_argmax_logits` takes it (the same token as without the top-k, ties included),
+        and the top k of ``log_softmax(lm_head(last).float())`` per token, most likely first; in slices bounding the
+        logits and their float32 log-probabilities to LOGITS_CHUNK_BYTES."""
+        k, n = self.target_topk, last.shape[0]
+        step = max(1, LOGITS_CHUNK_BYTES // (self.vocab * (4 + max(4, last.element_size()))))
+        token = torch.empty(n, dtype=torch.int32, device=last.device)
+        ids = torch.empty(n, k, dtype=torch.int32, device=last.device)
+        logprobs = torch.empty(n, k, dtype=torch.float16, device=last.device)
+        for a in range(0, n, step):
+            logits = self.lm_head(last[a:a + step])
+            token[a:a + step] = logits.argmax(-1).to(torch.int32)
+            values, top = logits.float().log_softmax(-1).topk(k, dim=-1, sorted=True)
+            ids[a:a + step] = top.to(torch.int32)
+            logprobs[a:a + step] = values.to(torch.float16)
+        return token, ids, logprobs
+
+
+def logit_transform(config) -> str:
+    """What a target's ``config`` (its text config) does to ``lm_head``'s output before its logits: ``""`` for
+    none, else the keys that say it (``final_logit_softcapping`` of Gemma 2 / 3, ``logit_scale`` of Cohere,
+    ``logits_scaling`` of Granite, when set and not the identity)."""
+    found = []
+    for key, identity in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+        value = getattr(config, key, None)
+        if value is not None and value != identity and not (key == "final_logit_softcapping" and not value):
+            found.append(f"{key} = {value}")
+    return ", ".join(found)
+
 
 # --------------------------------------------------------------------------------------------------
 # the shard job
@@ -232,15 +290,17 @@ class FeatureExtractor:
 @dataclass(frozen=True)
 class ShardExtractOptions(SectionSettings):
     """The ``extract`` keys rule extract_shard reads: what the chunks hold (``storage_dtype``,
-    ``store_target_tokens``, ``chunk_tokens``) and how the forwards run (the others).
+    ``store_target_tokens``, ``store_target_topk``, ``chunk_tokens``) and how the forwards run (the others).
 
     Raises:
-        ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`.
+        ValueError: a ``storage_dtype`` not in :data:`draftsmith.features.STORAGE_DTYPES`; ``store_target_topk``
+            > 0 without ``store_target_tokens`` (or negative).
     """
 
     SECTION: ClassVar[str] = "extract"
     storage_dtype: str
     store_target_tokens: bool
+    store_target_topk: int
     chunk_tokens: int
     token_budget: int
     padding_mask: bool
@@ -250,6 +310,7 @@ class ShardExtractOptions(SectionSettings):
 
     def __post_init__(self) -> None:
         storage_torch_dtype(self.storage_dtype)  # refuses an unknown name
+        check_target_topk(self.store_target_topk, self.store_target_tokens)
 
 
 @dataclass(frozen=True)
@@ -425,7 +486,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         manifest_path: ``results/features/shard-{i}/manifest.json`` (stream mode:
             ``results/stream/phase-{p}/shard-{i}/manifest.json``).
         shard: shard index in the plan.
-        settings: the stage's keys: ``extract`` (storage_dtype, store_target_tokens, chunk_tokens,
+        settings: the stage's keys: ``extract`` (storage_dtype, store_target_tokens, store_target_topk, chunk_tokens,
             token_budget, padding_mask, require_fla, disk_headroom, fuse) and ``target`` (dtype,
             attn_implementation, trust_remote_code).
         model: an already loaded target (tests, benchmarks); else it is loaded with
@@ -455,7 +516,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
         RuntimeError: the output folder and the staging folder both hold files.
     """
     opts = settings.extract
-    storage, want_tt = opts.storage_dtype, bool(opts.store_target_tokens)
+    storage, want_tt, top_k = opts.storage_dtype, bool(opts.store_target_tokens), int(opts.store_target_topk)
     manifest_path = Path(manifest_path)
     out = manifest_path.parent
     folder = out if staging_dir is None else open_staging(Path(staging_dir), out)
@@ -477,7 +538,8 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     layout = _layout_key(chunks=[[c.rows, c.ids, [list(b.rows) for b in c.batches]] for c in chunks],
                          layer_ids=layer_ids, storage=storage, target_token=want_tt,
                          padding_mask=bool(opts.padding_mask), target=fingerprint,
-                         dtype=model_dtype.replace("torch.", ""), content=_content_hash(tok, rows))
+                         dtype=model_dtype.replace("torch.", ""), content=_content_hash(tok, rows),
+                         **({"target_topk": top_k} if top_k else {}))  # k = 0 keeps the layouts of before
     done = _resume_chunks(folder, name, layout, chunks)
     todo = [c for c in chunks if c.index not in done]
     dirs = shard_folders(plan["num_shards"], out, staging_dir, shard_dirs)
@@ -490,6 +552,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     common.update({
         "layer_ids": layer_ids, "layer_semantics": LAYER_SEMANTICS, "hidden_size": hidden,
         "num_target_layers": plan["num_target_layers"], "storage_dtype": storage, "has_target_token": want_tt,
+        **({"target_top_k": top_k} if top_k else {}),  # absent = 0 (draftsmith.features.target_top_k)
         "target_fingerprint": fingerprint, "tokenizer_fingerprint": tok.metadata.get("tokenizer_fingerprint"),
         "chat_template_kwargs": tok.metadata.get("chat_template_kwargs") or {},
     })
@@ -544,12 +607,13 @@ def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: in
             the plan's ``disk.fit``, the smallest ``stream.slices`` that fits the whole run and what fp8 would need.
     """
     n_layers, hidden, headroom = len(plan["layer_ids"]), int(plan["hidden_size"]), float(opts.disk_headroom)
+    top_k = int(opts.store_target_topk)
     rows, tokens = sum(len(c.rows) for c in chunks), sum(c.num_tokens for c in chunks)
-    total = projected_bytes(tokens, rows, n_layers, hidden, storage, want_tt, len(chunks))
+    total = projected_bytes(tokens, rows, n_layers, hidden, storage, want_tt, len(chunks), target_topk=top_k)
     own_left = projected_bytes(sum(c.num_tokens for c in todo), sum(len(c.rows) for c in todo), n_layers, hidden,
-                               storage, want_tt, len(todo))
+                               storage, want_tt, len(todo), target_topk=top_k)
     left = bytes_left(plan, shard, own_left, dirs, storage=storage, want_tt=want_tt,
-                      chunk_tokens=int(opts.chunk_tokens))
+                      chunk_tokens=int(opts.chunk_tokens), target_topk=top_k)
     remaining, reserve = sum(left.values()), int(plan.get("reserve_bytes", 0))
     disk = plan.get("disk") or {}
     drafter_dir = plan_dir / disk["drafter_dir"] if disk.get("drafter_dir") else None
@@ -560,9 +624,10 @@ def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: in
     log.info("%s: %d rows, %d tokens, %d batches, %d chunks (%d already done); projected %.3f GB "
              "(%d bytes/token: %d layers x %d x %s%s), %.3f GB still to write (%.3f GB by all %d shards of the "
              "plan), reserve %.3f GB, %.3f GB free", name, rows, tokens, num_batches, len(chunks),
-             len(chunks) - len(todo), total / 1e9, bytes_per_token(n_layers, hidden, storage, want_tt), n_layers,
-             hidden, storage, " + target tokens" if want_tt else "", own_left / 1e9, remaining / 1e9,
-             plan["num_shards"], reserve / 1e9, free / 1e9)
+             len(chunks) - len(todo), total / 1e9,
+             bytes_per_token(n_layers, hidden, storage, want_tt, target_topk=top_k), n_layers, hidden, storage,
+             (" + target tokens" if want_tt else "") + (f" + top-{top_k}" if top_k else ""), own_left / 1e9,
+             remaining / 1e9, plan["num_shards"], reserve / 1e9, free / 1e9)
     need = needed_bytes(remaining, headroom, reserve - elsewhere)
     short_elsewhere = elsewhere > (room.reserve_free_bytes or 0)
     if todo and (free < need or short_elsewhere):
@@ -579,12 +644,13 @@ def _check_disk(folder: Path, name: str, shard: int, plan: dict, num_batches: in
         if disk.get("fit"):  # the whole run's advice, the features written so far counted as free
             chunk_tokens = int(opts.chunk_tokens)
             whole = {int(s["shard"]): projected_bytes(int(s["num_tokens"]), len(s["rows"]), n_layers, hidden,
-                                                      storage, want_tt, -(-int(s["num_tokens"]) // chunk_tokens))
+                                                      storage, want_tt, -(-int(s["num_tokens"]) // chunk_tokens),
+                                                      target_topk=top_k)
                      for s in plan["shards"]}
             whole[shard] = total  # as bytes_left counts each shard
             done = sum(max(0, whole[j] - left.get(j, 0)) for j in whole)
-            fit = disk_fit(**disk["fit"], storage_dtype=storage, target_token=want_tt, free_bytes=free + done,
-                           headroom=headroom, room=replace(room, free_bytes=free + done))
+            fit = disk_fit(**disk["fit"], storage_dtype=storage, target_token=want_tt, target_topk=top_k,
+                           free_bytes=free + done, headroom=headroom, room=replace(room, free_bytes=free + done))
             message += (f". For the whole run (the {done / 1e9:.3f} GB of features written so far counted as "
                         f"free): {fit.message()}")
         else:
@@ -646,11 +712,14 @@ def _write_manifest(manifest_path: Path, name: str, common: dict, records: list[
 @dataclass
 class _HostBuffer:
     """Host memory (pinned on CUDA) for one chunk's rows: features in the storage dtype ``[capacity, n*H]``,
-    float8 scales ``[capacity, n]`` float32, target tokens ``[capacity]`` int32."""
+    float8 scales ``[capacity, n]`` float32, target tokens ``[capacity]`` int32, the target's top k
+    ``[capacity, k]`` int32 ids and float16 log-probs."""
 
     features: torch.Tensor
     scales: torch.Tensor | None
     target_token: torch.Tensor | None
+    target_topk_ids: torch.Tensor | None = None
+    target_topk_logprobs: torch.Tensor | None = None
 
     def rows(self, n: int) -> dict[str, torch.Tensor | None]:
         """The first ``n`` rows, as :func:`draftsmith.features.write_chunk` keywords."""
@@ -669,8 +738,10 @@ class _ShardRunner:
         self.layer_ids, self.n_layers = list(layer_ids), len(layer_ids)
         self.storage, self.want_tt, self.padding_mask = storage, want_tt, padding_mask
         self.layout, self.done, self.on_chunk = layout, done, on_chunk
+        self.top_k = int(common.get("target_top_k", 0))
         self.meta = json.dumps({k: common[k] for k in ("shard", "layer_ids", "hidden_size", "storage_dtype",
-                                                       "has_target_token", "target_fingerprint")})
+                                                       "has_target_token", "target_top_k", "target_fingerprint")
+                                if k in common})
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -686,7 +757,11 @@ class _ShardRunner:
             features=torch.empty(capacity, width, dtype=storage_torch_dtype(self.storage), pin_memory=pin),
             scales=(torch.empty(capacity, self.n_layers, dtype=torch.float32, pin_memory=pin)
                     if self.storage == "float8_e4m3fn" else None),
-            target_token=torch.empty(capacity, dtype=torch.int32, pin_memory=pin) if self.want_tt else None)
+            target_token=torch.empty(capacity, dtype=torch.int32, pin_memory=pin) if self.want_tt else None,
+            target_topk_ids=(torch.empty(capacity, self.top_k, dtype=torch.int32, pin_memory=pin)
+                             if self.top_k else None),
+            target_topk_logprobs=(torch.empty(capacity, self.top_k, dtype=torch.float16, pin_memory=pin)
+                                  if self.top_k else None))
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.cuda:
@@ -730,7 +805,7 @@ class _ShardRunner:
         t0 = time.perf_counter()
         try:
             with FeatureExtractor(self.model, self.layer_ids, target_tokens=self.want_tt,
-                                  padding_mask=self.padding_mask) as ex:
+                                  padding_mask=self.padding_mask, target_topk=self.top_k) as ex:
                 self.extractor = ex
                 for k, chunk in enumerate(todo):
                     # the buffer of chunk k was used by chunk k-2: its write must be finished
@@ -762,7 +837,7 @@ class _ShardRunner:
         t0 = time.perf_counter()
         for batch in chunk.batches:
             samples = [self.tok.row(r)[0] for r in batch.rows]
-            hidden, target_token = ex(samples)
+            hidden, target_token, *topk = ex(samples)
             t = hidden.shape[0]
             absmax = row_absmax(hidden, self.n_layers)
             self._check(absmax, hidden, batch, chunk.index)
@@ -776,6 +851,9 @@ class _ShardRunner:
                 self._to_host(buf.features[pos:pos + t], hidden.to(storage_torch_dtype(self.storage)))
             if target_token is not None:
                 self._to_host(buf.target_token[pos:pos + t], target_token)
+            if topk:
+                self._to_host(buf.target_topk_ids[pos:pos + t], topk[0])
+                self._to_host(buf.target_topk_logprobs[pos:pos + t], topk[1])
             pos += t
             bar.update(t)
         dt = time.perf_counter() - t0

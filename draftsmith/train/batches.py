@@ -27,15 +27,17 @@ from draftsmith.train.settings import TrainOptions
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
                bucket_anchors: bool = False, max_anchors_per_row: int | None = None,
-               pin_memory: bool = False, keep_fp8: bool = False) -> PackedBatch:
+               pin_memory: bool = False, keep_fp8: bool = False, soft_labels: bool = False) -> PackedBatch:
     """Read one packed row of samples (``(tokenized row, tokens)`` pairs, :meth:`FeatureIndex.ref`) and pack it with
     :func:`pack_documents`. With ``keep_fp8`` float8 features stay float8 with their scales (decoded later by
-    :meth:`PackedBatch.dequantize`, on the GPU); else they are decoded to ``feature_dtype`` here.
+    :meth:`PackedBatch.dequantize`, on the GPU); else they are decoded to ``feature_dtype`` here. With
+    ``soft_labels`` (``train.labels: target_topk``) the batch carries the target's stored top-k, which the drafter's
+    loss then learns; without, they are not read (the batch trains on the greedy token).
 
     Raises:
         KeyError: the index does not hold a row's sample.
     """
-    parts = [index.read(index.ref(s), n, feature_dtype, dequantize=not keep_fp8) for s, n in row]
+    parts = [index.read(index.ref(s), n, feature_dtype, dequantize=not keep_fp8, topk=soft_labels) for s, n in row]
     return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
                           pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
                           max_anchors_per_row=max_anchors_per_row, pin_memory=pin_memory)
@@ -48,9 +50,11 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
 
     Args:
         parts: per document ``{"features": [n, width], "input_ids": [n], "loss_mask": [n], "target_token": [n]
-            or absent, "scales": [n, layers] or absent}``. With ``scales`` (every part) the features are
-            float8_e4m3fn as stored and the batch carries them with ``feature_scales`` (padding 0); without, they
-            are packed as ``feature_dtype``.
+            or absent, "scales": [n, layers] or absent, "target_topk_ids" / "target_topk_logprobs": [n, k] or
+            absent}``. With ``scales`` (every part) the features are float8_e4m3fn as stored and the batch carries
+            them with ``feature_scales`` (padding 0); without, they are packed as ``feature_dtype``. With the top-k
+            (every part) the batch carries ``target_topk_ids [1, S, k]`` int64 and ``target_topk_logprobs
+            [1, S, k]`` float32 (padding 0).
 
     Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
     to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
@@ -75,6 +79,10 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     pos = torch.zeros(S, dtype=torch.long)
     with_tt = bool(parts) and parts[0].get("target_token") is not None
     tgt = torch.zeros(S, dtype=torch.long) if with_tt else None
+    with_topk = bool(parts) and parts[0].get("target_topk_ids") is not None
+    k = parts[0]["target_topk_ids"].shape[1] if with_topk else 0
+    topk_ids = torch.zeros(S, k, dtype=torch.long) if with_topk else None
+    topk_logprobs = torch.zeros(S, k, dtype=torch.float32) if with_topk else None
     o = 0
     for d, p in enumerate(parts):
         n = p["input_ids"].numel()
@@ -87,6 +95,9 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
         pos[o:o + n] = torch.arange(n)
         if tgt is not None:
             tgt[o:o + n] = p["target_token"]
+        if topk_ids is not None:
+            topk_ids[o:o + n] = p["target_topk_ids"]
+            topk_logprobs[o:o + n] = p["target_topk_logprobs"]
         o += n
     generator = torch.Generator().manual_seed(seed)
     anchors = cap_anchors(sample_anchors(mask, docs, num_anchors, generator), max_anchors_per_row, generator)
@@ -99,7 +110,9 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     anchors = torch.cat([anchors, torch.zeros(A - anchors.numel(), dtype=torch.long)])
     return PackedBatch(feats[None], ids[None], mask[None], docs[None], pos[None], anchors[None],
                        anchor_valid[None], None if tgt is None else tgt[None],
-                       None if scales is None else scales[None])
+                       None if scales is None else scales[None],
+                       target_topk_ids=None if topk_ids is None else topk_ids[None],
+                       target_topk_logprobs=None if topk_logprobs is None else topk_logprobs[None])
 
 
 def cap_anchors(anchors: torch.Tensor, limit: int | None, generator: torch.Generator) -> torch.Tensor:
@@ -128,7 +141,8 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
                              pad_tokens_to=-(-row_tokens // 128) * 128 if on_gpu else 1,
                              pad_anchors_to=max(1, 128 // block_size) if on_gpu else 1,
                              bucket_anchors=on_gpu, max_anchors_per_row=settings.max_anchors_per_row,
-                             pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn")
+                             pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn",
+                             soft_labels=settings.labels == "target_topk")
 
 
 def loss_weight(batch: PackedBatch, block_size: int, gamma: float, dpace: bool = False) -> float:

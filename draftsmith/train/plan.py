@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith.batch_plan import BatchPlan, StreamPlan, heldout_subset, split_samples
-from draftsmith.features import FeatureIndex
+from draftsmith.features import FeatureIndex, target_top_k
 from draftsmith.tokenized import read_tokenized
 from draftsmith.train.settings import StreamOptions, TrainOptions
 
@@ -34,9 +34,10 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float =
 
 
 #: The index fields a run reads besides its samples (the drafter's shape, labels, the run fingerprint); every slice
-#: of a stream-mode run shares them.
+#: of a stream-mode run shares them. ``target_top_k`` is absent from indexes of features without the target's top-k
+#: (:func:`draftsmith.features.target_top_k`), and :meth:`FeatureMeta.of` leaves it out then.
 FEATURE_FIELDS = ("layer_ids", "hidden_size", "num_target_layers", "storage_dtype", "has_target_token",
-                  "target_fingerprint", "tokenizer_fingerprint")
+                  "target_fingerprint", "tokenizer_fingerprint", "target_top_k")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class FeatureMeta:
 
     @classmethod
     def of(cls, index: FeatureIndex) -> FeatureMeta:
-        return cls(str(index.path), {k: index.meta.get(k) for k in FEATURE_FIELDS})
+        return cls(str(index.path), {k: index.meta.get(k) for k in FEATURE_FIELDS
+                                     if k != "target_top_k" or k in index.meta})
 
     @property
     def layer_ids(self) -> list[int]:
@@ -71,6 +73,11 @@ class FeatureMeta:
     @property
     def has_target_token(self) -> bool:
         return bool(self.meta["has_target_token"])
+
+    @property
+    def target_top_k(self) -> int:
+        """k of the target's top-k the features hold (``extract.store_target_topk``), 0 when none."""
+        return target_top_k(self.meta)
 
 
 @dataclass
@@ -123,7 +130,7 @@ def plan_data(index_path: str | os.PathLike, settings: TrainOptions, world: int)
         ValueError: too few samples for one optimizer step (named with the index path).
     """
     index = FeatureIndex(index_path)
-    use_target_tokens = target_labels(settings, index.has_target_token)
+    use_target_tokens = target_labels(settings, index.has_target_token, index.target_top_k, index.path)
     rows = [s.row for s in index.samples]
     train_ids, heldout_ids = ([rows[i] for i in part]
                               for part in split_samples(rows, settings.eval_fraction, settings.seed))
@@ -173,15 +180,27 @@ def plan_stream_data(tokenized_path: str | os.PathLike, settings: TrainOptions, 
     identity = {"stream": stream.to_dict(),
                 "lengths_sha256": hashlib.sha256(tokenized.num_tokens.astype("<i8").tobytes()).hexdigest()}
     return TrainData(index, heldout_index, features, lengths, train_ids, heldout_ids, truncated, plan,
-                     target_labels(settings, features.has_target_token), len(lengths), identity)
+                     target_labels(settings, features.has_target_token, features.target_top_k, features.path),
+                     len(lengths), identity)
 
 
-def target_labels(settings: TrainOptions, has_target_token: bool) -> bool:
-    """Whether the labels are the target's own next tokens: ``train.labels = target`` and the features carry them
-    (a warning when they do not)."""
+def target_labels(settings: TrainOptions, has_target_token: bool, target_top_k: int = 0, features: object = "the "
+                  "features") -> bool:
+    """Whether the labels are the target's own next tokens: ``train.labels`` ``target`` or ``target_topk`` and the
+    features carry them (``target``: a warning when they do not).
+
+    Raises:
+        ValueError: ``train.labels: target_topk`` on features without the target's greedy token or with a top-k of
+            fewer than 2 tokens (``features`` named: they were extracted without ``extract.store_target_topk``).
+    """
+    if settings.labels == "target_topk" and (not has_target_token or target_top_k < 2):
+        raise ValueError(f"{features}: train.labels is target_topk but the features hold "
+                         f"{'no' if not target_top_k else f'a top-{target_top_k} of the'} target's next-token "
+                         f"distribution{'' if has_target_token else ' and no target_token'}: extract them with "
+                         "extract.store_target_topk >= 2 (and store_target_tokens: true)")
     if settings.labels == "target" and not has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
-    return settings.labels == "target" and has_target_token
+    return settings.labels in ("target", "target_topk") and has_target_token
 
 
 def plan_summary(plan: BatchPlan | StreamPlan) -> tuple[list[int], int]:
