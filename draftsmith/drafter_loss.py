@@ -26,14 +26,19 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     gradient of each row's CE with respect to its hidden state (``(softmax - onehot) * dz/dlogit @ W``), which
     is kept (``[N, H]``) so the backward is one scaling. The head is frozen, so no ``[V, H]`` gradient exists.
     With ``top_k > 0`` it also returns each row's ``top_k`` largest logits and their ids (DFlash2's candidates).
+    With soft labels (``soft_ids``, ``soft_probs``: a distribution over k tokens per row) the differentiable output
+    is the cross entropy against them, ``lse - sum_j p_j z_{id_j}`` (gradient ``softmax - sum_j p_j onehot(id_j)``),
+    and the label's CE is returned beside it without gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0, fused=False):
+    def forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k=0, fused=False,
+                soft_ids=None, soft_probs=None):
         global FUSED_FAILED
         if fused and hidden.is_cuda and FUSED_FAILED is None:  # elsewhere the in-place chunks hold less memory
             try:
-                return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k)
+                return _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k,
+                                      soft_ids, soft_probs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # a compiler failure must not stop a training run: the eager chunks below
@@ -43,7 +48,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         compute = head_weight.dtype
         n = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
-        ce, pred, grad, top_val, top_idx = _outputs(hidden, compute, top_k, need_grad)
+        soft = soft_ids is not None
+        ce, pred, grad, top_val, top_idx, label_ce = _outputs(hidden, compute, top_k, need_grad, soft)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_rows):
                 y = labels[s:s + chunk_rows]
@@ -58,44 +64,55 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                     z.mul_(softcap)
                 lse = torch.logsumexp(z, dim=-1)
                 ce[s:s + chunk_rows] = lse - z.gather(1, y[:, None])[:, 0]
+                if soft:
+                    sid, sp = soft_ids[s:s + chunk_rows], soft_probs[s:s + chunk_rows]
+                    label_ce[s:s + chunk_rows] = ce[s:s + chunk_rows]
+                    ce[s:s + chunk_rows] = lse - (z.gather(1, sid) * sp).sum(-1)
                 pred[s:s + chunk_rows] = z.argmax(-1)
                 if top_k:
                     top_val[s:s + chunk_rows], top_idx[s:s + chunk_rows] = torch.topk(z, top_k, dim=-1, sorted=False)
                 if need_grad:
                     g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+                    if soft:
+                        g.scatter_add_(1, sid, -sp)
+                    else:
+                        g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
                     if dz is not None:
                         g.mul_(dz)
                     grad[s:s + chunk_rows] = g.to(compute) @ head_weight
-        return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx)
+        return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx, label_ce)
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx):
+    def backward(ctx, grad_ce, grad_pred, grad_top_val, grad_top_idx, grad_label_ce):
         (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None
+        return ((grad.float() * grad_ce[:, None]).to(ctx.hidden_dtype), None, None, None, None, None, None, None,
+                None, None)
 
 
-def _outputs(hidden: torch.Tensor, compute: torch.dtype, top_k: int, need_grad: bool):
+def _outputs(hidden: torch.Tensor, compute: torch.dtype, top_k: int, need_grad: bool, soft: bool = False):
     """The chunked loss's outputs, filled chunk by chunk: ``ce [n]`` float32, ``pred [n]`` int64, the gradient
-    ``[n, H]`` in the head's dtype (None without ``need_grad``), ``top_val [n, top_k]`` float32, ``top_idx`` int64."""
+    ``[n, H]`` in the head's dtype (None without ``need_grad``), ``top_val [n, top_k]`` float32, ``top_idx`` int64,
+    ``label_ce [n]`` float32 with soft labels (else ``[0]``)."""
     n, device = hidden.shape[0], hidden.device
     return (torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.long, device=device),
             torch.empty(hidden.shape, dtype=compute, device=device) if need_grad else None,
             torch.empty(n, top_k, dtype=torch.float32, device=device),
-            torch.empty(n, top_k, dtype=torch.long, device=device))
+            torch.empty(n, top_k, dtype=torch.long, device=device),
+            torch.empty(n if soft else 0, dtype=torch.float32, device=device))
 
 
-def _finish(ctx, hidden, ce, pred, grad, top_val, top_idx):
+def _finish(ctx, hidden, ce, pred, grad, top_val, top_idx, label_ce):
     """Keep the gradient for the backward, mark the outputs that carry none; the forward's return value."""
     if grad is not None:
         ctx.save_for_backward(grad)
     ctx.hidden_dtype = hidden.dtype
-    ctx.mark_non_differentiable(pred, top_val, top_idx)
-    return ce, pred, top_val, top_idx
+    ctx.mark_non_differentiable(pred, top_val, top_idx, label_ce)
+    return ce, pred, top_val, top_idx, label_ce
 
 
 def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, softcap: float | None,
-                     need_grad: bool, top_k: int = 0):
+                     need_grad: bool, top_k: int = 0, soft_ids: torch.Tensor | None = None,
+                     soft_probs: torch.Tensor | None = None):
     """One chunk's statistics from its logits, written for ``torch.compile`` to fuse: a few reads of the chunk's
     logits in their own dtype (the row reductions, then the gradient) instead of the eager chunk's eight passes over
     a float32 copy. Eager, it holds several float32 ``[n, V]`` temporaries: :func:`head_cross_entropy` calls it
@@ -109,11 +126,16 @@ def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, s
         need_grad: also return the CE's gradient with respect to ``z``.
         top_k: also return the ``top_k`` largest final logits (float32) and their ids (DFlash2's candidates),
             chosen on ``z`` itself (the multiplier and softcap keep the order) so that no float32 copy is made.
+        soft_ids, soft_probs: ``[n, k]`` int64 / float32 soft labels (k distinct tokens per row, probabilities
+            summing to 1), or None: ``ce`` and ``grad`` are then against them (``lse - sum_j p_j z_j``,
+            ``softmax - sum_j p_j onehot(id_j)``: k comparisons per logit, fused like the label's one) and
+            ``label_ce`` is the label's CE.
 
     Returns:
         ``(ce [n] float32, pred [n] int64, grad [n, V] in z's dtype or None, top_val [n, top_k] float32 or None,
-        top_idx [n, top_k] int64 or None)``; ``grad = (softmax - onehot) * d logit / d z``, as the eager chunk of
-        :class:`_ChunkedHeadCrossEntropy` computes it (float32, then rounded to z's dtype).
+        top_idx [n, top_k] int64 or None, label_ce [n] float32 or None)``; ``grad = (softmax - onehot) * d logit /
+        d z``, as the eager chunk of :class:`_ChunkedHeadCrossEntropy` computes it (float32, then rounded to z's
+        dtype).
     """
 
     def final(x):  # raw logits -> the drafter's logits, float32, and d final / d raw
@@ -132,18 +154,26 @@ def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, s
     top = zf.amax(dim=-1, keepdim=True)  # log-sum-exp by hand: one max, one sum of exponentials
     lse = (top + torch.log(torch.exp(zf - top).sum(dim=-1, keepdim=True)))[:, 0]
     ce = lse - zf.gather(1, labels[:, None])[:, 0]
+    label_ce = None
+    if soft_ids is not None:
+        label_ce, ce = ce, lse - (zf.gather(1, soft_ids) * soft_probs).sum(-1)
     pred = zf.argmax(-1)
     top_val = top_idx = None
     if top_k:
         raw_val, top_idx = torch.topk(z, top_k, dim=-1, sorted=False)
         top_val = final(raw_val)[0]
     if not need_grad:
-        return ce, pred, None, top_val, top_idx
+        return ce, pred, None, top_val, top_idx, label_ce
     g = torch.exp(zf - lse[:, None])
-    g = g - (torch.arange(zf.shape[1], device=zf.device)[None, :] == labels[:, None]).to(g.dtype)
+    vocab = torch.arange(zf.shape[1], device=zf.device)[None, :]
+    if soft_ids is None:
+        g = g - (vocab == labels[:, None]).to(g.dtype)
+    else:
+        for j in range(soft_ids.shape[1]):  # k is static: unrolled, one fused pass
+            g = g - torch.where(vocab == soft_ids[:, j:j + 1], soft_probs[:, j:j + 1], 0.0)
     if dz is not None:
         g = g * dz
-    return ce, pred, g.to(z.dtype), top_val, top_idx
+    return ce, pred, g.to(z.dtype), top_val, top_idx, label_ce
 
 
 _COMPILED_STATISTICS = None
@@ -159,7 +189,8 @@ def _compiled_statistics():
     return _COMPILED_STATISTICS
 
 
-def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k):
+def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_rows, top_k, soft_ids=None,
+                   soft_probs=None):
     """:class:`_ChunkedHeadCrossEntropy`'s forward with each chunk's statistics from the compiled
     :func:`logit_statistics` (CUDA only): the same outputs, a fraction of the memory traffic."""
     if top_k and multiplier <= 0:
@@ -169,22 +200,27 @@ def _fused_forward(ctx, hidden, head_weight, labels, multiplier, softcap, chunk_
     n = hidden.shape[0]
     need_grad = ctx.needs_input_grad[0]
     stats = _compiled_statistics()
-    ce, pred, grad, top_val, top_idx = _outputs(hidden, compute, top_k, need_grad)
+    soft = soft_ids is not None
+    ce, pred, grad, top_val, top_idx, label_ce = _outputs(hidden, compute, top_k, need_grad, soft)
     with torch.autocast(hidden.device.type, enabled=False):
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             z = F.linear(hidden[s:e].to(compute), head_weight)
             y = labels[s:e]
-            torch._dynamo.maybe_mark_dynamic(z, 0)
-            torch._dynamo.maybe_mark_dynamic(y, 0)
-            c, p, g, tv, ti = stats(z, y, multiplier, softcap, need_grad, top_k)
+            sid, sp = (soft_ids[s:e], soft_probs[s:e]) if soft else (None, None)
+            for t in (z, y, sid, sp):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            c, p, g, tv, ti, lc = stats(z, y, multiplier, softcap, need_grad, top_k, sid, sp)
             ce[s:e], pred[s:e] = c, p
+            if soft:
+                label_ce[s:e] = lc
             if top_k:
                 top_val[s:e], top_idx[s:e] = tv, ti
             if need_grad:
                 torch.matmul(g, head_weight, out=grad[s:e])
             del z, g  # the next chunk's logits are not allocated beside this one's
-    return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx)
+    return _finish(ctx, hidden, ce, pred, grad, top_val, top_idx, label_ce)
 
 
 def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, *,
@@ -213,8 +249,8 @@ def head_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: 
         ``(ce [N] float32, differentiable w.r.t. hidden; argmax prediction [N] int64)``.
     """
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
-    ce, pred, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                                    float(softcap) if softcap else None, rows, 0, bool(fused))
+    ce, pred, _, _, _ = _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
+                                                       float(softcap) if softcap else None, rows, 0, bool(fused))
     return ce, pred
 
 
@@ -227,7 +263,60 @@ def head_cross_entropy_topk(hidden: torch.Tensor, head_weight: torch.Tensor, lab
     gradient. ``fused``: as :func:`head_cross_entropy`'s."""
     rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
     return _ChunkedHeadCrossEntropy.apply(hidden, head_weight, labels, float(multiplier),
-                                          float(softcap) if softcap else None, rows, int(top_k), bool(fused))
+                                          float(softcap) if softcap else None, rows, int(top_k), bool(fused))[:4]
+
+
+def head_soft_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                            soft_ids: torch.Tensor, soft_probs: torch.Tensor, *, top_k: int = 0,
+                            multiplier: float = 1.0, softcap: float | None = None, chunk_bytes: int = 1 << 30,
+                            fused: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross entropy against soft labels, chunked as :func:`head_cross_entropy` (one pass through the head, the
+    same memory): ``soft_ce = lse(z) - sum_j p_j z_{id_j}`` per row, which is ``KL(p || softmax(z)) + H(p)``, so its
+    gradient is the KL's (distillation from the target's distribution, as speculators 0.9.0's DFlash2 loss
+    ``kl_div``; here over the target's stored top k, renormalised: ``train.labels: target_topk``).
+
+    Args:
+        hidden: ``[N, H]`` drafter hidden states (differentiable).
+        head_weight: ``[V, H]`` the target's LM head (frozen).
+        labels: ``[N]`` int64 hard labels (the target's greedy token): ``label_ce``, ``pred``'s hits and D-PACE's
+            confidence use them.
+        soft_ids: ``[N, k]`` int64 distinct token ids per row.
+        soft_probs: ``[N, k]`` float32 their probabilities, each row summing to 1 (:func:`topk_soft_labels`).
+        top_k: also return each row's ``top_k`` largest logits and their ids, as :func:`head_cross_entropy_topk`.
+        multiplier, softcap, chunk_bytes, fused: as :func:`head_cross_entropy`'s.
+
+    Returns:
+        ``(soft_ce [N] float32 differentiable w.r.t. hidden, label_ce [N] float32 without gradient, pred [N]
+        int64, top_logits [N, top_k] float32, top_ids [N, top_k] int64)``.
+
+    Raises:
+        ValueError: ``soft_ids`` and ``soft_probs`` of another shape than ``[N, k]`` each.
+    """
+    if soft_ids.shape != soft_probs.shape or soft_ids.dim() != 2 or soft_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"soft labels: ids {tuple(soft_ids.shape)} and probabilities {tuple(soft_probs.shape)} "
+                         f"must both be [N, k] with N = {hidden.shape[0]} rows")
+    rows = max(1, int(chunk_bytes) // (4 * head_weight.shape[0]))
+    ce, pred, top_val, top_idx, label_ce = _ChunkedHeadCrossEntropy.apply(
+        hidden, head_weight, labels, float(multiplier), float(softcap) if softcap else None, rows, int(top_k),
+        bool(fused), soft_ids, soft_probs.float())
+    return ce, label_ce, pred, top_val, top_idx
+
+
+def topk_soft_labels(logprobs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The soft labels' probabilities from the target's top-k log-probabilities: ``softmax(logprobs / T)`` over
+    the k stored tokens, i.e. the target's distribution restricted to them and renormalised (the mass outside
+    the top k, typically a few percent, is left out).
+
+    Args:
+        logprobs: ``[..., k]`` float log-probabilities under the target's full distribution (features'
+            ``target_topk_logprobs``).
+        temperature: > 0; 1 keeps the target's distribution.
+
+    Returns:
+        ``[..., k]`` float32 probabilities, summing to 1 over the last dimension.
+    """
+    return torch.softmax(logprobs.float() / float(temperature), dim=-1)
 
 
 class _CandidateLogits(torch.autograd.Function):

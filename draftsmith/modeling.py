@@ -58,7 +58,13 @@ from draftsmith.drafter_config import (
     layer_is_causal,
     layer_window,
 )
-from draftsmith.drafter_loss import head_cross_entropy, slot_loss_weights, slot_weights
+from draftsmith.drafter_loss import (
+    head_cross_entropy,
+    head_soft_cross_entropy,
+    slot_loss_weights,
+    slot_weights,
+    topk_soft_labels,
+)
 from draftsmith.io import atomic_path
 
 log = logging.getLogger("draftsmith.modeling")
@@ -391,6 +397,10 @@ class PackedBatch:
         feature_scales: ``[R, S, n]`` float32 per token and tapped layer when ``features`` are still float8_e4m3fn
             as stored (:func:`draftsmith.features.quantize_fp8`; padding 0), else None. :meth:`dequantize` decodes
             them; the drafter's forward takes decoded features only.
+        target_topk_ids: ``[R, S, k]`` int64 the target's k most likely *next* tokens at each position
+            (``extract.store_target_topk``; padding 0), or None: the soft labels of ``train.labels: target_topk``.
+        target_topk_logprobs: ``[R, S, k]`` float32 their log-probabilities under the target's full distribution
+            (padding 0), or None.
     """
 
     features: torch.Tensor
@@ -402,6 +412,8 @@ class PackedBatch:
     anchor_valid: torch.Tensor
     target_token: torch.Tensor | None = None
     feature_scales: torch.Tensor | None = None
+    target_topk_ids: torch.Tensor | None = None
+    target_topk_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
         """Move every tensor to ``device``."""
@@ -518,6 +530,30 @@ def block_targets(batch: PackedBatch, block_size: int, use_target_tokens: bool
     else:
         labels = gather(batch.input_ids, pos_c)
     return labels, valid
+
+
+def supervised_soft_labels(batch: PackedBatch, block_size: int, index: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The soft labels of the supervised slots, or None when the batch carries none (``train.labels`` other than
+    ``target_topk``): slot k of the block anchored at ``a`` learns the target's top-k distribution at position
+    ``a + k - 1`` (its prediction of token ``a + k``, as :func:`block_targets`' target label), renormalised over
+    the k stored tokens (:func:`~draftsmith.drafter_loss.topk_soft_labels`).
+
+    Args:
+        batch: with ``target_topk_ids`` / ``target_topk_logprobs`` ``[R, S, k]``.
+        index: ``[N]`` the supervised slots' flat positions in ``[R, A, B - 1]`` (:func:`supervised_slots`).
+
+    Returns:
+        ``(ids [N, k] int64, probs [N, k] float32)``.
+    """
+    if batch.target_topk_ids is None:
+        return None
+    R, S, k = batch.target_topk_ids.shape
+    pos = batch.anchors[:, :, None] + torch.arange(block_size - 1, device=batch.anchors.device)  # a + k - 1
+    flat = (pos.clamp(max=S - 1) + S * torch.arange(R, device=pos.device)[:, None, None]).view(-1)
+    rows = flat.index_select(0, index)
+    ids = batch.target_topk_ids.reshape(R * S, k).index_select(0, rows).long()
+    return ids, topk_soft_labels(batch.target_topk_logprobs.reshape(R * S, k).index_select(0, rows))
 
 
 def supervised_slots(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -718,6 +754,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                 (:func:`~draftsmith.drafter_loss.slot_loss_weights`), normalised by the supervised slots' count.
             use_target_tokens: labels from ``batch.target_token`` instead of the data.
 
+        With soft labels in the batch (``target_topk_ids``, ``train.labels: target_topk``) each slot's loss is the
+        cross entropy against the target's renormalised top-k distribution (:func:`supervised_soft_labels`,
+        :func:`~draftsmith.drafter_loss.head_soft_cross_entropy`) in place of the label's; D-PACE's confidence and
+        the statistics (``ce_sum``, hits) stay the label's.
+
         Returns:
             :class:`DFlashTrainOutput`; ``loss`` is differentiable w.r.t. the drafter's parameters.
 
@@ -732,12 +773,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         index, slot = supervised_slots(valid)
         tgt = labels.view(-1).index_select(0, index)
         softcap = draft_value(self.config, "final_logit_softcapping")
-        ce, pred = head_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), head_weight, tgt,
-                                      multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
-                                      softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
-                                      chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)  # [N]
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        head = dict(multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
+                    softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+                    chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)
+        soft = supervised_soft_labels(batch, self.block_size, index)
+        if soft is None:
+            ce, pred = head_cross_entropy(h, head_weight, tgt, **head)  # [N]
+            loss_rows = ce
+        else:
+            loss_rows, ce, pred, _, _ = head_soft_cross_entropy(h, head_weight, tgt, *soft, **head)
         w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
-        weighted_ce = (ce * w).sum()
+        weighted_ce = (loss_rows * w).sum()
         loss = weighted_ce / weight_sum.clamp_min(1e-12)
         with torch.no_grad():
             hit = pred == tgt

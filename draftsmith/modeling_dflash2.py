@@ -39,7 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafter_config import DFlash2Config, draft_value
-from draftsmith.drafter_loss import candidate_logits, head_cross_entropy_topk, slot_loss_weights
+from draftsmith.drafter_loss import (
+    candidate_logits,
+    head_cross_entropy_topk,
+    head_soft_cross_entropy,
+    slot_loss_weights,
+)
 from draftsmith.modeling import (
     DFlashDecoderLayer,
     DFlashDraftModel,
@@ -49,6 +54,7 @@ from draftsmith.modeling import (
     block_targets,
     per_slot_sum,
     supervised_slots,
+    supervised_soft_labels,
 )
 
 
@@ -289,11 +295,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         multiplier = float(draft_value(self.config, "output_multiplier", 1.0))
         softcap = draft_value(self.config, "final_logit_softcapping")
         softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
-        ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, multiplier=multiplier,
-                                                             softcap=softcap, chunk_bytes=logits_chunk_bytes,
-                                                             fused=self.fused_loss)
+        head = dict(multiplier=multiplier, softcap=softcap, chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)
+        soft = supervised_soft_labels(batch, B, index)
+        if soft is None:
+            ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, **head)
+            loss_rows = ce
+        else:  # the backbone learns the target's top-k distribution; the selector and D-PACE its greedy token
+            loss_rows, ce, pred, top_val, top_idx = head_soft_cross_entropy(h, head_weight, tgt, *soft, top_k=k,
+                                                                            **head)
         w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
-        loss = (ce * w).sum() / weight_sum.clamp_min(1e-12)
+        loss = (loss_rows * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
         with torch.no_grad():
             gold_hit = top_idx == tgt[:, None]
@@ -317,7 +328,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel_loss = (sel_ce * w).sum() / weight_sum.clamp_min(1e-12)
         total = loss + float(self.selector_loss_weight) * sel_loss
         # the step-normalised form the trainer backpropagates (sum, not mean: see DFlashTrainOutput.weighted_ce)
-        weighted_ce = (ce * w).sum() + float(self.selector_loss_weight) * (sel_ce * w).sum()
+        weighted_ce = (loss_rows * w).sum() + float(self.selector_loss_weight) * (sel_ce * w).sum()
         with torch.no_grad():
             nslot = B - 1
             serving = self.candidate_selector.score(projected.detach(), prev, top_idx, top_val)

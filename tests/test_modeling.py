@@ -9,6 +9,7 @@ inference forward itself (a training block == the decode step that would draft i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -673,7 +674,7 @@ def test_logit_statistics_equal_the_eager_chunks(multiplier, softcap, top_k):
                                                  chunk_bytes=4 * V * 13)
     (ce * w).sum().backward()
     for need_grad in (True, False):
-        c, p, g, v, i = logit_statistics(F.linear(hidden.detach(), head), labels, multiplier, softcap, need_grad,
+        c, p, g, v, i, _ = logit_statistics(F.linear(hidden.detach(), head), labels, multiplier, softcap, need_grad,
                                          top_k)
         assert torch.allclose(c, ce.detach(), rtol=1e-6, atol=1e-5) and torch.equal(p, pred)
         if need_grad:
@@ -690,6 +691,149 @@ def test_logit_statistics_equal_the_eager_chunks(multiplier, softcap, top_k):
                                     chunk_bytes=4 * V * 13)
     assert torch.equal(ce2, head_cross_entropy(hidden, head, labels, multiplier=multiplier, softcap=softcap,
                                                chunk_bytes=4 * V * 13)[0])
+
+
+def _soft_labels(N: int, V: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, k]`` distinct random ids per row and a random distribution over them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])
+    return ids, torch.softmax(torch.randn(N, k, generator=g) * 2, -1)
+
+
+@pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, None, 4), (2.0, 5.0, 0), (1.0, 30.0, 8)])
+def test_soft_cross_entropy_equals_the_kl_through_the_full_logits(multiplier, softcap, top_k):
+    """Soft labels (``train.labels: target_topk``): the chunked loss per row is ``-sum_j p_j log softmax(z)_{id_j}``
+    over the full logits, its hidden-state gradient is the KL's (autograd through the full logits), the label's CE
+    and argmax come beside it as the hard path's, the top-k candidates are the same; whatever the chunk size, and
+    ``logit_statistics`` (the fused path, eager here) gives the same values and gradient."""
+    from draftsmith.drafter_loss import head_cross_entropy_topk, head_soft_cross_entropy, logit_statistics
+
+    torch.manual_seed(5)
+    N, H, V, k = 211, 24, 600, 5
+    hidden = torch.randn(N, H, requires_grad=True)
+    head = torch.randn(V, H)
+    labels, w = torch.randint(0, V, (N,)), torch.rand(N)
+    sid, sp = _soft_labels(N, V, k, seed=6)
+    z = F.linear(hidden, head) * multiplier
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    target = torch.zeros(N, V).scatter_(1, sid, sp)
+    ref = -(target * F.log_softmax(z, -1)).sum(-1)
+    kl = F.kl_div(F.log_softmax(z, -1), target, reduction="none").sum(-1)
+    assert torch.allclose(ref - kl, -(sp * sp.log()).sum(-1), atol=1e-4)  # = KL + the target's entropy
+    (ref * w).sum().backward()
+    ref_grad, hidden.grad = hidden.grad.clone(), None
+    _, _, hard_val, hard_idx = head_cross_entropy_topk(hidden, head, labels, top_k, multiplier=multiplier,
+                                                       softcap=softcap)
+    for chunk_rows in (1, 37, N):
+        soft_ce, label_ce, pred, val, idx = head_soft_cross_entropy(
+            hidden, head, labels, sid, sp, top_k=top_k, multiplier=multiplier, softcap=softcap,
+            chunk_bytes=4 * V * chunk_rows)
+        (soft_ce * w).sum().backward()
+        assert torch.allclose(soft_ce, ref, rtol=1e-6, atol=1e-5)
+        assert torch.allclose(label_ce, F.cross_entropy(z, labels, reduction="none"), rtol=1e-6, atol=1e-5)
+        assert not label_ce.requires_grad and torch.equal(pred, z.argmax(-1))
+        assert torch.allclose(hidden.grad, ref_grad, rtol=1e-5, atol=2e-5)
+        assert torch.equal(idx.sort(-1).values, hard_idx.sort(-1).values) and val.shape == hard_val.shape
+        hidden.grad = None
+    for need_grad in (True, False):
+        c, p, g, _, _, lc = logit_statistics(F.linear(hidden.detach(), head), labels, multiplier, softcap, need_grad,
+                                             top_k, sid, sp)
+        assert torch.allclose(c, ref.detach(), rtol=1e-6, atol=1e-5) and torch.equal(p, pred)
+        assert torch.allclose(lc, label_ce, rtol=1e-6, atol=1e-5)
+        if need_grad:
+            assert torch.allclose((w[:, None] * g) @ head, ref_grad, rtol=1e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="must both be"):
+        head_soft_cross_entropy(hidden, head, labels, sid, sp[:, :2])
+
+
+def test_a_one_hot_soft_label_is_the_hard_label():
+    """The target's top-k with all its mass on the greedy token trains exactly as the hard label (loss, gradient)."""
+    from draftsmith.drafter_loss import head_soft_cross_entropy, topk_soft_labels
+
+    torch.manual_seed(7)
+    N, H, V = 64, 16, 200
+    hidden = torch.randn(N, H, requires_grad=True)
+    head, labels = torch.randn(V, H), torch.randint(0, V, (N,))
+    others = (labels[:, None] + torch.arange(1, 4)) % V
+    ids = torch.cat([labels[:, None], others], 1)
+    probs = topk_soft_labels(torch.tensor([0.0, -200.0, -200.0, -200.0]).expand(N, 4))
+    soft_ce, label_ce, _, _, _ = head_soft_cross_entropy(hidden, head, labels, ids, probs, chunk_bytes=4 * V * 10)
+    soft_ce.sum().backward()
+    soft_grad, hidden.grad = hidden.grad.clone(), None
+    ce, _ = head_cross_entropy(hidden, head, labels, chunk_bytes=4 * V * 10)
+    ce.sum().backward()
+    assert torch.allclose(soft_ce, ce, atol=1e-6) and torch.allclose(label_ce, ce.detach(), atol=1e-6)
+    assert torch.allclose(soft_grad, hidden.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_training_on_the_targets_topk_is_the_kl_to_the_slots_renormalised_distribution(target, variant):
+    """``train.labels: target_topk``: slot k of the block anchored at a learns the target's top-k distribution
+    stored at a + k - 1, renormalised; the loss is the slot-weighted CE against it over the full logits, while
+    D-PACE's confidence, the per-slot CE and the hits stay the greedy token's (DFlash2: its selector too)."""
+    from draftsmith.modeling import supervised_slots, supervised_soft_labels
+
+    if variant == "dflash2":
+        from draftsmith.modeling_dflash2 import DFlash2DraftModel
+
+        cfg = build_drafter_config(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 2],
+                                   mask_token_id=MASK, architecture="dflash2", conv_group_size=16, selector_rank=8,
+                                   selector_top_k=4)
+        torch.manual_seed(0)
+        model = DFlash2DraftModel(cfg).eval()
+        with torch.no_grad():  # a selector far from its near-zero start, so its loss is not ~log k everywhere
+            for name, p in model.named_parameters():
+                if "codebook" in name or "hidden_projection" in name:
+                    p.copy_(0.5 * torch.randn_like(p))
+    else:
+        model = make_drafter(target)
+    E, Hd = target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach()
+    hard = packed_batch(target_tokens=True, anchors=[2, 9, 24])
+    R, S = hard.input_ids.shape
+    V, k = Hd.shape[0], 3
+    g = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(S)])[None]
+    ids[..., 0] = hard.target_token  # the greedy token first, as extraction stores it
+    logprobs = torch.log_softmax(torch.randn(R, S, k, generator=g), -1) - 0.1  # ~10% of the mass past the top k
+    soft = dataclasses.replace(hard, target_topk_ids=ids, target_topk_logprobs=logprobs)
+    B = model.block_size
+    labels, valid = block_targets(hard, B, use_target_tokens=True)
+    index, _ = supervised_slots(valid)
+    got_ids, got_p = supervised_soft_labels(soft, B, index)
+    assert torch.equal(got_ids[:, 0], labels.view(-1)[index])  # position a + k - 1, as the hard target label
+    assert torch.allclose(got_p.sum(-1), torch.ones(len(index)))
+    assert supervised_soft_labels(hard, B, index) is None
+    for dpace in (None, 0.5):
+        with torch.no_grad():
+            out_hard = model.training_forward(hard, E, Hd, gamma=2.0, dpace_alpha=dpace, use_target_tokens=True,
+                                              backend="sdpa")
+            out = model.training_forward(soft, E, Hd, gamma=2.0, dpace_alpha=dpace, use_target_tokens=True,
+                                         backend="sdpa")
+            h = model.block_hidden(soft, E, backend="sdpa")[0, :, 1:]
+            logp = F.log_softmax(model.compute_logits(h, Hd).float(), -1).reshape(-1, V).index_select(0, index)
+            soft_ce = -(logp.gather(1, got_ids) * got_p).sum(-1)
+            label_ce = -logp.gather(1, labels.view(-1)[index][:, None])[:, 0]
+            slot = index % (B - 1)
+            if dpace is None:
+                w = torch.exp(-slot.float() / 2.0)
+                norm = w.sum()
+            else:
+                conf = torch.zeros(valid.numel()).index_copy_(0, index, torch.exp(-label_ce))
+                w = dpace_weights(conf.view(valid.shape), valid, dpace).view(-1)[index]
+                norm = valid.sum().float()
+        assert out.weight_sum.item() == pytest.approx(norm.item(), rel=1e-6)
+        assert out.ce_sum.sum().item() == pytest.approx(label_ce.sum().item(), rel=1e-5)  # the label's CE
+        assert torch.equal(out.correct, out_hard.correct) and torch.equal(out.count, out_hard.count)
+        main = (soft_ce * w).sum()
+        if variant == "dflash":
+            assert out.weighted_ce.item() == pytest.approx(main.item(), rel=1e-5)
+            assert out.loss.item() == pytest.approx((main / norm).item(), rel=1e-5)
+            assert out.loss.item() != pytest.approx(out_hard.loss.item(), rel=1e-3)
+        else:  # the selector's loss is the hard-label run's
+            sel = out_hard.weighted_ce - (label_ce * w).sum()
+            assert out.weighted_ce.item() == pytest.approx((main + sel).item(), rel=1e-5)
+            assert out.selector_loss.item() == pytest.approx(out_hard.selector_loss.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("multiplier,softcap,dtype", [(1.0, None, torch.float32), (0.5, 3.0, torch.float32),
@@ -786,6 +930,32 @@ def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier
         assert float((g1 - g0).abs().max() / g0.abs().max()) < 1e-2
         if top_k:
             assert torch.allclose(v1.sort(-1).values, v0.sort(-1).values, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("softcap,top_k", [(None, 0), (30.0, 16)])
+def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k):
+    """Soft labels through the compiled ``logit_statistics`` (k = 16 comparisons per logit, unrolled) give the
+    eager chunks' soft CE, label CE and gradient on bf16 logits."""
+    from draftsmith.drafter_loss import head_soft_cross_entropy
+
+    torch.manual_seed(9)
+    H, V, N, k = 64, 5003, 2100, 16
+    head = (torch.randn(V, H) * H ** -0.5).cuda().bfloat16()
+    hidden = (torch.randn(N, H) * 2).cuda().bfloat16().requires_grad_(True)
+    labels, w = torch.randint(0, V, (N,)).cuda(), torch.rand(N).cuda()
+    sid, sp = (t.cuda() for t in _soft_labels(N, V, k, seed=10))
+    got = []
+    for fused in (False, True):
+        hidden.grad = None
+        soft_ce, label_ce, pred, _, _ = head_soft_cross_entropy(hidden, head, labels, sid, sp, top_k=top_k,
+                                                                softcap=softcap, chunk_bytes=4 * V * 1024,
+                                                                fused=fused)
+        (soft_ce * w).sum().backward()
+        got.append((soft_ce.detach(), label_ce, hidden.grad.float()))
+    (s0, l0, g0), (s1, l1, g1) = got
+    assert torch.allclose(s1, s0, rtol=1e-5, atol=1e-4) and torch.allclose(l1, l0, rtol=1e-5, atol=1e-4)
+    assert float((g1 - g0).abs().max() / g0.abs().max()) < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -34,6 +34,7 @@ from draftsmith.train import (
     load_latest_checkpoint,
     lr_factor,
     make_batch,
+    pack_documents,
     pack_rows,
     split_samples,
     train,
@@ -73,8 +74,9 @@ def make_samples(target, num: int, prompt_len: int, gen_len: int, seed: int = 0)
 
 
 def write_features(folder: Path, target, layer_ids: list[int], samples: list[dict], *, per_chunk: int = 3,
-                   storage_dtype: str = "bfloat16", target_tokens: bool = True) -> Path:
-    """Extract features of ``samples`` with hooks and write chunks + ``index.json`` (the merge contract)."""
+                   storage_dtype: str = "bfloat16", target_tokens: bool = True, top_k: int = 0) -> Path:
+    """Extract features of ``samples`` with hooks and write chunks + ``index.json`` (the merge contract); ``top_k``
+    > 0 also stores the target's top-k next tokens and their log-probabilities (``target_top_k`` in the index)."""
     from draftsmith.features import LAYER_SEMANTICS, index_document, write_chunk, write_index
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,7 @@ def write_features(folder: Path, target, layer_ids: list[int], samples: list[dic
     chunks = []
     for c0 in range(0, len(samples), per_chunk):
         part = list(range(c0, min(c0 + per_chunk, len(samples))))
-        hs, ids, lm, tt, lengths = [], [], [], [], []
+        hs, ids, lm, tt, lengths, topk = [], [], [], [], [], []
         for i in part:
             x = samples[i]["input_ids"][None]
             with torch.no_grad(), capture_layers(target, layer_ids) as cap:
@@ -92,11 +94,14 @@ def write_features(folder: Path, target, layer_ids: list[int], samples: list[dic
             ids.append(samples[i]["input_ids"])
             lm.append(samples[i]["loss_mask"])
             tt.append(logits[0].argmax(-1))
+            topk.append(logits[0].float().log_softmax(-1).topk(max(top_k, 1), dim=-1))
             lengths.append(x.shape[1])
         name = f"shard-0/chunk-{c0 // per_chunk:05d}.safetensors"
         digest = write_chunk(folder / name, features=torch.cat(hs), lengths=lengths, sample_index=part,
                              input_ids=torch.cat(ids), loss_mask=torch.cat(lm), storage_dtype=storage_dtype,
-                             target_token=torch.cat(tt) if target_tokens else None, num_layers=len(layer_ids))
+                             target_token=torch.cat(tt) if target_tokens else None, num_layers=len(layer_ids),
+                             target_topk_ids=torch.cat([t.indices for t in topk]) if top_k else None,
+                             target_topk_logprobs=torch.cat([t.values for t in topk]) if top_k else None)
         chunks.append({"path": name, "shard": 0, "sha256": digest, "num_samples": len(part),
                        "num_tokens": sum(lengths), "bytes": (folder / name).stat().st_size, "rows": part})
     index = index_document({
@@ -104,7 +109,7 @@ def write_features(folder: Path, target, layer_ids: list[int], samples: list[dic
         "bytes": sum(c["bytes"] for c in chunks), "layer_ids": layer_ids, "layer_semantics": LAYER_SEMANTICS,
         "hidden_size": H, "num_target_layers": target.config.num_hidden_layers, "storage_dtype": storage_dtype,
         "has_target_token": target_tokens, "target_fingerprint": "test", "tokenizer_fingerprint": "test",
-        "chat_template_kwargs": {}, "layer_stats": {}})
+        "chat_template_kwargs": {}, "layer_stats": {}, **({"target_top_k": top_k} if top_k else {})})
     write_index(folder / "index.json", index)
     return folder / "index.json"
 
@@ -286,6 +291,50 @@ def test_make_batch_documents_positions_and_anchors(qwen3_setup):
     again = make_batch(index, [(0, 48), (1, 48)], num_anchors=5, seed=0, feature_dtype=torch.float32,
                        max_anchors_per_row=3)
     assert torch.equal(again.anchors, capped.anchors)
+
+
+def test_pack_documents_packs_the_target_topk_with_padding_zero():
+    """Documents with the target's top-k: the packed row carries target_topk_ids [1, S, k] int64 and
+    target_topk_logprobs [1, S, k] float32, each document at its offset, the padding 0; without them, None."""
+    lengths, k = [3, 5, 2], 4
+    g = torch.Generator().manual_seed(0)
+    parts = [{"features": torch.randn(n, 6, generator=g), "input_ids": torch.randint(3, 50, (n,), generator=g),
+              "loss_mask": torch.ones(n, dtype=torch.bool), "target_token": torch.randint(3, 50, (n,), generator=g),
+              "target_topk_ids": torch.randint(3, 50, (n, k), generator=g),
+              "target_topk_logprobs": -torch.rand(n, k, generator=g).cumsum(1)} for n in lengths]
+    batch = pack_documents(parts, width=6, num_anchors=2, seed=0, feature_dtype=torch.float32, pad_tokens_to=16)
+    assert batch.target_topk_ids.shape == batch.target_topk_logprobs.shape == (1, 16, k)
+    assert batch.target_topk_ids.dtype == torch.int64 and batch.target_topk_logprobs.dtype == torch.float32
+    for p, o in zip(parts, (0, 3, 8)):
+        n = p["input_ids"].numel()
+        assert torch.equal(batch.target_topk_ids[0, o:o + n], p["target_topk_ids"])
+        assert torch.equal(batch.target_topk_logprobs[0, o:o + n], p["target_topk_logprobs"])
+        assert torch.equal(batch.target_token[0, o:o + n], p["target_token"])
+    assert not batch.target_topk_ids[0, 10:].any() and not batch.target_topk_logprobs[0, 10:].any()
+    plain = pack_documents([{key: v for key, v in p.items() if not key.startswith("target_topk")} for p in parts],
+                           width=6, num_anchors=2, seed=0, feature_dtype=torch.float32)
+    assert plain.target_topk_ids is None and plain.target_topk_logprobs is None
+
+
+def test_make_batch_reads_the_target_topk_of_the_features(tmp_path):
+    """make_batch over features that store the target's top-k (target_top_k 3 in the index): each packed document's
+    rows are the target's top 3 of its logits alone, column 0 its target token; an index without them packs None."""
+    target = tiny_target("qwen3")
+    samples = make_samples(target, 3, 4, 6)
+    index = FeatureIndex(write_features(tmp_path / "k3", target, [1, 2], samples, per_chunk=2, top_k=3))
+    assert index.target_top_k == 3
+    batch = make_batch(index, [(0, 10), (2, 7)], num_anchors=2, seed=0, feature_dtype=torch.float32,
+                       pad_tokens_to=32)
+    for row, o, n in ((0, 0, 10), (2, 10, 7)):
+        with torch.no_grad():
+            want = target(samples[row]["input_ids"][None]).logits[0, :n].float().log_softmax(-1).topk(3, dim=-1)
+        assert torch.equal(batch.target_topk_ids[0, o:o + n], want.indices)
+        torch.testing.assert_close(batch.target_topk_logprobs[0, o:o + n], want.values, rtol=2 ** -10, atol=1e-4)
+        assert torch.equal(batch.target_topk_ids[0, o:o + n, 0], batch.target_token[0, o:o + n])
+    assert not batch.target_topk_ids[0, 17:].any() and not batch.target_topk_logprobs[0, 17:].any()
+    plain = FeatureIndex(write_features(tmp_path / "k0", target, [1, 2], samples, per_chunk=2))
+    assert plain.target_top_k == 0 and "target_top_k" not in plain.meta
+    assert make_batch(plain, [(0, 10)], num_anchors=2, seed=0, feature_dtype=torch.float32).target_topk_ids is None
 
 
 def test_lr_schedule_and_expected_tau():
@@ -552,6 +601,32 @@ def test_muon_and_dpace_learn_resume_exactly_and_are_another_run(qwen3_setup, tm
     assert plain["resumed_from_step"] == 0 and len(list((b / "checkpoints").glob("run-*"))) == 2
     wc = load_file(str(b / "trained" / "model.safetensors"))
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_soft_labels_train_on_the_targets_topk_and_only_when_asked(qwen3_setup, tmp_path, caplog):
+    """``train.labels: target_topk`` on features holding the target's top 4: the run learns (held-out loss falls),
+    says so in its log and trainer_state, and trains other weights than the greedy labels; a ``target`` run on those
+    features does not read the top-k and equals, bit for bit, the run on the same features without them; a soft-label
+    run on features without a top-k is refused before training, naming the features and the key to set."""
+    k4 = write_features(tmp_path / "k4", qwen3_setup["target"], [1, 2], qwen3_setup["samples"], top_k=4)
+    cfg = dict(TINY_TRAIN, max_steps=8, eval_fraction=0.15, eval_every=4, tokens_per_batch=64)
+    target = qwen3_setup["target_dir"]
+    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+        soft = train(k4, target, tmp_path / "soft", settings(dict(cfg, labels="target_topk")), threads=1)
+    assert "labels the target's top-k distribution" in caplog.text
+    assert soft["labels"] == "target_topk" and soft["heldout"]["loss"] < soft["history"][0]["loss"]
+    hard_k4 = train(k4, target, tmp_path / "hard-k4", settings(cfg), threads=1)
+    hard = train(qwen3_setup["index"], target, tmp_path / "hard", settings(cfg), threads=1)
+    assert hard_k4["labels"] == hard["labels"] == "target"
+    w = {name: load_file(str(tmp_path / name / "trained" / "model.safetensors"))
+         for name in ("soft", "hard-k4", "hard")}
+    assert all(torch.equal(w["hard-k4"][key], w["hard"][key]) for key in w["hard"])
+    assert any(not torch.equal(w["soft"][key], w["hard"][key]) for key in w["hard"])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(qwen3_setup['index']))}: train.labels is target_topk but "
+                                         r"the features hold no target's next-token distribution: extract them with "
+                                         r"extract.store_target_topk >= 2"):
+        train(qwen3_setup["index"], target, tmp_path / "refused", settings(dict(cfg, labels="target_topk")),
+              threads=1)
 
 
 def test_muon_state_refuses_another_split_of_the_parameters(qwen3_setup):

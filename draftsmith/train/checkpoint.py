@@ -68,7 +68,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     same fingerprint, whatever its slice holds (a phase's checkpoints record its slice's content instead:
     :func:`draftsmith.train.phases.resume_phase`).
 
-    A DFlash2 drafter under Muon adds the optimizer's split (:data:`~draftsmith.train.model.MUON_EXCLUDED_NAMES`:
+    Soft labels (``train.labels: target_topk``) add the features' ``target_top_k``, so that in stream mode too another
+    k is another run. A DFlash2 drafter under Muon adds the optimizer's split (:data:`~draftsmith.train.model.MUON_EXCLUDED_NAMES`:
     its codebooks on AdamW since 2026-12-04), so a run checkpointed with them on Muon starts afresh instead of
     failing to load its optimizer state.
 
@@ -95,6 +96,8 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
         "features": {k: index_meta.get(k) for k in keys},
         "world_size": world,
     }
+    if train.get("labels") == "target_topk":  # the soft labels' k (offline the content digest holds it too)
+        payload["target_top_k"] = index_meta.get("target_top_k")
     if dflash2 and train.get("optimizer") == "muon":
         # the selector's codebooks left Muon for AdamW (MUON_EXCLUDED_NAMES): a run before holds another split
         payload["muon_split"] = "codebooks-adamw"

@@ -161,7 +161,8 @@ def train_phase(phase: int, index_path: str | os.PathLike, heldout_path: str | o
                            "state_sha256": state_sha256(ckpt)},
             "fingerprint": fingerprint, "stream": settings.stream.to_dict(), "features": data.features.meta,
             "features_sha256": content,
-            "labels": "target" if data.use_target_tokens else "data", "world_size": world, "device": str(device),
+            "labels": settings.train.labels if data.use_target_tokens else "data", "world_size": world,
+            "device": str(device),
             "resumed_from_step": start_step, "last_train": run.last, "heldout": run.evals[-1] if run.evals else None,
             "rates": {k: run.last[k] for k in ("tokens_per_s", "window_tokens_per_s", "model_tflops_per_gpu")
                       if k in run.last},

@@ -320,7 +320,8 @@ class Trainer:
                  self.config.hidden_size, n_params, n_params / 1e6, self.block,
                  f"slot weights D-PACE (alpha {self.dpace_alpha:g})" if self.dpace_alpha is not None
                  else f"gamma {self.gamma:.3g}", selector, optimizer_summary(self.optimizer),
-                 "target tokens" if data.use_target_tokens else "data tokens", self.total_steps, steps_note,
+                 ("the target's top-k distribution" if self.cfg.labels == "target_topk" else "target tokens")
+                 if data.use_target_tokens else "data tokens", self.total_steps, steps_note,
                  self.warmup, ranks.world, self.device)
         self.n_params = n_params
         self.step_model, self.ddp = prepare_step(self.model, cfg, self.device)
@@ -645,7 +646,7 @@ class Trainer:
             **({"selector_loss_weight": float(self.model.selector_loss_weight),  # as the drafter trained
                 "selector_stop_gradient": bool(self.model.selector_stop_gradient)}
                if self.selector else {}),
-            "labels": "target" if data.use_target_tokens else "data",
+            "labels": self.cfg.labels if data.use_target_tokens else "data",
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
             "memory_by_phase_gib": (earlier["memory_by_phase_gib"] if earlier
