@@ -318,13 +318,18 @@ def test_pack_documents_packs_the_target_topk_with_padding_zero():
 
 def test_make_batch_reads_the_target_topk_of_the_features(tmp_path):
     """make_batch over features that store the target's top-k (target_top_k 3 in the index): each packed document's
-    rows are the target's top 3 of its logits alone, column 0 its target token; an index without them packs None."""
+    rows are the target's top 3 of its logits alone, column 0 its target token, when the run trains on them
+    (``soft_labels``); a run on the greedy token does not read them, and an index without them packs None."""
     target = tiny_target("qwen3")
     samples = make_samples(target, 3, 4, 6)
     index = FeatureIndex(write_features(tmp_path / "k3", target, [1, 2], samples, per_chunk=2, top_k=3))
     assert index.target_top_k == 3
     batch = make_batch(index, [(0, 10), (2, 7)], num_anchors=2, seed=0, feature_dtype=torch.float32,
-                       pad_tokens_to=32)
+                       pad_tokens_to=32, soft_labels=True)
+    greedy = make_batch(index, [(0, 10), (2, 7)], num_anchors=2, seed=0, feature_dtype=torch.float32,
+                        pad_tokens_to=32)
+    assert greedy.target_topk_ids is None and greedy.target_topk_logprobs is None
+    assert torch.equal(greedy.features, batch.features) and torch.equal(greedy.target_token, batch.target_token)
     for row, o, n in ((0, 0, 10), (2, 10, 7)):
         with torch.no_grad():
             want = target(samples[row]["input_ids"][None]).logits[0, :n].float().log_softmax(-1).topk(3, dim=-1)
@@ -334,7 +339,8 @@ def test_make_batch_reads_the_target_topk_of_the_features(tmp_path):
     assert not batch.target_topk_ids[0, 17:].any() and not batch.target_topk_logprobs[0, 17:].any()
     plain = FeatureIndex(write_features(tmp_path / "k0", target, [1, 2], samples, per_chunk=2))
     assert plain.target_top_k == 0 and "target_top_k" not in plain.meta
-    assert make_batch(plain, [(0, 10)], num_anchors=2, seed=0, feature_dtype=torch.float32).target_topk_ids is None
+    assert make_batch(plain, [(0, 10)], num_anchors=2, seed=0, feature_dtype=torch.float32,
+                      soft_labels=True).target_topk_ids is None
 
 
 def test_lr_schedule_and_expected_tau():

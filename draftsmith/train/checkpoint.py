@@ -69,9 +69,9 @@ def run_fingerprint(drafter_config: dict, settings: TrainOptions, index_meta: di
     :func:`draftsmith.train.phases.resume_phase`).
 
     Soft labels (``train.labels: target_topk``) add the features' ``target_top_k``, so that in stream mode too another
-    k is another run. A DFlash2 drafter under Muon adds the optimizer's split (:data:`~draftsmith.train.model.MUON_EXCLUDED_NAMES`:
-    its codebooks on AdamW since 2026-12-04), so a run checkpointed with them on Muon starts afresh instead of
-    failing to load its optimizer state.
+    k is another run. A DFlash2 drafter under Muon adds the optimizer's split
+    (:data:`~draftsmith.train.model.MUON_EXCLUDED_NAMES`: its codebooks on AdamW since 2026-12-04), so a run
+    checkpointed with them on Muon starts afresh instead of failing to load its optimizer state.
 
     ``start`` (``drafter.init_from``'s :func:`draftsmith.warm_start.start_digest`: the sha256 of its files) joins the
     payload when the run starts from a drafter folder, so another start, or the same folder with other weights, trains
