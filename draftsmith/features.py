@@ -895,8 +895,8 @@ class FeatureIndex:
         fp8 dequantised as ``fp8 * scale`` per token and layer, or with ``dequantize=False`` left float8 with
         ``scales [T, n]`` float32, for decoding on the GPU), ``input_ids`` / ``target_token`` ``[T]`` int64,
         ``loss_mask`` ``[T]`` bool and, with ``target_top_k`` = k > 0 and ``topk``, ``target_topk_ids [T, k]``
-        int64 and ``target_topk_logprobs [T, k]`` float32 (``topk=False``: not read, for a run that trains on the
-        greedy token)."""
+        int32 and ``target_topk_logprobs [T, k]`` float16 as stored (``topk=False``: not read, for a run that
+        trains on the greedy token)."""
         import torch
 
         end = ref.start + (ref.num_tokens if length is None else min(length, ref.num_tokens))
@@ -906,9 +906,9 @@ class FeatureIndex:
                "loss_mask": part["loss_mask"].bool()}
         if self.has_target_token:
             out["target_token"] = part["target_token"].long()
-        if self.target_top_k and topk:
-            out["target_topk_ids"] = part["target_topk_ids"].long()
-            out["target_topk_logprobs"] = part["target_topk_logprobs"].float()
+        if self.target_top_k and topk:  # as stored (6k bytes a token): widened on the device, rows in use only
+            out["target_topk_ids"] = part["target_topk_ids"]
+            out["target_topk_logprobs"] = part["target_topk_logprobs"]
         if "scales" in part:
             out["scales"] = part["scales"]
         return out

@@ -397,10 +397,11 @@ class PackedBatch:
         feature_scales: ``[R, S, n]`` float32 per token and tapped layer when ``features`` are still float8_e4m3fn
             as stored (:func:`draftsmith.features.quantize_fp8`; padding 0), else None. :meth:`dequantize` decodes
             them; the drafter's forward takes decoded features only.
-        target_topk_ids: ``[R, S, k]`` int64 the target's k most likely *next* tokens at each position
-            (``extract.store_target_topk``; padding 0), or None: the soft labels of ``train.labels: target_topk``.
-        target_topk_logprobs: ``[R, S, k]`` float32 their log-probabilities under the target's full distribution
-            (padding 0), or None.
+        target_topk_ids: ``[R, S, k]`` int32 (as stored; any integer dtype) the target's k most likely *next*
+            tokens at each position (``extract.store_target_topk``; padding 0), or None: the soft labels of
+            ``train.labels: target_topk``.
+        target_topk_logprobs: ``[R, S, k]`` float16 (as stored; any float dtype) their log-probabilities under the
+            target's full distribution (padding 0), or None.
     """
 
     features: torch.Tensor

@@ -233,8 +233,8 @@ def test_target_topk_equals_the_models_distribution_per_sample(tmp_path, targets
     features = FeatureIndex(tmp_path / "features" / "index.json")
     got = features.read(features.ref(3))
     assert features.target_top_k == 4 and got["target_topk_ids"].shape == (LENGTHS[3], 4)
-    assert got["target_topk_ids"].dtype == torch.int64 and got["target_topk_logprobs"].dtype == torch.float32
-    assert torch.equal(got["target_topk_ids"][:, 0], got["target_token"])
+    assert got["target_topk_ids"].dtype == torch.int32 and got["target_topk_logprobs"].dtype == torch.float16
+    assert torch.equal(got["target_topk_ids"][:, 0].long(), got["target_token"])
 
 
 def test_default_target_topk_writes_what_extraction_wrote_before(tmp_path, targets):
@@ -296,6 +296,21 @@ def test_target_topk_is_refused_without_target_tokens_or_above_the_vocabulary():
     assert ex.logit_transform(model.config) == "logit_scale = 0.0625"
     model.config.logit_scale = 1.0
     assert ex.logit_transform(model.config) == ""
+    # a transform no config key names (here a wrapped forward halving the logits) is caught on the first batch
+    forward = model.forward
+
+    def halved(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    model.forward = halved
+    with ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True, target_topk=4) as extractor:
+        with pytest.raises(ValueError, match=r"logits are not lm_head of its last hidden state \(max difference"):
+            extractor([np.arange(3, 12), np.arange(5, 9)])
+    model.forward = forward
+    with ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True, target_topk=4) as extractor:
+        assert len(extractor([np.arange(3, 12), np.arange(5, 9)])) == 4
 
 
 def test_bf16_storage_projection_and_stats(tmp_path, targets):

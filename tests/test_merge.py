@@ -348,7 +348,7 @@ def test_target_topk_is_carried_by_merge_and_checked_in_every_chunk(tmp_path):
     features = FeatureIndex(fs.index)
     assert features.target_top_k == 3 and FeatureMeta.of(features).target_top_k == 3
     got = features.read(features.ref(4))
-    assert got["target_topk_ids"].shape == (fs.lengths[4], 3) and got["target_topk_logprobs"].dtype == torch.float32
+    assert got["target_topk_ids"].shape == (fs.lengths[4], 3) and got["target_topk_logprobs"].dtype == torch.float16
 
     fs.index.unlink()  # shard 1 recorded without the top-k: the shards disagree
     _edit_manifest(fs, 1, lambda m: m.pop("target_top_k"))

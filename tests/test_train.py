@@ -294,17 +294,18 @@ def test_make_batch_documents_positions_and_anchors(qwen3_setup):
 
 
 def test_pack_documents_packs_the_target_topk_with_padding_zero():
-    """Documents with the target's top-k: the packed row carries target_topk_ids [1, S, k] int64 and
-    target_topk_logprobs [1, S, k] float32, each document at its offset, the padding 0; without them, None."""
+    """Documents with the target's top-k: the packed row carries target_topk_ids [1, S, k] int32 and
+    target_topk_logprobs [1, S, k] float16 (as the features store them), each document at its offset, the padding 0;
+    without them, None."""
     lengths, k = [3, 5, 2], 4
     g = torch.Generator().manual_seed(0)
     parts = [{"features": torch.randn(n, 6, generator=g), "input_ids": torch.randint(3, 50, (n,), generator=g),
               "loss_mask": torch.ones(n, dtype=torch.bool), "target_token": torch.randint(3, 50, (n,), generator=g),
-              "target_topk_ids": torch.randint(3, 50, (n, k), generator=g),
-              "target_topk_logprobs": -torch.rand(n, k, generator=g).cumsum(1)} for n in lengths]
+              "target_topk_ids": torch.randint(3, 50, (n, k), generator=g, dtype=torch.int32),
+              "target_topk_logprobs": -torch.rand(n, k, generator=g).cumsum(1).half()} for n in lengths]
     batch = pack_documents(parts, width=6, num_anchors=2, seed=0, feature_dtype=torch.float32, pad_tokens_to=16)
     assert batch.target_topk_ids.shape == batch.target_topk_logprobs.shape == (1, 16, k)
-    assert batch.target_topk_ids.dtype == torch.int64 and batch.target_topk_logprobs.dtype == torch.float32
+    assert batch.target_topk_ids.dtype == torch.int32 and batch.target_topk_logprobs.dtype == torch.float16
     for p, o in zip(parts, (0, 3, 8)):
         n = p["input_ids"].numel()
         assert torch.equal(batch.target_topk_ids[0, o:o + n], p["target_topk_ids"])
@@ -333,9 +334,10 @@ def test_make_batch_reads_the_target_topk_of_the_features(tmp_path):
     for row, o, n in ((0, 0, 10), (2, 10, 7)):
         with torch.no_grad():
             want = target(samples[row]["input_ids"][None]).logits[0, :n].float().log_softmax(-1).topk(3, dim=-1)
-        assert torch.equal(batch.target_topk_ids[0, o:o + n], want.indices)
-        torch.testing.assert_close(batch.target_topk_logprobs[0, o:o + n], want.values, rtol=2 ** -10, atol=1e-4)
-        assert torch.equal(batch.target_topk_ids[0, o:o + n, 0], batch.target_token[0, o:o + n])
+        assert torch.equal(batch.target_topk_ids[0, o:o + n].long(), want.indices)
+        torch.testing.assert_close(batch.target_topk_logprobs[0, o:o + n].float(), want.values, rtol=2 ** -10,
+                                   atol=1e-4)
+        assert torch.equal(batch.target_topk_ids[0, o:o + n, 0].long(), batch.target_token[0, o:o + n])
     assert not batch.target_topk_ids[0, 17:].any() and not batch.target_topk_logprobs[0, 17:].any()
     plain = FeatureIndex(write_features(tmp_path / "k0", target, [1, 2], samples, per_chunk=2))
     assert plain.target_top_k == 0 and "target_top_k" not in plain.meta

@@ -223,6 +223,8 @@ class FeatureExtractor:
         mask = None
         if bsz > 1 and self.padding_mask and min(lengths) < seq:
             mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).long().to(self.device)
+        if self.target_topk and not self.forward_calls:
+            self._check_logits_are_lm_heads(input_ids[:1, :lengths[0]][:, :32])
         self.forward_calls += 1
         out = self.capture.run(self.decoder, input_ids=input_ids, attention_mask=mask, use_cache=False)
         feats = self.capture.features()  # [B, S, n*H]
@@ -254,29 +256,53 @@ class FeatureExtractor:
 
     def _topk_logits(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(target_token [T] int32, topk_ids [T, k] int32, topk_logprobs [T, k] float16)``: the argmax of
-        ``lm_head(last)`` as :meth:`_argmax_logits` takes it (the same token as without the top-k, ties included),
-        and the top k of ``log_softmax(lm_head(last).float())`` per token, most likely first; in slices bounding the
-        logits and their float32 log-probabilities to LOGITS_CHUNK_BYTES."""
+        ``lm_head(last)`` in :meth:`_argmax_logits`' slices (the same matmuls, so the same token as without the
+        top-k, ties included), and the top k of the same logits, most likely first, with their log-probabilities
+        ``z - logsumexp(z)`` (float32 sums; the log-softmax of the whole vocabulary is never held)."""
         k, n = self.target_topk, last.shape[0]
-        step = max(1, LOGITS_CHUNK_BYTES // (self.vocab * (4 + max(4, last.element_size()))))
+        step = max(1, LOGITS_CHUNK_BYTES // (self.vocab * max(4, last.element_size())))
         token = torch.empty(n, dtype=torch.int32, device=last.device)
         ids = torch.empty(n, k, dtype=torch.int32, device=last.device)
         logprobs = torch.empty(n, k, dtype=torch.float16, device=last.device)
         for a in range(0, n, step):
             logits = self.lm_head(last[a:a + step])
             token[a:a + step] = logits.argmax(-1).to(torch.int32)
-            values, top = logits.float().log_softmax(-1).topk(k, dim=-1, sorted=True)
+            values, top = logits.topk(k, dim=-1, sorted=True)
             ids[a:a + step] = top.to(torch.int32)
-            logprobs[a:a + step] = values.to(torch.float16)
+            logprobs[a:a + step] = (values.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).half()
         return token, ids, logprobs
+
+    def _check_logits_are_lm_heads(self, input_ids: torch.Tensor) -> None:
+        """Refuse a target whose logits are not ``lm_head`` of its final hidden state (a scale, cap or temperature
+        applied after it that :func:`logit_transform` does not know): the top-k stored would not be its
+        distribution. One forward of the whole model over ``input_ids [1, t]`` (the first batch's first row, at most
+        32 tokens), its logits against ``lm_head(last_hidden_state)``.
+
+        Raises:
+            ValueError: they differ by more than 2% of the logits' range (bf16 kernels of other shapes differ by
+                well under 1%), naming the target class and the difference.
+        """
+        got = self.model(input_ids=input_ids, use_cache=False).logits[0].float()
+        self.capture.clear()
+        out = self.decoder(input_ids=input_ids, use_cache=False)
+        self.capture.clear()
+        ref = self.lm_head(out.last_hidden_state[0]).float()
+        diff, scale = float((got - ref).abs().max()), float(ref.abs().max())
+        if diff > 0.02 * max(scale, 1e-6):
+            raise ValueError(f"extract.store_target_topk {self.target_topk}: {type(self.model).__name__}'s logits "
+                             f"are not lm_head of its last hidden state (max difference {diff:.4g} against logits "
+                             f"up to {scale:.4g}): it scales or caps them after lm_head, so lm_head's top-k would not "
+                             "be its distribution; set extract.store_target_topk: 0 and train.labels: target")
 
 
 def logit_transform(config) -> str:
     """What a target's ``config`` (its text config) does to ``lm_head``'s output before its logits: ``""`` for
     none, else the keys that say it (``final_logit_softcapping`` of Gemma 2 / 3, ``logit_scale`` of Cohere,
-    ``logits_scaling`` of Granite, when set and not the identity)."""
+    ``logits_scaling`` of Granite, ``lm_head_multiplier`` of Falcon-H1, when set and not the identity). A transform
+    it does not know is caught on the first batch (``FeatureExtractor._check_logits_are_lm_heads``)."""
     found = []
-    for key, identity in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+    for key, identity in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0),
+                          ("lm_head_multiplier", 1.0)):
         value = getattr(config, key, None)
         if value is not None and value != identity and not (key == "final_logit_softcapping" and not value):
             found.append(f"{key} = {value}")

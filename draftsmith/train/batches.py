@@ -53,8 +53,8 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
             or absent, "scales": [n, layers] or absent, "target_topk_ids" / "target_topk_logprobs": [n, k] or
             absent}``. With ``scales`` (every part) the features are float8_e4m3fn as stored and the batch carries
             them with ``feature_scales`` (padding 0); without, they are packed as ``feature_dtype``. With the top-k
-            (every part) the batch carries ``target_topk_ids [1, S, k]`` int64 and ``target_topk_logprobs
-            [1, S, k]`` float32 (padding 0).
+            (every part) the batch carries ``target_topk_ids [1, S, k]`` int32 and ``target_topk_logprobs
+            [1, S, k]`` float16 as stored (padding 0; widened on the device for the supervised slots only).
 
     Documents are concatenated in order, document-relative positions restart at 0, the row is right-padded
     to a multiple of ``pad_tokens_to`` (doc id ``-1``, loss mask 0) and the anchor list to a multiple of
@@ -81,8 +81,8 @@ def pack_documents(parts: list[dict], *, width: int, num_anchors: int, seed: int
     tgt = torch.zeros(S, dtype=torch.long) if with_tt else None
     with_topk = bool(parts) and parts[0].get("target_topk_ids") is not None
     k = parts[0]["target_topk_ids"].shape[1] if with_topk else 0
-    topk_ids = torch.zeros(S, k, dtype=torch.long) if with_topk else None
-    topk_logprobs = torch.zeros(S, k, dtype=torch.float32) if with_topk else None
+    topk_ids = torch.zeros(S, k, dtype=torch.int32) if with_topk else None
+    topk_logprobs = torch.zeros(S, k, dtype=torch.float16) if with_topk else None
     o = 0
     for d, p in enumerate(parts):
         n = p["input_ids"].numel()
