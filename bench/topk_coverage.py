@@ -1,0 +1,45 @@
+"""How much of the target's next-token distribution the stored top-k holds (``extract.store_target_topk``), over
+the supervised positions of a feature index: what ``train.labels: target_topk`` keeps of the target's
+distribution and what it leaves out.
+
+    python bench/topk_coverage.py results/features/index.json [--max-samples N]
+
+Prints the supervised positions counted, the top-k probability mass (mean, median, 10th percentile), the target's
+top-1 probability (mean; the share of positions above 0.9) and the entropy of the renormalised top-k (nats).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from draftsmith.features import FeatureIndex
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("index", help="a merged features index.json with target_top_k > 0")
+    ap.add_argument("--max-samples", type=int, default=None, help="read at most this many samples (default all)")
+    args = ap.parse_args()
+    index = FeatureIndex(args.index)
+    if not index.target_top_k:
+        raise SystemExit(f"{args.index}: the features hold no top-k (extract.store_target_topk was 0)")
+    mass, top1, entropy = [], [], []
+    for ref in index.samples[:args.max_samples]:
+        part = index.read(ref)
+        logprobs = part["target_topk_logprobs"][part["loss_mask"]].float()
+        probs = logprobs.exp()
+        mass.append(probs.sum(-1))
+        top1.append(probs[:, 0])
+        q = torch.softmax(logprobs, -1)
+        entropy.append(-(q * q.clamp_min(1e-30).log()).sum(-1))
+    mass, top1, entropy = torch.cat(mass), torch.cat(top1), torch.cat(entropy)
+    print(f"{args.index}: k = {index.target_top_k}, {mass.numel():,} supervised positions; top-k mass mean "
+          f"{mass.mean():.4f}, median {mass.median():.4f}, p10 {mass.quantile(0.1):.4f}; top-1 probability mean "
+          f"{top1.mean():.4f}, above 0.9 at {(top1 > 0.9).float().mean():.3f} of positions; renormalised top-k "
+          f"entropy mean {entropy.mean():.3f} nats")
+
+
+if __name__ == "__main__":
+    main()
