@@ -631,8 +631,8 @@ def test_soft_labels_train_on_the_targets_topk_and_only_when_asked(qwen3_setup, 
     assert all(torch.equal(w["hard-k4"][key], w["hard"][key]) for key in w["hard"])
     assert any(not torch.equal(w["soft"][key], w["hard"][key]) for key in w["hard"])
     with pytest.raises(ValueError, match=rf"{re.escape(str(qwen3_setup['index']))}: train.labels is target_topk but "
-                                         r"the features hold no target's next-token distribution: extract them with "
-                                         r"extract.store_target_topk >= 2"):
+                                         r"the features hold no top-k of the target's next-token distribution: "
+                                         r"extract them with extract.store_target_topk >= 2"):
         train(qwen3_setup["index"], target, tmp_path / "refused", settings(dict(cfg, labels="target_topk")),
               threads=1)
 

@@ -130,7 +130,7 @@ def plan_data(index_path: str | os.PathLike, settings: TrainOptions, world: int)
         ValueError: too few samples for one optimizer step (named with the index path).
     """
     index = FeatureIndex(index_path)
-    use_target_tokens = target_labels(settings, index.has_target_token, index.target_top_k, index.path)
+    use_target_tokens = target_labels(settings, index)
     rows = [s.row for s in index.samples]
     train_ids, heldout_ids = ([rows[i] for i in part]
                               for part in split_samples(rows, settings.eval_fraction, settings.seed))
@@ -180,24 +180,23 @@ def plan_stream_data(tokenized_path: str | os.PathLike, settings: TrainOptions, 
     identity = {"stream": stream.to_dict(),
                 "lengths_sha256": hashlib.sha256(tokenized.num_tokens.astype("<i8").tobytes()).hexdigest()}
     return TrainData(index, heldout_index, features, lengths, train_ids, heldout_ids, truncated, plan,
-                     target_labels(settings, features.has_target_token, features.target_top_k, features.path),
-                     len(lengths), identity)
+                     target_labels(settings, features), len(lengths), identity)
 
 
-def target_labels(settings: TrainOptions, has_target_token: bool, target_top_k: int = 0, features: object = "the "
-                  "features") -> bool:
+def target_labels(settings: TrainOptions, features: FeatureIndex | FeatureMeta) -> bool:
     """Whether the labels are the target's own next tokens: ``train.labels`` ``target`` or ``target_topk`` and the
     features carry them (``target``: a warning when they do not).
 
     Raises:
         ValueError: ``train.labels: target_topk`` on features without the target's greedy token or with a top-k of
-            fewer than 2 tokens (``features`` named: they were extracted without ``extract.store_target_topk``).
+            fewer than 2 tokens (the features named: they were extracted without ``extract.store_target_topk``).
     """
-    if settings.labels == "target_topk" and (not has_target_token or target_top_k < 2):
-        raise ValueError(f"{features}: train.labels is target_topk but the features hold "
-                         f"{'no' if not target_top_k else f'a top-{target_top_k} of the'} target's next-token "
-                         f"distribution{'' if has_target_token else ' and no target_token'}: extract them with "
-                         "extract.store_target_topk >= 2 (and store_target_tokens: true)")
+    has_target_token, top_k = features.has_target_token, features.target_top_k
+    if settings.labels == "target_topk" and (not has_target_token or top_k < 2):
+        held = f"a top-{top_k}" if top_k else "no top-k"
+        raise ValueError(f"{features.path}: train.labels is target_topk but the features hold {held} of the "
+                         f"target's next-token distribution{'' if has_target_token else ' and no target_token'}: "
+                         "extract them with extract.store_target_topk >= 2 (and store_target_tokens: true)")
     if settings.labels == "target" and not has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
     return settings.labels in ("target", "target_topk") and has_target_token
