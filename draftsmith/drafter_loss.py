@@ -303,6 +303,28 @@ def head_soft_cross_entropy(hidden: torch.Tensor, head_weight: torch.Tensor, lab
     return ce, label_ce, pred, top_val, top_idx
 
 
+def slot_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                   soft: tuple[torch.Tensor, torch.Tensor] | None = None, *, top_k: int = 0, **head
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter's per-slot loss through the head, hard or soft labels alike (what both drafters' training
+    forwards call): :func:`head_cross_entropy_topk` of ``labels``, or with ``soft = (ids [N, k], probs [N, k])``
+    :func:`head_soft_cross_entropy`.
+
+    Args:
+        hidden, head_weight, labels, top_k: as :func:`head_soft_cross_entropy`'s.
+        soft: the supervised slots' soft labels (:func:`draftsmith.modeling.supervised_soft_labels`), or None.
+        head: ``multiplier``, ``softcap``, ``chunk_bytes``, ``fused``, as :func:`head_cross_entropy`'s.
+
+    Returns:
+        ``(loss_rows [N] differentiable, label_ce [N], pred [N], top_logits [N, top_k], top_ids [N, top_k])``; with
+        hard labels ``loss_rows`` is the label's CE and ``label_ce`` the same tensor.
+    """
+    if soft is None:
+        ce, pred, top_val, top_idx = head_cross_entropy_topk(hidden, head_weight, labels, top_k, **head)
+        return ce, ce, pred, top_val, top_idx
+    return head_soft_cross_entropy(hidden, head_weight, labels, *soft, top_k=top_k, **head)
+
+
 def topk_soft_labels(logprobs: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The soft labels' probabilities from the target's top-k log-probabilities: ``softmax(logprobs / T)`` over
     the k stored tokens, i.e. the target's distribution restricted to them and renormalised (the mass outside

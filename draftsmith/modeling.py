@@ -58,13 +58,7 @@ from draftsmith.drafter_config import (
     layer_is_causal,
     layer_window,
 )
-from draftsmith.drafter_loss import (
-    head_cross_entropy,
-    head_soft_cross_entropy,
-    slot_loss_weights,
-    slot_weights,
-    topk_soft_labels,
-)
+from draftsmith.drafter_loss import slot_head_loss, slot_loss_weights, slot_weights, topk_soft_labels
 from draftsmith.io import atomic_path
 
 log = logging.getLogger("draftsmith.modeling")
@@ -738,6 +732,15 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                       target_hidden=batch.features, block_len=B)
         return hidden.view(R, A, B, -1)
 
+    def head_loss_options(self, logits_chunk_bytes: int) -> dict:
+        """The chunked head loss's options (:func:`~draftsmith.drafter_loss.slot_head_loss`): ``dflash_config``'s
+        ``output_multiplier`` (float) and ``final_logit_softcapping`` (None when unset or 0), the chunk size and
+        :attr:`fused_loss`."""
+        softcap = draft_value(self.config, "final_logit_softcapping")
+        return dict(multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
+                    softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+                    chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)
+
     def training_forward(self, batch: PackedBatch, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
                          gamma: float, dpace_alpha: float | None = None, use_target_tokens: bool = False,
                          masks: dict | None = None, backend: str = "auto",
@@ -745,7 +748,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """DFlash training loss of a packed batch (and the statistics held-out metrics need).
 
         Only valid slots go through the LM head (``[N, H] x [H, V]``), the dominant matmul, in chunks of about
-        ``logits_chunk_bytes`` of float32 logits (:func:`head_cross_entropy`): memory does not grow with ``N x V``.
+        ``logits_chunk_bytes`` of float32 logits (:func:`~draftsmith.drafter_loss.slot_head_loss`): memory does not
+        grow with ``N x V``.
 
         Args:
             embed_weight: ``[V, H]`` target input embedding (frozen).
@@ -773,17 +777,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         labels, valid = block_targets(batch, self.block_size, use_target_tokens)
         index, slot = supervised_slots(valid)
         tgt = labels.view(-1).index_select(0, index)
-        softcap = draft_value(self.config, "final_logit_softcapping")
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        head = dict(multiplier=float(draft_value(self.config, "output_multiplier", 1.0)),
-                    softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None,
-                    chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)
         soft = supervised_soft_labels(batch, self.block_size, index)
-        if soft is None:
-            ce, pred = head_cross_entropy(h, head_weight, tgt, **head)  # [N]
-            loss_rows = ce
-        else:
-            loss_rows, ce, pred, _, _ = head_soft_cross_entropy(h, head_weight, tgt, *soft, **head)
+        head = self.head_loss_options(logits_chunk_bytes)
+        loss_rows, ce, pred, _, _ = slot_head_loss(h, head_weight, tgt, soft, **head)  # [N]
         w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         weighted_ce = (loss_rows * w).sum()
         loss = weighted_ce / weight_sum.clamp_min(1e-12)

@@ -38,13 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.drafter_config import DFlash2Config, draft_value
-from draftsmith.drafter_loss import (
-    candidate_logits,
-    head_cross_entropy_topk,
-    head_soft_cross_entropy,
-    slot_loss_weights,
-)
+from draftsmith.drafter_config import DFlash2Config
+from draftsmith.drafter_loss import candidate_logits, slot_head_loss, slot_loss_weights
 from draftsmith.modeling import (
     DFlashDecoderLayer,
     DFlashDraftModel,
@@ -292,17 +287,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         index, slot = supervised_slots(valid)
         tgt, prev = labels.view(-1).index_select(0, index), predecessors.reshape(-1).index_select(0, index)
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        multiplier = float(draft_value(self.config, "output_multiplier", 1.0))
-        softcap = draft_value(self.config, "final_logit_softcapping")
-        softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
-        head = dict(multiplier=multiplier, softcap=softcap, chunk_bytes=logits_chunk_bytes, fused=self.fused_loss)
-        soft = supervised_soft_labels(batch, B, index)
-        if soft is None:
-            ce, pred, top_val, top_idx = head_cross_entropy_topk(h, head_weight, tgt, k, **head)
-            loss_rows = ce
-        else:  # the backbone learns the target's top-k distribution; the selector and D-PACE its greedy token
-            loss_rows, ce, pred, top_val, top_idx = head_soft_cross_entropy(h, head_weight, tgt, *soft, top_k=k,
-                                                                            **head)
+        head = self.head_loss_options(logits_chunk_bytes)
+        multiplier, softcap = head["multiplier"], head["softcap"]
+        soft = supervised_soft_labels(batch, B, index)  # the backbone's labels; the selector and D-PACE: the greedy
+        loss_rows, ce, pred, top_val, top_idx = slot_head_loss(h, head_weight, tgt, soft, top_k=k, **head)
         w, weight_sum = slot_loss_weights(ce, slot, index, valid, gamma=gamma, dpace_alpha=dpace_alpha)
         loss = (loss_rows * w).sum() / weight_sum.clamp_min(1e-12)
         # the selector: teacher-forced on the gold predecessor, gold injected into the loss's candidates
