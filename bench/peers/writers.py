@@ -43,7 +43,7 @@ The tap ids speculators is told are z-lab's + 1 (report ``speculators_target_lay
 
 The pre-norm slot is not in draftsmith's features (its last-layer tap, when there is one, is after the norm): the
 writer computes it (``--prenorm target``) by running the target over the same rows with draftsmith's own extraction
-forward (:class:`draftsmith.extract.shard.FeatureExtractor`, right-padded batches of ``extract.token_budget``
+forward (:class:`draftsmith.extract.extractor.FeatureExtractor`, right-padded batches of ``extract.token_budget``
 tokens, :func:`draftsmith.extract.shard.make_batches`) plus one forward hook on the last decoder layer. The same
 forward re-extracts the taps and the target's greedy tokens, which are compared with the stored features and
 ``target_token`` (report ``prenorm_check``). ``--prenorm random`` writes N(0, 1) values instead: for throughput runs
@@ -245,7 +245,7 @@ def _check_counts(report: dict) -> None:
 class TargetPrenorm:
     """The last decoder layer's output before the final norm, per row, from the target itself.
 
-    Runs draftsmith's extraction forward (:class:`~draftsmith.extract.shard.FeatureExtractor`: the decoder on
+    Runs draftsmith's extraction forward (:class:`~draftsmith.extract.extractor.FeatureExtractor`: the decoder on
     right-padded batches, the tapped layers hooked, the target's greedy token per position) with one more forward
     hook on the last decoder layer (``FeatureExtractor`` normalises that layer's output, as the z-lab convention
     wants; speculators wants it raw).
@@ -260,7 +260,7 @@ class TargetPrenorm:
 
     def __init__(self, target_dir: str | os.PathLike, layer_ids: list[int], *, device: str, dtype: str,
                  token_budget: int, padding_mask: bool = True):
-        from draftsmith.extract.shard import FeatureExtractor
+        from draftsmith.extract.extractor import FeatureExtractor
         from draftsmith.target import decoder_layers, load_target
 
         self.model = load_target(target_dir, dtype=dtype, device=device)

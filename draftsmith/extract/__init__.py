@@ -11,7 +11,8 @@ Two steps (rules ``extract_plan`` and ``extract_shard``, contracts in docs/desig
   wanted, unpads, checks the numbers and writes chunk files (safetensors) atomically, with a progress
   record after each chunk so a killed job resumes without redoing finished chunks.
 
-Chunk files, manifests, the plan and the index: :mod:`draftsmith.features`.
+The forward (tapped layers, greedy token, top-k): :mod:`.extractor`. Chunk files, manifests, the plan and the
+index: :mod:`draftsmith.features`.
 
 Not done on purpose: packing several samples into one row (``cu_seqlens``). docs/design.md records that it
 leaks across documents for Gated DeltaNet targets (the short causal conv does not see the boundaries),
@@ -36,6 +37,7 @@ every shard of a plan still has to write). The plan's format: :func:`draftsmith.
 projections and the reserve: :mod:`draftsmith.disk`.
 """
 
+from draftsmith.extract.extractor import FeatureExtractor, logit_transform
 from draftsmith.extract.plan import (
     ExtractPlanSettings,
     PlanDrafterOptions,
@@ -51,13 +53,11 @@ from draftsmith.extract.shard import (
     ExtractHeldoutSettings,
     ExtractShardSettings,
     ExtractSliceSettings,
-    FeatureExtractor,
     FeatureSanityError,
     ShardExtractOptions,
     ShardTargetOptions,
     chunk_name,
     extract_shard,
-    logit_transform,
     make_batches,
     make_chunks,
 )
