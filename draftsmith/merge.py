@@ -49,18 +49,17 @@ import numpy as np
 
 from draftsmith.features import (
     FEATURES_FORMAT,
-    PLAN_FORMAT,
     STORAGE_DTYPES,
     HeaderError,
     expected_tensors,
     index_document,
     read_chunk_samples,
     read_safetensors_header,
-    subset_label,
     write_index,
 )
 from draftsmith.io import read_json, sha256_file
 from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.shard_plan import PLAN_FORMAT, subset_label
 from draftsmith.tokenized import Tokenized, read_tokenized
 
 log = logging.getLogger("draftsmith.merge")
@@ -602,12 +601,12 @@ def merge_features(plan_path: str | os.PathLike, manifest_paths: Sequence[str | 
     """Verify the extraction shards against the plan and the tokenized train set; write ``index.json``.
 
     A plan with a ``subset`` (stream mode: a phase's slice, the held-out samples; see
-    :func:`draftsmith.features.shard_plan`) is merged the same way, its coverage being exactly the plan's rows
+    :func:`draftsmith.shard_plan.shard_plan`) is merged the same way, its coverage being exactly the plan's rows
     (each once) and its totals the plan's; every problem then names the subset (``phase 3: shard 1 chunk ...``), and
     the index records it.
 
     Args:
-        plan_path: ``results/features/plan.json`` (:data:`draftsmith.features.PLAN_FORMAT`).
+        plan_path: ``results/features/plan.json`` (:data:`draftsmith.shard_plan.PLAN_FORMAT`).
         manifest_paths: every ``shard-{i}/manifest.json`` (:data:`draftsmith.features.FEATURES_FORMAT`); chunk
             files are found beside their manifest.
         tokenized_path: ``results/tokenized/train.parquet``; only ``id``, ``num_tokens`` and the schema

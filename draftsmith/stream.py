@@ -38,9 +38,10 @@ from draftsmith.disk import (
     measure_room,
     reserve_bytes,
 )
-from draftsmith.features import check_target_topk, shard_plan
+from draftsmith.features import check_target_topk
 from draftsmith.io import CURATED_PARQUET, reading, write_json
 from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.shard_plan import shard_plan
 from draftsmith.stages import num_phases
 from draftsmith.target_layers import tapped_layer_ids
 from draftsmith.tokenized import read_tokenized

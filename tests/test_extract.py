@@ -23,9 +23,10 @@ import torch
 from draftsmith import disk
 from draftsmith import extract as ex
 from draftsmith.config import schema_defaults
-from draftsmith.features import balance_shards, dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
+from draftsmith.features import dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeSettings
+from draftsmith.shard_plan import balance_shards
 from draftsmith.target import decoder_layers
 from draftsmith.target_layers import default_target_layer_ids
 from draftsmith.tokenized import read_tokenized
@@ -528,10 +529,10 @@ def test_staged_shard_resumes_after_a_kill_and_appears_only_complete(tmp_path, t
 
 
 def test_subset_plan_extracts_and_merges_exactly_its_rows(tmp_path, targets):
-    """Stream mode's extraction: a subset plan (features.shard_plan, one phase's rows) in two staged shards, merged
+    """Stream mode's extraction: a subset plan (shard_plan.shard_plan, one phase's rows) in two staged shards, merged
     into an index beside them whose totals are the subset's; a sample outside the subset is named with it."""
-    from draftsmith.features import shard_plan
     from draftsmith.merge import MergeError, merge_features
+    from draftsmith.shard_plan import shard_plan
 
     target = targets["llama"]
     write_tokenized(tmp_path / "train.parquet", LENGTHS)

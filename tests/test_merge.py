@@ -21,9 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.features import read_chunk, read_safetensors_header, shard_plan, write_chunk
+from draftsmith.features import read_chunk, read_safetensors_header, write_chunk
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeError, MergeSettings, MergeSliceSettings, format_layer_stats, merge_features
+from draftsmith.shard_plan import shard_plan
 
 SEMANTICS = ("id i = output of decoder layer i = HF output_hidden_states[i + 1]; "
              "the last layer includes the final norm")
@@ -499,7 +500,7 @@ SUBSET_ROWS = [1, 2, 4, 6, 7]
 
 
 def make_subset_set(root: Path, subset=None, *, rows=SUBSET_ROWS, num_rows=9, num_shards=2) -> FeatureSet:
-    """A correct feature set of a subset plan (stream mode: a phase's slice), from draftsmith.features.shard_plan:
+    """A correct feature set of a subset plan (stream mode: a phase's slice), from draftsmith.shard_plan.shard_plan:
     the tokenized set has ``num_rows`` rows, the plan and the shards only ``rows``."""
     subset = subset or {"phase": 2}
     lengths = [5 + (7 * r) % 11 for r in range(num_rows)]

@@ -33,7 +33,7 @@ bit; fused ones differ by bf16 rounding and are as close to a float32 reference 
 Modules: :mod:`.plan` (rule extract_plan: :class:`ExtractPlanSettings`, :func:`build_plan`), :mod:`.shard`
 (rule extract_shard, and stream mode's extract_slice / extract_heldout: :class:`ExtractShardSettings`,
 :class:`FeatureExtractor`, :func:`extract_shard`) and :mod:`.folders` (the staging folder of a staged shard, the bytes
-every shard of a plan still has to write). The plan's format: :func:`draftsmith.features.shard_plan`; the disk
+every shard of a plan still has to write). The plan's format: :func:`draftsmith.shard_plan.shard_plan`; the disk
 projections and the reserve: :mod:`draftsmith.disk`.
 """
 

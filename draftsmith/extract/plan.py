@@ -1,7 +1,7 @@
 """Rule extract_plan: the shards, balanced by token count, and the target layer ids they tap -> ``plan.json``.
 
 Reading order: the stage's settings (:class:`ExtractPlanSettings`), the tapped layers (:func:`resolve_layer_ids`),
-then :func:`build_plan`. The plan's format and its shards: :func:`draftsmith.features.shard_plan`. The disk check
+then :func:`build_plan`. The plan's format and its shards: :func:`draftsmith.shard_plan.shard_plan`. The disk check
 (features x ``extract.disk_headroom`` plus the reserve for checkpoints and the trained drafter against the free
 disk) refuses here, before any GPU work, and again in each shard job (:mod:`draftsmith.extract.shard`); the
 projections live in :mod:`draftsmith.disk`.
@@ -22,8 +22,9 @@ from draftsmith.disk import (
     measure_room,
     reserve_bytes,
 )
-from draftsmith.features import check_target_topk, shard_plan, storage_torch_dtype
+from draftsmith.features import check_target_topk, storage_torch_dtype
 from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.shard_plan import shard_plan
 from draftsmith.target import target_dims
 from draftsmith.target_layers import num_tapped_layers, tapped_layer_ids
 from draftsmith.tokenized import read_tokenized
@@ -106,7 +107,7 @@ def resolve_layer_ids(drafter: PlanDrafterOptions, num_target_layers: int) -> li
 def build_plan(tokenized_path: str | os.PathLike, target_dir: str | os.PathLike, settings: ExtractPlanSettings, *,
                features_dir: str | os.PathLike | None = None, drafter_dir: str | os.PathLike | None = None,
                results_dir: str | os.PathLike | None = None) -> dict:
-    """The shard plan (``draftsmith.plan/1``, :func:`draftsmith.features.shard_plan`) of the whole tokenized train
+    """The shard plan (``draftsmith.plan/1``, :func:`draftsmith.shard_plan.shard_plan`) of the whole tokenized train
     set into ``settings.extract.shards`` shards, with the disk reserve of the run recorded.
 
     Reads only ``id``/``num_tokens`` of the parquet and the target's config.json (no weights). Projects the

@@ -30,19 +30,18 @@ from draftsmith.extract.folders import bytes_left, open_staging, publish, shard_
 from draftsmith.features import (
     FEATURES_FORMAT,
     LAYER_SEMANTICS,
-    PLAN_FORMAT,
     PROGRESS_FORMAT,
     check_target_topk,
     quantize_fp8,
     row_absmax,
     storage_torch_dtype,
-    subset_label,
     write_chunk,
 )
 from draftsmith.gpu import GpuOptions
 from draftsmith.io import read_json, remove_dead_temporaries, sha256_file, target_fingerprint, write_json
 from draftsmith.progress import progress
 from draftsmith.settings import SectionSettings, StageSettings
+from draftsmith.shard_plan import PLAN_FORMAT, subset_label
 from draftsmith.target import (
     default_device,
     fla_available,
@@ -321,7 +320,7 @@ def extract_shard(*, plan_path: str | os.PathLike, tokenized_path: str | os.Path
     output folder without a staging folder is moved back into ``staging_dir`` first (a rerun resumes from it).
     Records name files relative to their folder, so nothing holds the staging path.
 
-    A plan with a ``subset`` (:func:`draftsmith.features.shard_plan`, stream mode) is extracted the same way; its
+    A plan with a ``subset`` (:func:`draftsmith.shard_plan.shard_plan`, stream mode) is extracted the same way; its
     manifest records the subset and the errors name it (``phase 3 shard 1 chunk 2: ...``).
 
     Args:
