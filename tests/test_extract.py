@@ -275,6 +275,24 @@ def test_default_target_topk_writes_what_extraction_wrote_before(tmp_path, targe
     assert (tmp_path / "explicit/shard-0/manifest.json").read_bytes() == (folder / "manifest.json").read_bytes()
 
 
+def test_argmax_first_puts_the_argmax_in_column_0_of_exactly_tied_top_k():
+    """topk and argmax may each pick another of exactly tied logits on a GPU: column 0 must be target_token."""
+    from draftsmith.extract.extractor import argmax_first
+
+    top = torch.tensor([[5, 7, 2, 9], [3, 1, 4, 8], [6, 0, 2, 4], [1, 2, 3, 4]])
+    arg = torch.tensor([7, 3, 9, 2])  # row 0: tie ranked second; row 1: already first; row 2: > k ties; row 3: third
+    got = argmax_first(top, arg)
+    assert got.tolist() == [[7, 5, 2, 9], [3, 1, 4, 8], [9, 0, 2, 4], [2, 1, 3, 4]]
+    assert top.tolist()[0] == [5, 7, 2, 9]  # the input is not modified
+    # on real logits with ties at the maximum: the ids stay a top k (the same values), column 0 is the argmax
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 0.0, 2.0, 1.0, -1.0]])
+    for k in (1, 2, 3):
+        values, ids = logits.topk(k, dim=-1)
+        fixed = argmax_first(ids, logits.argmax(-1))
+        assert torch.equal(fixed[:, 0], logits.argmax(-1))
+        assert torch.equal(logits.gather(-1, fixed), values)
+
+
 def test_target_topk_is_refused_without_target_tokens_or_above_the_vocabulary():
     with pytest.raises(ValueError, match=r"extract.store_target_topk 4 must be 0, or > 0 with "
                                          r"extract.store_target_tokens: true \(it is False\)"):

@@ -27,9 +27,10 @@ class FeatureExtractor:
 
     With ``target_topk`` = k > 0 the same slices also give the k most likely next tokens: the float32
     ``log_softmax`` of ``lm_head`` output over the whole vocabulary, its top k (most likely first) and their
-    log-probabilities (not renormalised over the k); ``target_token`` is then column 0 of the ids (the argmax; on an
-    exact tie, the one ``topk`` ranks first). They are the distribution of decoders whose logits are ``lm_head``
-    output itself (a target that scales or caps its logits after ``lm_head`` has another one).
+    log-probabilities (not renormalised over the k); column 0 of the ids is ``target_token`` (the argmax), also where
+    ``topk`` ranks another of exactly tied tokens first (bf16 logits on a GPU). They are the distribution of
+    decoders whose logits are ``lm_head`` output itself (a target that scales or caps its logits after ``lm_head``
+    has another one).
 
     Args:
         model: a loaded ``AutoModelForCausalLM`` (eval mode).
@@ -141,8 +142,9 @@ class FeatureExtractor:
     def _topk_logits(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(target_token [T] int32, topk_ids [T, k] int32, topk_logprobs [T, k] float16)``: the argmax of
         ``lm_head(last)`` in :meth:`_argmax_logits`' slices (the same matmuls, so the same token as without the
-        top-k, ties included), and the top k of the same logits, most likely first, with their log-probabilities
-        ``z - logsumexp(z)`` (float32 sums; the log-softmax of the whole vocabulary is never held)."""
+        top-k, ties included), and the top k of the same logits, most likely first (the argmax in column 0:
+        :func:`argmax_first`), with their log-probabilities ``z - logsumexp(z)`` (float32 sums; the log-softmax of
+        the whole vocabulary is never held)."""
         k, n = self.target_topk, last.shape[0]
         step = max(1, LOGITS_CHUNK_BYTES // (self.vocab * max(4, last.element_size())))
         token = torch.empty(n, dtype=torch.int32, device=last.device)
@@ -150,9 +152,10 @@ class FeatureExtractor:
         logprobs = torch.empty(n, k, dtype=torch.float16, device=last.device)
         for a in range(0, n, step):
             logits = self.lm_head(last[a:a + step])
-            token[a:a + step] = logits.argmax(-1).to(torch.int32)
+            arg = logits.argmax(-1)
+            token[a:a + step] = arg.to(torch.int32)
             values, top = logits.topk(k, dim=-1, sorted=True)
-            ids[a:a + step] = top.to(torch.int32)
+            ids[a:a + step] = argmax_first(top, arg).to(torch.int32)
             logprobs[a:a + step] = (values.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).half()
         return token, ids, logprobs
 
@@ -177,6 +180,26 @@ class FeatureExtractor:
                              f"are not lm_head of its last hidden state (max difference {diff:.4g} against logits "
                              f"up to {scale:.4g}): it scales or caps them after lm_head, so lm_head's top-k would not "
                              "be its distribution; set extract.store_target_topk: 0 and train.labels: target")
+
+
+def argmax_first(topk_ids: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """The top-k ids with the argmax in column 0: ``topk`` and ``argmax`` may each pick another of exactly tied
+    logits (seen with bf16 logits on an H200), and the features promise ``target_topk_ids[:, 0] == target_token``.
+    Where the argmax is elsewhere in a row it swaps places with column 0's token; where a row has more than k tokens
+    tied at the maximum and the argmax is not among the k, it replaces column 0's (the log-probabilities, equal at
+    a tie, are unchanged either way).
+
+    Args:
+        topk_ids: ``[N, k]`` integer, ``topk(k).indices`` of the logits.
+        argmax: ``[N]`` integer, ``argmax(-1)`` of the same logits.
+
+    Returns:
+        ``[N, k]`` of ``topk_ids``' dtype, a new tensor; equal to ``topk_ids`` where column 0 already is the argmax.
+    """
+    argmax = argmax.to(topk_ids.dtype)[:, None]
+    out = torch.where(topk_ids == argmax, topk_ids[:, :1], topk_ids)
+    out[:, :1] = argmax
+    return out
 
 
 def logit_transform(config) -> str:
