@@ -52,6 +52,34 @@ def test_shipped_configs_are_valid():
         assert config_errors(yaml.safe_load(path.read_text()), SCHEMA) == [], name
 
 
+def _merged(*paths: Path) -> dict:
+    """The configs layered as snakemake's --configfile does (later files' keys win, maps merged key by key)."""
+    def merge(into: dict, new: dict) -> dict:
+        for key, value in new.items():
+            into[key] = merge(dict(into.get(key) or {}), value) if isinstance(value, dict) else value
+        return into
+    config: dict = {}
+    for path in paths:
+        merge(config, yaml.safe_load(path.read_text()) or {})
+    return config
+
+
+@pytest.mark.parametrize("overlay", sorted(p.name for p in (REPO / "docs/peers/recipe").glob("*.yaml")))
+def test_recipe_overlays_are_valid_over_the_configs_their_runs_use(overlay):
+    """A typo in an ablation's overlay would cost a device session: each must validate, and pass the cross-key
+    rules, layered over what docs/peers/recipe.sh runs it with (DFlash2 variants: dflash2.yaml and the top-k
+    features too)."""
+    from draftsmith.config import cross_key_errors
+
+    common = [REPO / "config.yaml", REPO / "config/gpu-proof.yaml", REPO / "docs/peers/quality.yaml"]
+    if overlay.startswith("d2-"):
+        common += [REPO / "docs/dflash2/dflash2.yaml", REPO / "docs/peers/topk-features.yaml"]
+    config = _merged(*common, REPO / "docs/peers/recipe" / overlay)
+    assert config_errors(config, SCHEMA) == []
+    assert cross_key_errors(config) == []
+    assert config["train"], overlay
+
+
 @pytest.mark.parametrize("bad, key", [
     ({"extract": {"shards": -1}}, "extract.shards"),
     ({"extrakt": {"shards": 1}}, "'extrakt' was unexpected"),
