@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from safetensors import safe_open
 
 from draftsmith.features import FeatureIndex
 
@@ -25,10 +26,16 @@ def main() -> None:
     index = FeatureIndex(args.index)
     if not index.target_top_k:
         raise SystemExit(f"{args.index}: the features hold no top-k (extract.store_target_topk was 0)")
+    refs = index.samples[:args.max_samples]
+    by_chunk: dict[int, list] = {}
+    for ref in refs:
+        by_chunk.setdefault(ref.chunk, []).append(ref)
     mass, top1, entropy = [], [], []
-    for ref in index.samples[:args.max_samples]:
-        part = index.read(ref)
-        logprobs = part["target_topk_logprobs"][part["loss_mask"]].float()
+    for ci, chunk_refs in by_chunk.items():  # the loss mask and the top-k only: the hidden states are not read
+        with safe_open(str(index.chunks[ci].path), framework="pt") as fh:
+            mask, logprobs = fh.get_slice("loss_mask"), fh.get_slice("target_topk_logprobs")
+            parts = [logprobs[r.start:r.end][mask[r.start:r.end].bool()] for r in chunk_refs]
+        logprobs = torch.cat(parts).float()
         probs = logprobs.exp()
         mass.append(probs.sum(-1))
         top1.append(probs[:, 0])
