@@ -53,14 +53,12 @@ def test_shipped_configs_are_valid():
 
 
 def _merged(*paths: Path) -> dict:
-    """The configs layered as snakemake's --configfile does (later files' keys win, maps merged key by key)."""
-    def merge(into: dict, new: dict) -> dict:
-        for key, value in new.items():
-            into[key] = merge(dict(into.get(key) or {}), value) if isinstance(value, dict) else value
-        return into
+    """The configs layered as snakemake's --configfile does (snakemake.utils.update_config)."""
+    from snakemake.utils import update_config
+
     config: dict = {}
     for path in paths:
-        merge(config, yaml.safe_load(path.read_text()) or {})
+        update_config(config, yaml.safe_load(path.read_text()) or {})
     return config
 
 
