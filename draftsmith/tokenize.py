@@ -61,6 +61,7 @@ string, ``input_ids`` list<int32>, ``loss_mask`` list<int8>, ``num_tokens`` int3
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -703,15 +704,33 @@ def _rows_table(rows: list[TokenizedRow], schema: pa.Schema) -> pa.Table:
     ], schema=schema)
 
 
+@contextlib.contextmanager
+def worker_pool(worker: ConversationTokenizer, threads: int) -> Iterator[Any]:
+    """``threads`` worker processes holding ``worker`` (a ``multiprocessing`` pool), or ``None`` for ``threads`` <= 1.
+
+    ``forkserver``, not fork: the caller has threads (pyarrow's readers, the tokenizer's pool), and a child forked
+    while one of them holds a lock can wait on it forever (a CI run hung so); ``worker`` reaches each process
+    pickled. Like any start method but fork, each worker imports the caller's main module again: a script that
+    starts one runs its work under ``if __name__ == "__main__":`` (scripts/tokenize.py does). Starting the
+    processes is paid once per pool: :func:`run` shares one between both splits.
+    """
+    if threads <= 1:
+        yield None
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["draftsmith.tokenize"])  # imported once, in the server, not per worker
+    with ctx.Pool(threads, initializer=_worker_init, initargs=(worker,)) as pool:
+        yield pool
+
+
 def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
                   fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5,
-                  prompt_only_ok: bool = False) -> dict:
+                  prompt_only_ok: bool = False, pool: Any = None) -> dict:
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
-    With ``threads`` > 1 the batches are spread over that many worker processes (``forkserver``; chat templates
-    render in Python, so threads would serialise on the GIL); output order is input order. Like any
-    multiprocessing start method but fork, each worker imports the caller's main module again: a script that calls
-    this runs its work under ``if __name__ == "__main__":`` (scripts/tokenize.py does).
+    With ``threads`` > 1 the batches are spread over that many worker processes (:func:`worker_pool`, or
+    ``pool``, one of its pools holding this ``worker``; chat templates render in Python, so threads would
+    serialise on the GIL); output order is input order.
 
     With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
     (MT-Bench, tau2: evaluate asks them as prompts) gives no row and is counted as
@@ -722,6 +741,7 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
         AssertionError: counts that do not reconcile (a bug, never silently written).
     """
     t0 = time.perf_counter()
+    first = None  # seconds to the first batch back from the worker processes (their start-up included)
     stats = SplitStats(worker.max_length)
     schema = TOKENIZED_SCHEMA.with_metadata(tokenized_metadata(worker.kwargs, fingerprint, worker.max_length))
     seen: set[str] = set()
@@ -766,31 +786,36 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     writer.write_table(_rows_table(pending, schema))
                     pending.clear()
 
-            if threads <= 1:
-                for records in batches():
-                    consume(records, worker.tokenize_batch(records))
-            else:
-                # forkserver, not fork: this process has threads (pyarrow's readers, the tokenizer's pool), and a
-                # child forked while one of them holds a lock can wait on it forever (a CI run hung so); the
-                # worker reaches each process pickled
-                ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(["draftsmith.tokenize"])  # imported once, in the server, not per worker
-                with ctx.Pool(threads, initializer=_worker_init, initargs=(worker,)) as pool:
-                    # imap keeps input order; records are re-read alongside via a bounded queue.
+            with contextlib.ExitStack() as stack:
+                if pool is None:
+                    pool = stack.enter_context(worker_pool(worker, threads))
+                if pool is None:
+                    for records in batches():
+                        consume(records, worker.tokenize_batch(records))
+                else:
+                    # results are consumed in input order; records wait alongside in a bounded queue
                     queue: collections.deque = collections.deque()
+                    width = 4 * max(threads, 1)
                     for records in batches():
                         queue.append((records, pool.apply_async(_worker_run, (records,))))
-                        while len(queue) > 4 * threads:
+                        while len(queue) > width:
                             recs, fut = queue.popleft()
                             consume(recs, fut.get())
+                            if first is None:
+                                first = time.perf_counter() - t0
                     while queue:
                         recs, fut = queue.popleft()
                         consume(recs, fut.get())
+                        if first is None:
+                            first = time.perf_counter() - t0
             if pending:
                 writer.write_table(_rows_table(pending, schema))
     report = stats.report()
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["conversations_per_second"] = round(stats.conversations_in / max(report["seconds"], 1e-9), 1)
+    if first is not None:
+        log.info("%s: the first batch came back from the worker processes after %.1f s of %.1f s", input_path, first,
+                 report["seconds"])
     return report
 
 
@@ -840,8 +865,11 @@ def run(*, train_in, eval_in, target_dir, train_out, eval_out, report_out, setti
         "overflow": overflow,
         "splits": {},
     }
-    for split, src, dst in (("train", train_in, train_out), ("eval", eval_in, eval_out)):
-        rep = tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads, prompt_only_ok=split == "eval")
+    with worker_pool(worker, threads) as pool:  # one pool for both splits: its start-up is paid once
+        reports = {split: tokenize_file(src, dst, worker, fingerprint=fingerprint, threads=threads, pool=pool,
+                                        prompt_only_ok=split == "eval")
+                   for split, src, dst in (("train", train_in, train_out), ("eval", eval_in, eval_out))}
+    for split, rep in reports.items():
         report["splits"][split] = rep
         c, r, t = rep["conversations"], rep["rows"], rep["tokens"]
         if c["prompt_only"]:

@@ -484,10 +484,15 @@ def test_stage_drop_mode_and_kwargs_metadata(stage_dirs):
 
 
 def test_stage_parallel_workers_give_identical_output(stage_dirs):
-    _run(stage_dirs, threads=1)
-    one_worker = pq.read_table(stage_dirs / "out" / "train.parquet")
-    _run(stage_dirs, threads=2)
-    assert pq.read_table(stage_dirs / "out" / "train.parquet").equals(one_worker)
+    """Both splits through the one worker pool the stage shares between them: the same rows, in order, and the
+    same counts as one process."""
+    one_report = _run(stage_dirs, threads=1)
+    one_worker = {split: pq.read_table(stage_dirs / "out" / f"{split}.parquet") for split in ("train", "eval")}
+    report = _run(stage_dirs, threads=2)
+    for split in ("train", "eval"):
+        assert pq.read_table(stage_dirs / "out" / f"{split}.parquet").equals(one_worker[split])
+        for key in ("conversations", "rows", "tokens"):
+            assert report["splits"][split][key] == one_report["splits"][split][key]
 
 
 def test_fingerprint_tracks_vocab_and_template():
