@@ -146,7 +146,7 @@ STAGE_KEYS: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "evaluate": {
         "evaluate": {"output": ("temperature", "top_p", "top_k", "prompt_lookup_ngram", "prompt_lookup_num_tokens",
                                 "block_size", "seed", "max_prompt_tokens", "stop_tokens", "only", "sets", "mtp"),
-                     "runtime": ("gpus", "rollback", "static_cache", "progress_interval",
+                     "runtime": ("gpus", "workers_per_gpu", "rollback", "static_cache", "progress_interval",
                                  "checkpoint_interval")},
         "target": {"output": ("dtype", "attn_implementation", "trust_remote_code")},
         # the start drafter (its files are inputs too): decoded beside the trained one, the report's before -> after

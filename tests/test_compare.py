@@ -101,3 +101,20 @@ def test_the_target_mtp_head_is_compared_at_its_fastest_k(tmp_path, capsys):
     assert main([str(tmp_path / "x.json"), str(tmp_path / "y.json"), "--names", "x,y", "--resamples", "0"]) == 0
     out = capsys.readouterr().out
     assert "| 2.10 (k=2) | 40.0 | no |" in out and "| - | - | - |" in out
+
+
+def test_a_report_decoded_on_a_shared_gpu_is_named_and_its_speed_flagged():
+    """evaluate.workers_per_gpu > 1: τ pairs as ever; the comparison names the report whose tokens/s were measured
+    by processes sharing a GPU, and report.md says so too."""
+    from draftsmith.evaluate.compare import render_markdown as compare_markdown
+
+    base = _report({"a": [_row("p1", 20, 10, 1.0), _row("p2", 30, 10, 1.0)]})
+    new = _report({"a": [_row("p1", 30, 10, 1.0), _row("p2", 45, 10, 1.0)]})
+    assert compare_reports(base, new, resamples=0)["shared_gpu"] == {}
+    new["run"].update(decoding_workers=3, workers_per_gpu=3)
+    cmp = compare_reports(base, new, names=("dflash", "shared"), resamples=0)
+    assert cmp["shared_gpu"] == {"shared": 3}
+    assert cmp["sets"]["a"]["paired"]["tau"]["ratio"] == pytest.approx(1.5)
+    md = compare_markdown(cmp)
+    assert "- **shared was decoded by 3 processes sharing each GPU: its tok/s and speedups are no speed figures" in md
+    assert "dflash was decoded" not in md

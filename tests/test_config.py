@@ -78,6 +78,16 @@ def test_recipe_overlays_are_valid_over_the_configs_their_runs_use(overlay):
     assert config["train"], overlay
 
 
+@pytest.mark.parametrize("common", sorted(p.name for p in (REPO / "docs/peers").glob("*.yaml")))
+def test_the_peers_common_configs_are_valid_over_gpu_proof(common):
+    """The config files the peers' runs add to gpu-proof.yaml (COMPARE_CONFIGS, PEERS_CONFIGS) validate there."""
+    from draftsmith.config import cross_key_errors
+
+    config = _merged(REPO / "config.yaml", REPO / "config/gpu-proof.yaml", REPO / "docs/peers" / common)
+    assert config_errors(config, SCHEMA) == []
+    assert cross_key_errors(config) == []
+
+
 @pytest.mark.parametrize("bad, key", [
     ({"extract": {"shards": -1}}, "extract.shards"),
     ({"extrakt": {"shards": 1}}, "'extrakt' was unexpected"),

@@ -1159,6 +1159,40 @@ def _differences(a, b, path="") -> list[str]:
 
 
 @pytest.mark.slow
+def test_decoding_workers_share_gpus_as_evaluate_workers_per_gpu_says(monkeypatch):
+    """evaluate.workers_per_gpu: that many decoding processes on each leased GPU, dealt round-robin; the CPU keeps
+    one process; a job given fewer GPUs than evaluate.gpus decodes on one; too few visible GPUs are named."""
+    from draftsmith.evaluate.workers import decoding_workers, gpu_of
+
+    assert decoding_workers(1, "cpu", 4) == 1 and decoding_workers(4, "cpu", 1) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert decoding_workers(1, "cuda") == 1 and decoding_workers(1, "cuda", 3) == 3
+    assert decoding_workers(2, "cuda", 3) == 6 and decoding_workers(2, "cuda") == 2
+    assert decoding_workers(4, "cuda", 2) == 2  # 4 GPUs asked, 2 visible: one GPU, shared by 2
+    assert [gpu_of(w, 6, 3, ["4", "5"]) for w in range(6)] == ["4", "5", "4", "5", "4", "5"]
+    assert [gpu_of(w, 3, 3, ["7"]) for w in range(3)] == ["7", "7", "7"]
+    assert [gpu_of(w, 2, 1, ["0", "1", "2"]) for w in range(2)] == ["0", "1"]
+    with pytest.raises(ValueError, match="6 decoding workers, 2 a GPU, need 3 GPU"):
+        gpu_of(0, 6, 2, ["0", "1"])
+    settings = EvaluateSettings.from_config(evaluate={"workers_per_gpu": 3})
+    assert settings.evaluate.workers_per_gpu == 3 and EvaluateSettings.from_config().evaluate.workers_per_gpu == 1
+
+
+def test_report_md_says_when_processes_shared_a_gpu():
+    """A report decoded by processes sharing a GPU says in report.md that its tokens/s are no speed figures."""
+    from pathlib import Path
+
+    from draftsmith.evaluate.report import render_markdown
+
+    report = json.loads((Path(__file__).resolve().parents[1] / "docs" / "peers" / "recipe-gpu-2026-12-05"
+                         / "d2-selgrad-kl" / "report.json").read_text())  # a real H200 report
+    assert "sharing each GPU" not in render_markdown(report)
+    report["run"].update(decoding_workers=6, workers_per_gpu=3)
+    assert ("- **decoded by 6 processes, 3 sharing each GPU (evaluate.workers_per_gpu): τ and the lossless check are "
+            "one process's; tokens/s and speedups were measured on a shared GPU and are no speed figures**"
+            in render_markdown(report))
+
+
 def test_two_decoding_workers_report_what_one_process_reports(stage_inputs, tmp_path):
     """evaluate.gpus > 1 runs one decoding worker per GPU (``python -m draftsmith.evaluate.worker``), each
     with the conversations worker_of gives it (here c1 and the MT-Bench pair on worker 0, c2 on worker 1: the

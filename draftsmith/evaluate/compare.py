@@ -153,6 +153,8 @@ def compare_reports(base: dict, new: dict, *, names: tuple[str, str] = ("base", 
         mtp_speedup``;
         ``paired`` holds ``matched, base_only, new_only`` prompt counts and, for ``tau`` and ``tokens_per_s``,
         ``base, new, ratio, ratio_low, ratio_high``. ``paired`` is None when a report predates the per-prompt sums.
+        ``shared_gpu``: ``{name: processes a GPU}`` for a report decoded by processes sharing a GPU
+        (``evaluate.workers_per_gpu``), whose tokens/s compare nothing.
     """
     shared = [s for s in base["sets"] if s in new["sets"]]
     out: dict = {
@@ -162,6 +164,9 @@ def compare_reports(base: dict, new: dict, *, names: tuple[str, str] = ("base", 
         "sets": {},
         "sets_only_in": {names[0]: [s for s in base["sets"] if s not in new["sets"]],
                          names[1]: [s for s in new["sets"] if s not in base["sets"]]},
+        # reports decoded by processes sharing a GPU (evaluate.workers_per_gpu): their tokens/s are no speed figures
+        "shared_gpu": {name: int(r["run"].get("workers_per_gpu") or 1) for name, r in zip(names, (base, new))
+                       if int(r["run"].get("workers_per_gpu") or 1) > 1},
     }
     groups = [(s, [s], base["sets"][s], new["sets"][s]) for s in shared]
     if shared and base.get("overall") and new.get("overall"):
@@ -194,6 +199,9 @@ def render_markdown(comparison: dict) -> str:
     lines = [f"# {b} against {a}", "",
              *(f"- {name}: `{d['drafter']}` ({d['drafter_architecture'] or 'architecture not recorded'}, block size "
                f"{d['block_size']})" for name, d in ((a, comparison["base_drafter"]), (b, comparison["new_drafter"]))),
+             *(f"- **{name} was decoded by {k} processes sharing each GPU: its tok/s and speedups are no speed "
+               "figures, and the tok/s ratios below compare nothing**"
+               for name, k in comparison.get("shared_gpu", {}).items()),
              "",
              "Whole sets, as each report gives them (lookup: prompt lookup in the same report):", "",
              f"| set | τ {a} | τ {b} | τ {b}/{a} | tok/s {a} | tok/s {b} | tok/s {b}/{a} | speedup {a} | "

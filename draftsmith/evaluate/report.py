@@ -463,6 +463,10 @@ def render_markdown(report: dict) -> str:
                  + (f"; target forwards: {run['decoding']}" if run.get("decoding") else ""))
     if run.get("lossless_reference"):
         lines.append(f"- lossless reference: {run['lossless_reference']}")
+    if int(run.get("workers_per_gpu") or 1) > 1:
+        lines.append(f"- **decoded by {run['decoding_workers']} processes, {run['workers_per_gpu']} sharing each GPU "
+                     "(evaluate.workers_per_gpu): τ and the lossless check are one process's; tokens/s and speedups "
+                     "were measured on a shared GPU and are no speed figures**")
     lines.append(f"- the target's MTP head: {_mtp_line(run.get('mtp'))}")
     if run.get("start_drafter"):
         lines.append(f"- the drafter training started from (drafter.init_from): `{run['start_drafter']}`, decoded on "

@@ -49,7 +49,7 @@ from draftsmith.evaluate.report import (
 )
 from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, saved_file, set_key, unsaved
 from draftsmith.evaluate.settings import EvaluateSettings
-from draftsmith.evaluate.workers import decoding_workers, run_workers, worker_of
+from draftsmith.evaluate.workers import decoding_workers, on_cuda, run_workers, worker_of
 from draftsmith.io import read_json, write_json, write_text
 from draftsmith.progress import progress
 
@@ -84,9 +84,10 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             ``partial/`` beside the report).
         trainer_state: the training run's ``trainer_state.json``: its held-out (teacher-forced) block τ is
             reported beside the decoded τ.
-        workers: decoding processes (default :func:`~draftsmith.evaluate.workers.decoding_workers`: one per GPU
-            of ``evaluate.gpus`` when that many GPUs are visible). With more than one, each decodes the
-            conversations :func:`~draftsmith.evaluate.workers.worker_of` gives it on its own device
+        workers: decoding processes (default :func:`~draftsmith.evaluate.workers.decoding_workers`:
+            ``evaluate.workers_per_gpu`` on each GPU of ``evaluate.gpus`` when that many GPUs are visible). With
+            more than one, each decodes the conversations :func:`~draftsmith.evaluate.workers.worker_of` gives it on
+            its GPU (:func:`~draftsmith.evaluate.workers.gpu_of`) or the CPU
             (``python -m draftsmith.evaluate.worker``), and this process merges their results in the sets' order
             and writes the report as from one process.
 
@@ -102,7 +103,9 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
                             tokenized_eval=str(tokenized_eval), sources=sources,
                             drafter_implementation=drafter_implementation)
     partial = Path(partial_dir) if partial_dir else Path(outputs["json"]).parent / "partial"
-    workers = decoding_workers(options.gpus, device) if workers is None else int(workers)
+    workers = decoding_workers(options.gpus, device, options.workers_per_gpu) if workers is None else int(workers)
+    # processes sharing a GPU: their τ is one process's, their timings are not
+    shared = min(int(options.workers_per_gpu), workers) if workers > 1 and on_cuda(device) else 1
 
     # the decoders (the target and drafter load with the first prompt decoded) and the sets' prompts
     decoders = prepare_decoders(inputs, settings, device)
@@ -152,7 +155,7 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     report = {
         "format": REPORT_FORMAT,
         "run": {**run_metadata(decoders, target_dir, drafter_dir, base_key["drafter"], drafter_implementation, how),
-                "decoding_workers": workers},
+                "decoding_workers": workers, "workers_per_gpu": shared},
         "sets": set_reports,
         "overall": overall_report(sets, done, set_reports, decoders.sampling, decoders.block_size),
         "training": training_summary(trainer_state),

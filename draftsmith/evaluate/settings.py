@@ -44,6 +44,7 @@ class EvaluateOptions(SectionSettings):
     sets: Mapping[str, Mapping[str, Any]]  # name -> {source, max_prompts, max_new_tokens}, in config order
     mtp: Mapping[str, Any]  # {num_speculative_tokens: [k, ...]}: the target's MTP head, one decoding per k
     gpus: int
+    workers_per_gpu: int  # decoding processes sharing each GPU (runtime: τ unchanged, timings shared)
     rollback: str
     static_cache: str
     progress_interval: float  # seconds

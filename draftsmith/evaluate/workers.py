@@ -1,9 +1,9 @@
 """Decoding workers, the evaluate job's side: how many, which conversations each decodes, starting them.
 
 With ``evaluate.gpus`` > 1 and that many GPUs leased, the job starts one decoding process per GPU
-(:mod:`draftsmith.evaluate.worker`), each with the conversations :func:`worker_of` gives it; they save what they
-decode beside the report (:mod:`draftsmith.evaluate.resume`), and the job merges their saved conversations in the
-sets' order into the report one process would write.
+(:mod:`draftsmith.evaluate.worker`), or ``evaluate.workers_per_gpu`` sharing each GPU, each with the conversations
+:func:`worker_of` gives it; they save what they decode beside the report (:mod:`draftsmith.evaluate.resume`), and the
+job merges their saved conversations in the sets' order into the report one process would write.
 """
 
 from __future__ import annotations
@@ -25,18 +25,34 @@ from draftsmith.io import write_json
 log = logging.getLogger("draftsmith.evaluate")
 
 
-def _on_cuda(device: torch.device | str | None) -> bool:
+def on_cuda(device: torch.device | str | None) -> bool:
     """Whether the job decodes on CUDA: ``device``'s type, or (None) whether CUDA is there."""
     return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
 
 
-def decoding_workers(gpus: int, device: torch.device | str | None = None) -> int:
-    """Decoding processes for an evaluate job: ``gpus`` (``evaluate.gpus``) when the job runs on CUDA and sees at
-    least that many GPUs (its lease), else 1 (on the CPU, or a job given fewer GPUs)."""
+def decoding_workers(gpus: int, device: torch.device | str | None = None, per_gpu: int = 1) -> int:
+    """Decoding processes for an evaluate job on CUDA: ``per_gpu`` (``evaluate.workers_per_gpu``) on each GPU of
+    ``gpus`` (``evaluate.gpus``) when it sees at least that many (its lease), else on one GPU; 1 on the CPU."""
+    if not on_cuda(device):
+        return 1
     gpus = int(gpus or 0)
-    if gpus > 1 and _on_cuda(device) and torch.cuda.device_count() >= gpus:
-        return gpus
-    return 1
+    used = gpus if gpus > 1 and torch.cuda.device_count() >= gpus else 1
+    return used * max(1, int(per_gpu or 1))
+
+
+def gpu_of(worker: int, workers: int, per_gpu: int, visible: list[str]) -> str:
+    """The GPU (an entry of ``visible``, the job's ``CUDA_VISIBLE_DEVICES``) decoding worker ``worker`` of
+    ``workers`` runs on: the workers are dealt round-robin over the first ``workers / per_gpu`` GPUs, so each of
+    those GPUs runs ``per_gpu`` of them.
+
+    Raises:
+        ValueError: fewer visible GPUs than the workers need.
+    """
+    used = max(1, workers // max(1, per_gpu))
+    if len(visible) < used:
+        raise ValueError(f"evaluate: {workers} decoding workers, {per_gpu} a GPU, need {used} GPU(s); "
+                         f"CUDA_VISIBLE_DEVICES has {len(visible)}")
+    return visible[worker % used]
 
 
 def worker_of(conversation_id: str, workers: int) -> int:
@@ -48,7 +64,8 @@ def worker_of(conversation_id: str, workers: int) -> int:
 def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings, partial: Path,
                 device: torch.device | str | None, which: list[int]) -> None:
     """Start decoding processes ``which`` of ``workers`` (``python -m draftsmith.evaluate.worker``), worker ``w``
-    on GPU ``w`` of ``CUDA_VISIBLE_DEVICES`` (or the CPU), and wait for them all (:func:`draftsmith.gpu.spawn`: they
+    on the GPU :func:`gpu_of` gives it (``settings.evaluate.workers_per_gpu`` to a GPU) or the CPU, and wait for
+    them all (:func:`draftsmith.gpu.spawn`: they
     hold the job's lease and end with the job); their log lines go to this job's
     log file. They read what to do from ``partial/worker-args.json``: ``inputs``, ``settings`` (as JSON), the
     number of workers, the log file, the device kind and their CPU threads.
@@ -56,9 +73,11 @@ def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings
     Raises:
         RuntimeError: a worker exited with an error (naming it and its exit code).
     """
-    cuda = _on_cuda(device)
+    cuda = on_cuda(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count() if cuda else 0)]
+    per_gpu = int(settings.evaluate.workers_per_gpu) if cuda else 1
+    gpu = {w: gpu_of(w, workers, per_gpu, gpus) for w in which} if cuda else {}
     file_handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     for h in file_handlers:  # from now on this process appends too: the workers append to the same log
         h.mode = "a"
@@ -74,11 +93,11 @@ def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings
     for w in which:
         env = dict(os.environ)
         if cuda:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[w]
+            env["CUDA_VISIBLE_DEVICES"] = gpu[w]
         procs.append(spawn([sys.executable, "-m", "draftsmith.evaluate.worker", "--worker", str(w),
                             "--args", str(args_file)], env=env))
     log.info("evaluate: %d decoding workers started (%s)%s", len(which),
-             ", ".join(f"worker {w} on GPU {gpus[w]}" if cuda else f"worker {w} on the CPU" for w in which),
+             ", ".join(f"worker {w} on GPU {gpu[w]}" if cuda else f"worker {w} on the CPU" for w in which),
              f"; {workers - len(which)} of {workers} had every conversation saved" if len(which) < workers else "")
     codes = [p.wait() for p in procs]
     failed = [f"worker {w} (exit code {c})" for w, c in zip(which, codes) if c != 0]
