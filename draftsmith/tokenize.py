@@ -91,6 +91,7 @@ from draftsmith.chat import (
     tokenizer_fingerprint,
 )
 from draftsmith.io import CURATED_PARQUET, atomic_path, reading, write_json
+from draftsmith.progress import progress
 from draftsmith.regenerated import GENERATED_IDS
 from draftsmith.settings import SectionSettings, StageSettings, thaw
 from draftsmith.tokenized import (
@@ -725,12 +726,13 @@ def worker_pool(worker: ConversationTokenizer, threads: int) -> Iterator[Any]:
 
 def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
                   fingerprint: str, threads: int = 1, batch_size: int = 64, log_examples: int = 5,
-                  prompt_only_ok: bool = False, pool: Any = None) -> dict:
+                  prompt_only_ok: bool = False, pool: Any = None, progress_interval: float = 30.0) -> dict:
     """Tokenize one curated parquet into one tokenized parquet (written atomically); returns its report.
 
     With ``threads`` > 1 the batches are spread over that many worker processes (:func:`worker_pool`, or
     ``pool``, one of its pools holding this ``worker``; chat templates render in Python, so threads would
-    serialise on the GIL); output order is input order.
+    serialise on the GIL); output order is input order. A progress line (conversations done, rate, ETA) goes to
+    the log every ``progress_interval`` seconds and at the end.
 
     With ``prompt_only_ok`` (the eval split) a conversation of user turns without any assistant answer
     (MT-Bench, tau2: evaluate asks them as prompts) gives no row and is counted as
@@ -746,6 +748,10 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
     schema = TOKENIZED_SCHEMA.with_metadata(tokenized_metadata(worker.kwargs, fingerprint, worker.max_length))
     seen: set[str] = set()
     examples: collections.Counter = collections.Counter()
+    with reading(input_path, CURATED_PARQUET):  # an unreadable file is named here, before any work
+        total = pq.ParquetFile(input_path).metadata.num_rows
+    bar = progress(total, f"tokenize {os.path.basename(os.fspath(input_path))}", unit="conversation", logger=log,
+                   interval=progress_interval)
 
     def batches() -> Iterator[list[dict]]:
         row = 0
@@ -765,10 +771,11 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     rec["_row"] = row
                     keep.append(rec)
                 row += 1
+            bar.update(len(batch) - len(keep))  # the rows dropped here; the kept ones once tokenized
             if keep:
                 yield keep
 
-    with atomic_path(output_path, suffix=".parquet") as tmp:
+    with contextlib.closing(bar), atomic_path(output_path, suffix=".parquet") as tmp:
         with pq.ParquetWriter(tmp, schema) as writer:
             pending: list[TokenizedRow] = []
 
@@ -782,6 +789,7 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                         _log_drop(examples, log_examples, input_path, rec["_row"], res.drop,
                                   f"id {res.id}: {res.detail}")
                     pending.extend(res.rows)
+                bar.update(len(records))
                 if len(pending) >= 2048:
                     writer.write_table(_rows_table(pending, schema))
                     pending.clear()

@@ -466,6 +466,9 @@ def test_stage_counts_every_drop_and_reconciles(stage_dirs, caplog):
     assert ("eval: 1 prompt-only conversations (user turns without an answer, e.g. MT-Bench, tau2) give no row: "
             "evaluate asks them as prompts") in caplog.text
     assert not [r for r in caplog.records if "eval.parquet" in r.getMessage() and "dropped" in r.getMessage()]
+    # the console's progress: every conversation counted, dropped ones included (12 of 12 in the train split)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenize train.parquet: ")]
+    assert lines and lines[-1].startswith("tokenize train.parquet: 12/12 conversation (100%)"), lines
 
     meta = read_tokenized_metadata(stage_dirs / "out" / "train.parquet")
     tok = tk.load_tokenizer(stage_dirs / "target")
