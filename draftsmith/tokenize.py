@@ -803,19 +803,19 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                 else:
                     # results are consumed in input order; records wait alongside in a bounded queue
                     queue: collections.deque = collections.deque()
-                    width = 4 * max(threads, 1)
-                    for records in batches():
-                        queue.append((records, pool.apply_async(_worker_run, (records,))))
-                        while len(queue) > width:
-                            recs, fut = queue.popleft()
-                            consume(recs, fut.get())
-                            if first is None:
-                                first = time.perf_counter() - t0
-                    while queue:
+
+                    def take() -> None:
+                        nonlocal first
                         recs, fut = queue.popleft()
                         consume(recs, fut.get())
-                        if first is None:
-                            first = time.perf_counter() - t0
+                        first = time.perf_counter() - t0 if first is None else first
+
+                    for records in batches():
+                        queue.append((records, pool.apply_async(_worker_run, (records,))))
+                        while len(queue) > 4 * max(threads, 1):
+                            take()
+                    while queue:
+                        take()
             if pending:
                 writer.write_table(_rows_table(pending, schema))
     report = stats.report()
