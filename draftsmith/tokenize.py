@@ -65,12 +65,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftsmith.chat import (
@@ -96,6 +97,8 @@ from draftsmith.regenerated import GENERATED_IDS
 from draftsmith.settings import SectionSettings, StageSettings, thaw
 from draftsmith.tokenized import (
     TOKENIZED_SCHEMA,
+    TokenizedRow,
+    rows_table,
     tokenized_metadata,
 )
 
@@ -176,16 +179,6 @@ def has_supervised_pair(mask: np.ndarray) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizing conversations
-
-
-@dataclass
-class TokenizedRow:
-    """One training row: ``input_ids`` int32 [T] and ``loss_mask`` int8 [T] (1 = target-generated token)."""
-
-    id: str
-    source: str
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
 
 
 @dataclass
@@ -661,10 +654,11 @@ class SplitStats:
 _WORKER: ConversationTokenizer | None = None
 
 
-def _worker_init(worker: ConversationTokenizer) -> None:
+def _worker_init(worker_file: str) -> None:
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one tokenizer thread per worker process
-    _WORKER = worker
+    with open(worker_file, "rb") as f:  # written by worker_pool, this process's parent, for this pool
+        _WORKER = pickle.load(f)
 
 
 def _worker_run(records: list[dict]) -> list[ConversationResult]:
@@ -690,38 +684,31 @@ def read_curated(path: str | os.PathLike, batch_size: int = 64) -> Iterator[list
             yield batch.to_pylist()
 
 
-def _rows_table(rows: list[TokenizedRow], schema: pa.Schema) -> pa.Table:
-    lengths = np.fromiter((len(r.input_ids) for r in rows), dtype=np.int32, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    ids = np.concatenate([r.input_ids for r in rows]).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
-    masks = np.concatenate([r.loss_mask for r in rows]).astype(np.int8, copy=False) if rows else np.zeros(0, np.int8)
-    return pa.Table.from_arrays([
-        pa.array([r.id for r in rows], pa.string()),
-        pa.array([r.source for r in rows], pa.string()),
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, pa.int8())),
-        pa.array(lengths, pa.int32()),
-    ], schema=schema)
-
-
 @contextlib.contextmanager
 def worker_pool(worker: ConversationTokenizer, threads: int) -> Iterator[Any]:
     """``threads`` worker processes holding ``worker`` (a ``multiprocessing`` pool), or ``None`` for ``threads`` <= 1.
 
-    ``forkserver``, not fork: the caller has threads (pyarrow's readers, the tokenizer's pool), and a child forked
-    while one of them holds a lock can wait on it forever (a CI run hung so); ``worker`` reaches each process
-    pickled. Like any start method but fork, each worker imports the caller's main module again: a script that
-    starts one runs its work under ``if __name__ == "__main__":`` (scripts/tokenize.py does). Starting the
-    processes is paid once per pool: :func:`run` shares one between both splits.
+    ``forkserver``, not fork: a child forked while a thread of the caller (pyarrow's readers, the tokenizer's pool)
+    holds a lock can wait on it forever (a CI run hung so). Each worker imports the caller's main module again (a
+    script runs its work under ``if __name__ == "__main__":``, as scripts/tokenize.py does). ``worker`` goes to the
+    processes as a pickle in a private temporary file, read by each in its initializer: sent as ``initargs`` (1.6
+    MB), each process start waited for the process to import the main module and unpickle it, in series
+    (docs/measurements.md, "Tokenization"). The fork server preloads this module and the tokenizer's class module.
     """
     if threads <= 1:
         yield None
         return
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["draftsmith.tokenize"])  # imported once, in the server, not per worker
-    with ctx.Pool(threads, initializer=_worker_init, initargs=(worker,)) as pool:
-        yield pool
+    # imported once, in the server, not per worker (a server already running keeps its first list)
+    ctx.set_forkserver_preload(["draftsmith.tokenize", type(worker.tokenizer).__module__])
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="draftsmith-tokenize-") as tmp:
+        worker_file = os.path.join(tmp, "worker.pickle")
+        with open(worker_file, "wb") as f:
+            pickle.dump(worker, f, protocol=pickle.HIGHEST_PROTOCOL)
+        with ctx.Pool(threads, initializer=_worker_init, initargs=(worker_file,)) as pool:
+            log.info("started %d tokenizer worker processes in %.1f s", threads, time.perf_counter() - t0)
+            yield pool
 
 
 def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike, worker: ConversationTokenizer, *,
@@ -791,7 +778,7 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     pending.extend(res.rows)
                 bar.update(len(records))
                 if len(pending) >= 2048:
-                    writer.write_table(_rows_table(pending, schema))
+                    writer.write_table(rows_table(pending, schema))
                     pending.clear()
 
             with contextlib.ExitStack() as stack:
@@ -817,7 +804,7 @@ def tokenize_file(input_path: str | os.PathLike, output_path: str | os.PathLike,
                     while queue:
                         take()
             if pending:
-                writer.write_table(_rows_table(pending, schema))
+                writer.write_table(rows_table(pending, schema))
     report = stats.report()
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["conversations_per_second"] = round(stats.conversations_in / max(report["seconds"], 1e-9), 1)

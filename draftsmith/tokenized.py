@@ -42,6 +42,32 @@ TOKENIZED_SCHEMA = pa.schema([
 ])
 
 
+@dataclass
+class TokenizedRow:
+    """One training row: ``input_ids`` int32 [T] and ``loss_mask`` int8 [T] (1 = target-generated token)."""
+
+    id: str
+    source: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+def rows_table(rows: list[TokenizedRow], schema: pa.Schema = TOKENIZED_SCHEMA) -> pa.Table:
+    """The rows as one table of :data:`TOKENIZED_SCHEMA` (``schema``: the same with its file's metadata)."""
+    lengths = np.fromiter((len(r.input_ids) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.concatenate([r.input_ids for r in rows]).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
+    masks = np.concatenate([r.loss_mask for r in rows]).astype(np.int8, copy=False) if rows else np.zeros(0, np.int8)
+    return pa.Table.from_arrays([
+        pa.array([r.id for r in rows], pa.string()),
+        pa.array([r.source for r in rows], pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int32())),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks, pa.int8())),
+        pa.array(lengths, pa.int32()),
+    ], schema=schema)
+
+
 def tokenized_metadata(chat_template_kwargs: dict, fingerprint: str, max_length: int) -> dict[bytes, bytes]:
     """Parquet schema metadata of a tokenized file (bytes keys, JSON values)."""
     return {
