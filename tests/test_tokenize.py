@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -497,6 +498,24 @@ def test_stage_parallel_workers_give_identical_output(stage_dirs):
         for key in ("conversations", "rows", "tokens"):
             assert report["splits"][split][key] == one_report["splits"][split][key]
 
+
+
+def test_worker_pool_tokenizes_as_one_process_and_leaves_no_file(tmp_path, monkeypatch):
+    """The pool's workers read the ConversationTokenizer from a temporary file (not the pool's arguments): they
+    tokenize exactly as the parent does, and the file is gone once the pool closes."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    worker = tk.ConversationTokenizer(tiny_tokenizer(), options(max_length=512))
+    batch = [conv(f"c{i}", [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}])
+             for i in range(6)]
+    with tk.worker_pool(worker, 2) as pool:
+        assert list(tmp_path.glob("draftsmith-tokenize-*/worker.pickle"))
+        results = [r for part in pool.map(tk._worker_run, [batch[:3], batch[3:]]) for r in part]
+    expected = worker.tokenize_batch(batch)
+    assert [r.id for r in results] == [r.id for r in expected]
+    for got, want in zip(results, expected):
+        assert [(row.id, row.input_ids.tolist(), row.loss_mask.tolist()) for row in got.rows] == \
+            [(row.id, row.input_ids.tolist(), row.loss_mask.tolist()) for row in want.rows]
+    assert not list(tmp_path.iterdir())
 
 def test_fingerprint_tracks_vocab_and_template():
     a, b = tiny_tokenizer(), tiny_tokenizer()
