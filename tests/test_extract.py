@@ -302,7 +302,8 @@ def test_target_topk_is_refused_without_target_tokens_or_above_the_vocabulary():
     model = tiny_target("llama")
     with pytest.raises(ValueError, match=rf"extract.store_target_topk {VOCAB + 1} is outside 0..{VOCAB}"):
         ex.FeatureExtractor(model, LAYER_IDS, target_tokens=True, target_topk=VOCAB + 1)
-    with pytest.raises(ValueError, match="extract.store_target_topk 2 needs the target tokens"):
+    with pytest.raises(ValueError, match=r"extract.store_target_topk 2 must be 0, or > 0 with "
+                                         r"extract.store_target_tokens: true \(it is False\)"):
         ex.FeatureExtractor(model, LAYER_IDS, target_tokens=False, target_topk=2)
     # a target whose logits are not lm_head's output (Gemma's soft-capping, Cohere's scale): its top-k is refused,
     # its greedy token is not

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from draftsmith.features import check_target_topk
 from draftsmith.target import LayerCapture, text_config
 
 LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once (target tokens)
@@ -64,10 +65,8 @@ class FeatureExtractor:
         self.hidden = int(cfg.hidden_size)
         self.vocab = int(cfg.vocab_size)
         self.target_topk = int(target_topk)
-        if self.target_topk and not target_tokens:
-            raise ValueError(f"extract.store_target_topk {self.target_topk} needs the target tokens: set "
-                             "extract.store_target_tokens: true")
-        if not 0 <= self.target_topk <= self.vocab:
+        check_target_topk(self.target_topk, target_tokens)
+        if self.target_topk > self.vocab:
             raise ValueError(f"extract.store_target_topk {self.target_topk} is outside 0..{self.vocab} (the "
                              "target's vocabulary)")
         transform = logit_transform(cfg)
