@@ -5,7 +5,8 @@ distribution and what it leaves out.
     python bench/topk_coverage.py results/features/index.json [--max-samples N]
 
 Prints the supervised positions counted, the top-k probability mass (mean, median, 10th percentile), the target's
-top-1 probability (mean; the share of positions above 0.9) and the entropy of the renormalised top-k (nats).
+top-1 probability (mean; the share of positions above 0.9), the entropy of the renormalised top-k (nats) and the mean
+mass of the first j tokens for j = 1, 2, 4, ... up to k (what a smaller ``store_target_topk`` would have kept).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main() -> None:
     by_chunk: dict[int, list] = {}
     for ref in refs:
         by_chunk.setdefault(ref.chunk, []).append(ref)
-    mass, top1, entropy = [], [], []
+    mass, top1, entropy, cumulative = [], [], [], []
     for ci, chunk_refs in by_chunk.items():  # the loss mask and the top-k only: the hidden states are not read
         with safe_open(str(index.chunks[ci].path), framework="pt") as fh:
             mask, logprobs = fh.get_slice("loss_mask"), fh.get_slice("target_topk_logprobs")
@@ -38,6 +39,7 @@ def main() -> None:
         logprobs = torch.cat(parts).float()
         probs = logprobs.exp()
         mass.append(probs.sum(-1))
+        cumulative.append(probs.cumsum(-1).mean(0) * probs.shape[0])  # sums; divided by the count below
         top1.append(probs[:, 0])
         q = torch.softmax(logprobs, -1)
         entropy.append(-(q * q.clamp_min(1e-30).log()).sum(-1))
@@ -46,6 +48,9 @@ def main() -> None:
           f"{mass.mean():.4f}, median {mass.median():.4f}, p10 {mass.quantile(0.1):.4f}; top-1 probability mean "
           f"{top1.mean():.4f}, above 0.9 at {(top1 > 0.9).float().mean():.3f} of positions; renormalised top-k "
           f"entropy mean {entropy.mean():.3f} nats")
+    by_j = torch.stack(cumulative).sum(0) / mass.numel()  # the stored top-k are in descending order
+    cutoffs = [j for j in (1 << i for i in range(11)) if j < index.target_top_k] + [index.target_top_k]
+    print("mean mass of the first j tokens: " + ", ".join(f"{j}: {by_j[j - 1]:.4f}" for j in cutoffs))
 
 
 if __name__ == "__main__":

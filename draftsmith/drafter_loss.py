@@ -110,6 +110,11 @@ def _finish(ctx, hidden, ce, pred, grad, top_val, top_idx, label_ce):
     return ce, pred, top_val, top_idx, label_ce
 
 
+#: soft labels of at most this many tokens a row are subtracted from :func:`logit_statistics`' gradient by one
+#: comparison per logit and token, unrolled in its compiled pass; more are scattered into it (``scatter_add``)
+SOFT_UNROLL_MAX_K = 64
+
+
 def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, softcap: float | None,
                      need_grad: bool, top_k: int = 0, soft_ids: torch.Tensor | None = None,
                      soft_probs: torch.Tensor | None = None):
@@ -128,8 +133,8 @@ def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, s
             chosen on ``z`` itself (the multiplier and softcap keep the order) so that no float32 copy is made.
         soft_ids, soft_probs: ``[n, k]`` int64 / float32 soft labels (k distinct tokens per row, probabilities
             summing to 1), or None: ``ce`` and ``grad`` are then against them (``lse - sum_j p_j z_j``,
-            ``softmax - sum_j p_j onehot(id_j)``: k comparisons per logit, fused like the label's one) and
-            ``label_ce`` is the label's CE.
+            ``softmax - sum_j p_j onehot(id_j)``: k comparisons per logit, fused like the label's one, up to
+            :data:`SOFT_UNROLL_MAX_K`; a scatter of the k probabilities above it) and ``label_ce`` is the label's CE.
 
     Returns:
         ``(ce [n] float32, pred [n] int64, grad [n, V] in z's dtype or None, top_val [n, top_k] float32 or None,
@@ -168,9 +173,11 @@ def logit_statistics(z: torch.Tensor, labels: torch.Tensor, multiplier: float, s
     vocab = torch.arange(zf.shape[1], device=zf.device)[None, :]
     if soft_ids is None:
         g = g - (vocab == labels[:, None]).to(g.dtype)
-    else:
+    elif soft_ids.shape[1] <= SOFT_UNROLL_MAX_K:
         for j in range(soft_ids.shape[1]):  # k is static: unrolled, one fused pass
             g = g - torch.where(vocab == soft_ids[:, j:j + 1], soft_probs[:, j:j + 1], 0.0)
+    else:  # more tokens than comparisons per logit pay for: their probabilities scattered in, one more pass
+        g = g.scatter_add(1, soft_ids, -soft_probs.to(g.dtype))
     if dz is not None:
         g = g * dz
     return ce, pred, g.to(z.dtype), top_val, top_idx, label_ce

@@ -700,16 +700,24 @@ def _soft_labels(N: int, V: int, k: int, seed: int) -> tuple[torch.Tensor, torch
     return ids, torch.softmax(torch.randn(N, k, generator=g) * 2, -1)
 
 
-@pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, None, 4), (2.0, 5.0, 0), (1.0, 30.0, 8)])
-def test_soft_cross_entropy_equals_the_kl_through_the_full_logits(multiplier, softcap, top_k):
+@pytest.mark.parametrize("multiplier,softcap,top_k,k", [(1.0, None, 0, 5), (0.5, None, 4, 5), (2.0, 5.0, 0, 5),
+                                                      (1.0, 30.0, 8, 5), (1.0, None, 4, 100), (2.0, 5.0, 0, 100)])
+def test_soft_cross_entropy_equals_the_kl_through_the_full_logits(multiplier, softcap, top_k, k):
     """Soft labels (``train.labels: target_topk``): the chunked loss per row is ``-sum_j p_j log softmax(z)_{id_j}``
     over the full logits, its hidden-state gradient is the KL's (autograd through the full logits), the label's CE
     and argmax come beside it as the hard path's, the top-k candidates are the same; whatever the chunk size, and
-    ``logit_statistics`` (the fused path, eager here) gives the same values and gradient."""
-    from draftsmith.drafter_loss import head_cross_entropy_topk, head_soft_cross_entropy, logit_statistics
+    ``logit_statistics`` (the fused path, eager here) gives the same values and gradient, with k up to the unrolled
+    comparisons' limit and above it (scattered)."""
+    from draftsmith.drafter_loss import (
+        SOFT_UNROLL_MAX_K,
+        head_cross_entropy_topk,
+        head_soft_cross_entropy,
+        logit_statistics,
+    )
 
+    assert (k > SOFT_UNROLL_MAX_K) == (k == 100)
     torch.manual_seed(5)
-    N, H, V, k = 211, 24, 600, 5
+    N, H, V = 211, 24, 600
     hidden = torch.randn(N, H, requires_grad=True)
     head = torch.randn(V, H)
     labels, w = torch.randint(0, V, (N,)), torch.rand(N)
@@ -933,14 +941,14 @@ def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("softcap,top_k", [(None, 0), (30.0, 16)])
-def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k):
-    """Soft labels through the compiled ``logit_statistics`` (k = 16 comparisons per logit, unrolled) give the
-    eager chunks' soft CE, label CE and gradient on bf16 logits."""
+@pytest.mark.parametrize("softcap,top_k,k", [(None, 0, 16), (30.0, 16, 16), (None, 16, 256), (30.0, 0, 256)])
+def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k, k):
+    """Soft labels through the compiled ``logit_statistics`` (k = 16: comparisons per logit, unrolled; k = 256:
+    scattered) give the eager chunks' soft CE, label CE and gradient on bf16 logits."""
     from draftsmith.drafter_loss import head_soft_cross_entropy
 
     torch.manual_seed(9)
-    H, V, N, k = 64, 5003, 2100, 16
+    H, V, N = 64, 5003, 2100
     head = (torch.randn(V, H) * H ** -0.5).cuda().bfloat16()
     hidden = (torch.randn(N, H) * 2).cuda().bfloat16().requires_grad_(True)
     labels, w = torch.randint(0, V, (N,)).cuda(), torch.rand(N).cuda()
