@@ -907,11 +907,15 @@ def test_candidate_logits_on_the_gpu_backpropagate_as_the_logits_through_a_bf16_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("multiplier,softcap,top_k", [(1.0, None, 0), (0.5, 30.0, 8)])
-def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier, softcap, top_k):
+def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier, softcap, top_k, monkeypatch):
     """On a GPU ``fused=True`` runs the compiled ``logit_statistics`` (whole graph; the row count dynamic: chunks
     of two sizes, a one-row last chunk, another step's count; without gradient as the held-out metrics call it):
-    bf16 logits, float32 statistics as the eager chunks compute them."""
+    bf16 logits, float32 statistics as the eager chunks compute them; and it did run (no fallback to the eager
+    chunks, which would match them trivially)."""
+    from draftsmith import drafter_loss
     from draftsmith.drafter_loss import head_cross_entropy_topk
+
+    monkeypatch.setattr(drafter_loss, "FUSED_FAILED", None)
 
     torch.manual_seed(2)
     H, V = 64, 5003
@@ -938,14 +942,18 @@ def test_compiled_fused_head_loss_matches_the_eager_chunks_on_the_gpu(multiplier
         assert float((g1 - g0).abs().max() / g0.abs().max()) < 1e-2
         if top_k:
             assert torch.allclose(v1.sort(-1).values, v0.sort(-1).values, rtol=1e-5, atol=1e-4)
+    assert drafter_loss.FUSED_FAILED is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("softcap,top_k,k", [(None, 0, 16), (30.0, 16, 16), (None, 16, 256), (30.0, 0, 256)])
-def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k, k):
+def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(softcap, top_k, k, monkeypatch):
     """Soft labels through the compiled ``logit_statistics`` (k = 16: comparisons per logit, unrolled; k = 256:
-    scattered) give the eager chunks' soft CE, label CE and gradient on bf16 logits."""
+    scattered) give the eager chunks' soft CE, label CE and gradient on bf16 logits, the compiled path having run."""
+    from draftsmith import drafter_loss
     from draftsmith.drafter_loss import head_soft_cross_entropy
+
+    monkeypatch.setattr(drafter_loss, "FUSED_FAILED", None)
 
     torch.manual_seed(9)
     H, V, N = 64, 5003, 2100
@@ -964,6 +972,7 @@ def test_compiled_fused_soft_label_loss_matches_the_eager_chunks_on_the_gpu(soft
     (s0, l0, g0), (s1, l1, g1) = got
     assert torch.allclose(s1, s0, rtol=1e-5, atol=1e-4) and torch.allclose(l1, l0, rtol=1e-5, atol=1e-4)
     assert float((g1 - g0).abs().max() / g0.abs().max()) < 1e-2
+    assert drafter_loss.FUSED_FAILED is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
