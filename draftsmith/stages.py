@@ -31,7 +31,7 @@ from draftsmith.target_layers import num_tapped_layers
 TRAINING_KEYS: dict[str, tuple[str, ...]] = {
     "output": ("gpus", "seed", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "min_lr_ratio",
                "grad_clip", "tokens_per_batch", "grad_accum", "num_anchors", "max_anchors_per_row", "loss_gamma",
-               "loss_weighting", "dpace_alpha", "optimizer", "muon_lr", "muon_weight_decay", "labels",
+               "loss_weighting", "dpace_alpha", "optimizer", "muon_lr", "muon_weight_decay", "labels", "labels_topk",
                "eval_fraction", "attention", "compile", "selector_loss_weight",
                "selector_stop_gradient"),
     "runtime": ("save_every", "eval_every", "keep_checkpoints", "prefetch", "log_every", "loader_workers",
@@ -203,7 +203,8 @@ def _effective(config: Mapping, stage: str, section: str, key: str) -> Any:
 #: rule's params without the key (the text Snakemake recorded for those runs), so upgrading draftsmith reruns nothing;
 #: another value is a new param and reruns the stage. :func:`stage_config` gives the stage the key either way.
 LATER_OUTPUT_KEYS: dict[tuple[str, str], Any] = {("train", "selector_stop_gradient"): True,
-                                                  ("extract", "store_target_topk"): 0}
+                                                  ("extract", "store_target_topk"): 0,
+                                                  ("train", "labels_topk"): None}
 
 #: Mappings whose key order is part of the output (the report lists the evaluation sets in config order):
 #: :func:`rule_params` keeps their order and canonicalises their values only.

@@ -317,6 +317,13 @@ def test_soft_labels_need_the_targets_topk_in_the_features():
         errors = cross_key_errors({**soft, "extract": extract})
         assert len(errors) == 1 and "extract.store_target_topk >= 2" in errors[0] and shown in errors[0]
     assert cross_key_errors({"extract": {"store_target_topk": 8}, "train": {"labels": "target"}}) == []
+    # train.labels_topk keeps the first of the stored tokens: it needs soft labels and at least that many stored
+    narrow = {"extract": {"store_target_topk": 256}, "train": {"labels": "target_topk", "labels_topk": 32}}
+    assert cross_key_errors(narrow) == []
+    errors = cross_key_errors({**narrow, "extract": {"store_target_topk": 16}})
+    assert len(errors) == 1 and "train.labels_topk 32" in errors[0] and "(it is 16)" in errors[0]
+    errors = cross_key_errors({**narrow, "train": {"labels": "target", "labels_topk": 32}})
+    assert len(errors) == 1 and "needs train.labels: target_topk (it is target)" in errors[0]
 
 
 def test_a_drafter_shape_that_cannot_train_is_refused_before_anything_runs():
@@ -437,6 +444,13 @@ def test_a_later_output_key_at_the_value_runs_before_had_leaves_the_params_as_th
         assert "store_target_topk" not in rule_params(config, stage)["extract"]
         assert stage_config(stage, rule_params(config, stage), config)["extract"]["store_target_topk"] == 0
         assert rule_params(soft, stage)["extract"]["store_target_topk"] == 16
+    # train.labels_topk (the first k of the stored soft labels) at null: the train rules' params as before
+    assert config["train"]["labels_topk"] is None
+    for stage in ("train", "train_phase"):
+        assert "labels_topk" not in rule_params(config, stage)["train"]
+        assert stage_config(stage, rule_params(config, stage), config)["train"]["labels_topk"] is None
+        narrow = {**config, "train": {**config["train"], "labels_topk": 32}}
+        assert rule_params(narrow, stage)["train"]["labels_topk"] == 32
 
 
 def test_gpu_node_drafter_is_the_published_27b_shape():

@@ -635,6 +635,17 @@ def test_soft_labels_train_on_the_targets_topk_and_only_when_asked(qwen3_setup, 
                                          r"extract them with extract.store_target_topk >= 2"):
         train(qwen3_setup["index"], target, tmp_path / "refused", settings(dict(cfg, labels="target_topk")),
               threads=1)
+    # train.labels_topk: the first 2 of the 4 stored tokens train as features holding the top 2 do, bit for bit;
+    # more than the features hold is refused before training
+    k2 = write_features(tmp_path / "k2", qwen3_setup["target"], [1, 2], qwen3_setup["samples"], top_k=2)
+    narrow = train(k4, target, tmp_path / "k4-first-2", settings(dict(cfg, labels="target_topk", labels_topk=2)),
+                   threads=1)
+    train(k2, target, tmp_path / "k2-all", settings(dict(cfg, labels="target_topk")), threads=1)
+    w2, w4 = (load_file(str(tmp_path / name / "trained" / "model.safetensors")) for name in ("k2-all", "k4-first-2"))
+    assert all(torch.equal(w2[key], w4[key]) for key in w2)
+    assert narrow["heldout"]["loss"] != soft["heldout"]["loss"]
+    with pytest.raises(ValueError, match=r"train.labels_topk is 8 but the features hold the target's top 4"):
+        train(k4, target, tmp_path / "too-wide", settings(dict(cfg, labels="target_topk", labels_topk=8)), threads=1)
 
 
 def test_muon_state_refuses_another_split_of_the_parameters(qwen3_setup):

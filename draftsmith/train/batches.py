@@ -27,17 +27,23 @@ from draftsmith.train.settings import TrainOptions
 def make_batch(index: FeatureIndex, row: list[tuple[int, int]], *, num_anchors: int, seed: int,
                feature_dtype: torch.dtype, pad_tokens_to: int = 1, pad_anchors_to: int = 1,
                bucket_anchors: bool = False, max_anchors_per_row: int | None = None,
-               pin_memory: bool = False, keep_fp8: bool = False, soft_labels: bool = False) -> PackedBatch:
+               pin_memory: bool = False, keep_fp8: bool = False, soft_labels: bool = False,
+               soft_label_tokens: int | None = None) -> PackedBatch:
     """Read one packed row of samples (``(tokenized row, tokens)`` pairs, :meth:`FeatureIndex.ref`) and pack it with
     :func:`pack_documents`. With ``keep_fp8`` float8 features stay float8 with their scales (decoded later by
     :meth:`PackedBatch.dequantize`, on the GPU); else they are decoded to ``feature_dtype`` here. With
     ``soft_labels`` (``train.labels: target_topk``) the batch carries the target's stored top-k, which the drafter's
-    loss then learns; without, they are not read (the batch trains on the greedy token).
+    loss then learns; without, they are not read (the batch trains on the greedy token). ``soft_label_tokens``
+    (``train.labels_topk``) keeps the first that many of each position's stored top-k (the most likely).
 
     Raises:
         KeyError: the index does not hold a row's sample.
     """
     parts = [index.read(index.ref(s), n, feature_dtype, dequantize=not keep_fp8, topk=soft_labels) for s, n in row]
+    if soft_labels and soft_label_tokens is not None:
+        for part in parts:
+            for key in ("target_topk_ids", "target_topk_logprobs"):
+                part[key] = part[key][:, :soft_label_tokens]
     return pack_documents(parts, width=index.width, num_anchors=num_anchors, seed=seed, feature_dtype=feature_dtype,
                           pad_tokens_to=pad_tokens_to, pad_anchors_to=pad_anchors_to, bucket_anchors=bucket_anchors,
                           max_anchors_per_row=max_anchors_per_row, pin_memory=pin_memory)
@@ -142,7 +148,7 @@ def batch_maker(index: FeatureIndex, settings: TrainOptions, *, block_size: int,
                              pad_anchors_to=max(1, 128 // block_size) if on_gpu else 1,
                              bucket_anchors=on_gpu, max_anchors_per_row=settings.max_anchors_per_row,
                              pin_memory=on_gpu, keep_fp8=on_gpu and index.storage_dtype == "float8_e4m3fn",
-                             soft_labels=settings.labels == "target_topk")
+                             soft_labels=settings.labels == "target_topk", soft_label_tokens=settings.labels_topk)
 
 
 def loss_weight(batch: PackedBatch, block_size: int, gamma: float, dpace: bool = False) -> float:

@@ -116,6 +116,7 @@ LATER_RECIPE_KEYS: dict[str, tuple[object, tuple[str, ...]]] = {
     "loss_weighting": ("exp", ("dpace_alpha",)),
     "optimizer": ("adamw", ("muon_lr", "muon_weight_decay")),
     "selector_stop_gradient": (True, ()),
+    "labels_topk": (None, ()),
 }
 
 

@@ -189,7 +189,8 @@ def target_labels(settings: TrainOptions, features: FeatureIndex | FeatureMeta) 
 
     Raises:
         ValueError: ``train.labels: target_topk`` on features without the target's greedy token or with a top-k of
-            fewer than 2 tokens (the features named: they were extracted without ``extract.store_target_topk``).
+            fewer than 2 tokens (the features named: they were extracted without ``extract.store_target_topk``), or
+            fewer than ``train.labels_topk``.
     """
     has_target_token, top_k = features.has_target_token, features.target_top_k
     if settings.labels == "target_topk" and (not has_target_token or top_k < 2):
@@ -197,6 +198,10 @@ def target_labels(settings: TrainOptions, features: FeatureIndex | FeatureMeta) 
         raise ValueError(f"{features.path}: train.labels is target_topk but the features hold {held} of the "
                          f"target's next-token distribution{'' if has_target_token else ' and no target_token'}: "
                          "extract them with extract.store_target_topk >= 2 (and store_target_tokens: true)")
+    if settings.labels == "target_topk" and settings.labels_topk is not None and settings.labels_topk > top_k:
+        raise ValueError(f"{features.path}: train.labels_topk is {settings.labels_topk} but the features hold the "
+                         f"target's top {top_k}: lower it, or extract with extract.store_target_topk >= "
+                         f"{settings.labels_topk}")
     if settings.labels == "target" and not has_target_token:
         log.warning("train.labels = target but the features have no target_token: training on data tokens")
     return settings.labels in ("target", "target_topk") and has_target_token

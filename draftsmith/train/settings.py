@@ -44,6 +44,7 @@ class TrainOptions(SectionSettings):
     muon_lr: float | None
     muon_weight_decay: float
     labels: str
+    labels_topk: int | None  # labels target_topk: the first k stored tokens (None: all)
     eval_fraction: float
     attention: str
     compile: bool
