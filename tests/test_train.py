@@ -644,6 +644,7 @@ def test_soft_labels_train_on_the_targets_topk_and_only_when_asked(qwen3_setup, 
     w2, w4 = (load_file(str(tmp_path / name / "trained" / "model.safetensors")) for name in ("k2-all", "k4-first-2"))
     assert all(torch.equal(w2[key], w4[key]) for key in w2)
     assert narrow["heldout"]["loss"] != soft["heldout"]["loss"]
+    assert narrow["soft_label_tokens"] == 2 and soft["soft_label_tokens"] == 4 and "soft_label_tokens" not in hard
     with pytest.raises(ValueError, match=r"train.labels_topk is 8 but the features hold the target's top 4"):
         train(k4, target, tmp_path / "too-wide", settings(dict(cfg, labels="target_topk", labels_topk=8)), threads=1)
 

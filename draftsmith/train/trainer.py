@@ -652,6 +652,8 @@ class Trainer:
                 "selector_stop_gradient": bool(self.model.selector_stop_gradient)}
                if self.selector else {}),
             "labels": self.cfg.labels if data.use_target_tokens else "data",
+            **({"soft_label_tokens": self.cfg.labels_topk or data.features.target_top_k}  # the width it trained on
+               if self.cfg.labels == "target_topk" and data.use_target_tokens else {}),
             "trainable_parameters": self.n_params,
             "last_train": earlier["last_train"] if earlier else self.last, "peak_memory_gib": peak,
             "memory_by_phase_gib": (earlier["memory_by_phase_gib"] if earlier
