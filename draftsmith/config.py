@@ -290,11 +290,11 @@ def cross_key_errors(config: dict) -> list[str]:
         errors.append(f"train.labels: target_topk trains on the target's top-k distribution, which extraction stores "
                       f"with extract.store_target_topk >= 2 (it is {extract.get('store_target_topk', 0)}) and "
                       f"extract.store_target_tokens: true (it is {extract.get('store_target_tokens', True)})")
-    labels_topk = config.get("train", {}).get("labels_topk")
-    if labels_topk is not None and (labels != "target_topk" or labels_topk > extract.get("store_target_topk", 0)):
-        errors.append(f"train.labels_topk {labels_topk} keeps the first of the target's stored top-k soft labels: it "
-                      f"needs train.labels: target_topk (it is {labels}) and extract.store_target_topk >= "
-                      f"{labels_topk} (it is {extract.get('store_target_topk', 0)})")
+    labels_topk = config.get("train", {}).get("labels_topk")  # read with soft labels only
+    if labels == "target_topk" and labels_topk is not None and labels_topk > extract.get("store_target_topk", 0):
+        errors.append(f"train.labels_topk {labels_topk} keeps the first of the target's stored top-k soft labels: "
+                      f"extract.store_target_topk must be >= {labels_topk} (it is "
+                      f"{extract.get('store_target_topk', 0)})")
     # the drafter's shape (draftsmith.drafter_config.build_drafter_config checks it again when training starts:
     # here it fails before regenerate and extraction have run)
     drafter = config.get("drafter", {})
