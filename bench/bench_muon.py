@@ -7,11 +7,15 @@ random gradients, the same on every rank (as after DDP's all-reduce). Each optim
 ``--iters`` timed steps; the median step (the slowest rank's, synchronised) is printed for both, with their ratio,
 the Newton-Schulz TFLOP of a step and the largest share of it one rank does. With one process the two run the same
 code (``ShardedMuon`` is ``torch.optim.Muon`` without a process group): a check of the timer, ratio ~1.
+``--ns-dtype float32`` gives ``ShardedMuon`` the CPU's float32 orthogonalisations (draftsmith's trainer off the GPU)
+against ``torch.optim.Muon``'s bf16 ones: on a CPU without bf16 instructions the ratio is the emulation's cost.
 
     python bench/bench_muon.py --shape qwen3.5-27b --config config/gpu-node.yaml           # one GPU
     python -m torch.distributed.run --standalone --nproc-per-node 8 bench/bench_muon.py \\
         --shape qwen3.5-27b --config config/gpu-node.yaml --out $OUT                       # 8 GPUs (NCCL)
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_muon.py --shape tiny   # CPU, gloo
+    OMP_NUM_THREADS=1 python bench/bench_muon.py --shape smollm2-135m --config config.yaml --ns-dtype float32 \
+        --warmup 1 --iters 3                                                               # the CPU default's step
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None, help="writes muon-<world>.json there")
+    ap.add_argument("--ns-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="ShardedMuon's orthogonalisation dtype (draftsmith's trainer: float32 off the GPU)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
@@ -85,17 +91,18 @@ def main() -> int:
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
     plain = time_steps(torch.optim.Muon(params, **MUON), device, args.warmup, args.iters)
-    sharded_opt = ShardedMuon(params, **MUON)
+    sharded_opt = ShardedMuon(params, ns_dtype=getattr(torch, args.ns_dtype), **MUON)
     sharded = time_steps(sharded_opt, device, args.warmup, args.iters)
     result = {"shape": args.shape, "world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "matrices": len(shapes), "params": sum(a * b for a, b in shapes),
               "newton_schulz_tflop": sum(newton_schulz_flops(s) for s in shapes) / 1e12,
-              "largest_share": sharded_opt.largest_share, "torch_muon_ms": plain, "sharded_muon_ms": sharded,
+              "largest_share": sharded_opt.largest_share, "ns_dtype": args.ns_dtype, "torch_muon_ms": plain,
+              "sharded_muon_ms": sharded,
               "speedup": plain / sharded}
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"{args.shape}, {world} rank(s) on {result['device']}: {len(shapes)} matrices "
               f"({result['params'] / 1e9:.2f} B parameters), Newton-Schulz {result['newton_schulz_tflop']:.1f} TFLOP "
-              f"a step; torch.optim.Muon {plain:.1f} ms, ShardedMuon {sharded:.1f} ms (largest share "
+              f"a step; torch.optim.Muon {plain:.1f} ms, ShardedMuon ({args.ns_dtype}) {sharded:.1f} ms (largest share "
               f"{sharded_opt.largest_share:.1%}): {plain / sharded:.2f}x")
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

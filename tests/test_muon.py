@@ -81,6 +81,37 @@ def test_the_step_arithmetic_is_torch_muons():
             assert torch.equal(a, b), adjust
 
 
+def test_float32_orthogonalisation_is_the_same_step_in_float32():
+    """``ns_dtype=torch.float32`` (the CPU's: bf16 products are emulated there) runs the step's arithmetic with the
+    Newton-Schulz iterations in float32: the weights equal a by-hand float32 step exactly, and differ from
+    torch.optim.Muon's bf16 step by bf16's rounding of the orthogonalised update only (a few percent of the weights'
+    change, where a wrong learning rate, decay or transpose would be of its order)."""
+    start = _params()
+    ref = _params()
+    _run(torch.optim.Muon(ref, **KW), ref)
+    mine = _params()
+    opt = ShardedMuon(mine, ns_dtype=torch.float32, **KW)
+    assert opt.world == 1
+    _run(opt, mine)
+    by_hand = _params()
+    bufs = [torch.zeros_like(p) for p in by_hand]
+    with torch.no_grad():
+        for step in range(STEPS):
+            for p, buf, grad in zip(by_hand, bufs, _grads(step)):
+                buf.lerp_(grad, 1 - KW["momentum"])
+                update = orthogonalize(grad.lerp(buf, KW["momentum"]), NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+                assert update.dtype == torch.float32
+                p.mul_(1 - KW["lr"] * KW["weight_decay"])
+                p.add_(update, alpha=-adjusted_lr(KW["lr"], KW["adjust_lr_fn"], p.shape))
+    assert all(torch.equal(a, b) for a, b in zip(mine, by_hand))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], buf) for p, buf in zip(mine, bufs))
+    for s0, a, b in zip(start, ref, mine):
+        change, diff = (a - s0).norm(), (b - a).norm()
+        assert 0 < diff < 0.05 * change, (diff / change).item()
+    with pytest.raises(ValueError, match="ns_dtype"):
+        ShardedMuon(_params(), ns_dtype=torch.float16, **KW)
+
+
 def test_without_a_process_group_it_is_torch_muon():
     ref, mine = _params(), _params()
     _run(torch.optim.Muon(ref, **KW), ref)

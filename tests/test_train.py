@@ -658,6 +658,7 @@ def test_muon_state_refuses_another_split_of_the_parameters(qwen3_setup):
     opts = settings(dict(TINY_TRAIN, optimizer="muon")).train
     opt, params = make_optimizer(model, opts, on_gpu=False)
     assert isinstance(opt, MuonAdamW) and len(params) == 4
+    assert opt.optimizers[1].ns_dtype == torch.float32  # off the GPU: no emulated bf16 products
     sum(p.sum() for p in params).backward()
     opt.step()
     other, _ = make_optimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), opts, on_gpu=False)

@@ -205,8 +205,9 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
     ``muon``: :class:`MuonAdamW`: Muon at ``train.muon_lr`` (default ``train.lr``), momentum 0.95 (Nesterov), 5
     Newton-Schulz steps, weight decay ``train.muon_weight_decay``; AdamW at ``train.lr`` without weight decay on
     the rest. Under DDP the Muon group is a :class:`~draftsmith.train.muon.ShardedMuon`: each rank orthogonalises
-    about 1/world of the matrices and broadcasts them (one process: ``torch.optim.Muon``'s step). Every group
-    records its peak learning rate as ``peak_lr``.
+    about 1/world of the matrices and broadcasts them (one process: ``torch.optim.Muon``'s step). Off the GPU
+    the orthogonalisations run in float32 (``ShardedMuon``'s ``ns_dtype``: bf16 products are emulated on CPUs
+    without bf16 instructions, ~33x float32's time). Every group records its peak learning rate as ``peak_lr``.
     """
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -218,7 +219,8 @@ def make_optimizer(model: DFlashDraftModel, settings: TrainOptions, on_gpu: bool
         adamw = torch.optim.AdamW([{"params": rest, "weight_decay": 0.0, "peak_lr": settings.lr}], lr=settings.lr,
                                   fused=on_gpu or None)
         muon = ShardedMuon([{"params": matrices, "peak_lr": muon_lr}], lr=muon_lr, momentum=0.95, nesterov=True,
-                           ns_steps=5, weight_decay=settings.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
+                           ns_steps=5, weight_decay=settings.muon_weight_decay, adjust_lr_fn="match_rms_adamw",
+                           ns_dtype=torch.bfloat16 if on_gpu else torch.float32)
         return MuonAdamW(adamw, muon), params
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

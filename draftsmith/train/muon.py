@@ -49,15 +49,15 @@ def muon_owners(shapes: list[tuple[int, int]], world: int, ns_steps: int | list[
 
 
 def orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                  eps: float) -> torch.Tensor:
-    """``update`` (2-D, any float dtype) orthogonalised by ``ns_steps`` quintic Newton-Schulz iterations in bf16,
-    as ``torch.optim.Muon`` does it (Jordan et al. 2024, "Muon: an optimizer for hidden layers in neural
-    networks"): normalised by its Frobenius norm (at least ``eps``), then ``X <- a X + (b A + c A^2) X`` with
-    ``A = X X^T``, on the transpose when the matrix is taller than wide. Returns a bf16 tensor of ``update``'s
-    shape whose singular values lie near 1 (roughly 0.5 to 1.5, not exactly 1: the coefficients trade
-    convergence for speed)."""
+                  eps: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``update`` (2-D, any float dtype) orthogonalised by ``ns_steps`` quintic Newton-Schulz iterations in
+    ``dtype`` (bf16 by default, as ``torch.optim.Muon`` does it; Jordan et al. 2024, "Muon: an optimizer for hidden
+    layers in neural networks"): normalised by its Frobenius norm (at least ``eps``), then
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the transpose when the matrix is taller than wide.
+    Returns a ``dtype`` tensor of ``update``'s shape whose singular values lie near 1 (roughly 0.5 to 1.5, not
+    exactly 1: the coefficients trade convergence for speed)."""
     a, b, c = ns_coefficients
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -91,15 +91,25 @@ class ShardedMuon(torch.optim.Muon):
     buffer. Without a process group, or with one rank, it is ``torch.optim.Muon``. The state (``momentum_buffer``
     per matrix) and ``state_dict`` are ``torch.optim.Muon``'s, complete on every rank.
 
+    ``ns_dtype``: the orthogonalisations' dtype. bf16 (the default) is ``torch.optim.Muon``'s; float32 is for
+    the CPU, where a processor without bf16 matrix instructions (AVX2-only x86) emulates bf16 products: on one
+    such core (AMD EPYC, 2026-12-05) five iterations on a 1,536 x 576 matrix took 8.0 s in bf16 against 0.24 s in
+    float32, so a CPU run's step took ~45 s instead of a few (docs/measurements.md). With float32 the step is this
+    class's own loop at any world size (the same arithmetic, in float32).
+
     Args:
         params, **kwargs: as ``torch.optim.Muon``.
+        ns_dtype: ``torch.bfloat16`` or ``torch.float32``.
 
     Raises:
         ValueError: as ``torch.optim.Muon`` (a parameter that is not 2-D, a negative learning rate, ...).
     """
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        if ns_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, not {ns_dtype}")
         super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.assign_owners()
@@ -119,10 +129,11 @@ class ShardedMuon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step: every rank updates every momentum buffer (fp32, the parameter's shape); each matrix's
-        owner orthogonalises its Nesterov update (bf16), applies weight decay and the update to the fp32 weights;
-        then every matrix is broadcast from its owner (asynchronously, all awaited before returning). Every rank
-        must call it with the same gradients, as DDP leaves them. Returns ``closure()``'s loss, or None."""
-        if self.world == 1:
+        owner orthogonalises its Nesterov update (in :attr:`ns_dtype`), applies weight decay and the update to the
+        fp32 weights; then every matrix is broadcast from its owner (asynchronously, all awaited before returning).
+        Every rank must call it with the same gradients, as DDP leaves them. Returns ``closure()``'s loss, or
+        None."""
+        if self.world == 1 and self.ns_dtype == torch.bfloat16:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -145,10 +156,12 @@ class ShardedMuon(torch.optim.Muon):
                     buf.lerp_(p.grad, 1 - momentum)
                 if p.grad is not None and owner == self.rank:
                     update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                    update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                    update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                           self.ns_dtype)
                     p.mul_(1 - lr * group["weight_decay"])
                     p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
-                pending.append(dist.broadcast(p.data, src=owner, async_op=True))
+                if self.world > 1:
+                    pending.append(dist.broadcast(p.data, src=owner, async_op=True))
         for work in pending:
             work.wait()
         return loss
