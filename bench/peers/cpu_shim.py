@@ -6,7 +6,10 @@ index) and synchronises the accelerator when it times a step (``speculators/trai
 accelerator device when none is available". This shim maps an integer device to the CPU, makes accelerator
 synchronisation a no-op and turns ``torch.autocast("cuda", ...)`` into ``torch.autocast("cpu", ...)`` (the same
 bf16 autocast, on the CPU), then runs the module as ``python -m`` would. Nothing of the peer's code is changed or
-copied.
+copied. ``torch.optim.Muon``'s Newton-Schulz iterations run in float32 here, as draftsmith's trainer runs them off
+the GPU (``draftsmith.train.muon.ShardedMuon``'s ``ns_dtype``): a CPU without bf16 instructions emulates the bf16
+products (bench/bench_muon.py: 32.8x float32's time for the CPU default's matrices, 2026-12-05), and a CPU-scale
+comparison should differ in neither speed nor precision there.
 
     python bench/peers/cpu_shim.py speculators.train --verifier-name-or-path ... (the trainer's flags)
 """
@@ -18,6 +21,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.optim import _muon
 
 if torch.cuda.is_available():
     raise SystemExit("cpu_shim.py is for machines without a GPU: run the peer's module directly")
@@ -48,6 +52,20 @@ class _Autocast(torch.autocast):
         super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 
+def _newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz's iteration (torch 2.13) in float32 instead of bf16."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+_muon._zeropower_via_newtonschulz = _newton_schulz_float32
 nn.Module.to = module_to
 torch.Tensor.to = tensor_to
 torch.accelerator.synchronize = lambda *a, **k: None

@@ -118,7 +118,9 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
     (its default, 12 spawned workers with 4 batches each in flight, holds ~50 GB of pinned host memory at the 27B
     shape). ``optimizer``: ``--optimizer`` (None: its default, Muon; ``adamw``: draftsmith's optimizer, the matched
     ablation). ``loss``: loss flags, e.g. ``{"loss_fn": "ce", "per_position_loss_weight": "dpace"}`` (None: its
-    defaults for the architecture). ``cpu``: the CPU smoke (bench/peers/cpu_shim.py, SDPA, eager loss, no workers).
+    defaults for the architecture). ``cpu``: a CPU run (bench/peers/cpu_shim.py, SDPA, eager loss, no workers) in
+    float32 (``--hidden-states-dtype float32``: its hidden states and autocast in float32, as draftsmith trains on the
+    CPU; a CPU without AVX-512 emulates bf16 matmuls, and a CPU-scale comparison should not differ in precision).
 
     Loss kernel: ``$SPECULATORS_LOSS`` (default ``eager``). Its default, ``fused`` (Triton kernels called inside its
     compiled forward), stopped torch 2.11's dynamo on the H200 before the first step ("ListVariable ... is already
@@ -147,7 +149,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
     for key, value in {**(dflash2 or {}), **(loss or {})}.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if cpu:
-        cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
+        cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+                "--hidden-states-dtype", "float32"]
     return cmd
 
 
