@@ -61,6 +61,22 @@ def test_owners_balance_the_newton_schulz_flops():
     assert muon_owners([(4, 4), (8, 8)], 4) == [1, 0]  # more ranks than matrices: some idle
 
 
+def _by_hand(kw: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[list, list]:
+    """``(weights, momentum buffers)`` after :data:`STEPS` steps of orthogonalize + adjusted_lr applied as
+    ShardedMuon's owner applies them, the orthogonalisations in ``dtype``."""
+    params = _params()
+    bufs = [torch.zeros_like(p) for p in params]
+    with torch.no_grad():
+        for step in range(STEPS):
+            for p, buf, grad in zip(params, bufs, _grads(step)):
+                buf.lerp_(grad, 1 - kw["momentum"])
+                update = orthogonalize(grad.lerp(buf, kw["momentum"]), NS_COEFFICIENTS, 5, 1e-7, dtype)
+                assert update.dtype == dtype
+                p.mul_(1 - kw["lr"] * kw["weight_decay"])
+                p.add_(update, alpha=-adjusted_lr(kw["lr"], kw["adjust_lr_fn"], p.shape))
+    return params, bufs
+
+
 def test_the_step_arithmetic_is_torch_muons():
     """orthogonalize + adjusted_lr, applied as ShardedMuon's owner applies them, give torch.optim.Muon's weights
     bit for bit over three steps (both learning-rate adjustments)."""
@@ -68,15 +84,7 @@ def test_the_step_arithmetic_is_torch_muons():
         kw = dict(KW, adjust_lr_fn=adjust)
         ref = _params()
         _run(torch.optim.Muon(ref, **kw), ref)
-        mine = _params()
-        bufs = [torch.zeros_like(p) for p in mine]
-        with torch.no_grad():
-            for step in range(STEPS):
-                for p, buf, grad in zip(mine, bufs, _grads(step)):
-                    buf.lerp_(grad, 1 - kw["momentum"])
-                    update = orthogonalize(grad.lerp(buf, kw["momentum"]), NS_COEFFICIENTS, 5, 1e-7)
-                    p.mul_(1 - kw["lr"] * kw["weight_decay"])
-                    p.add_(update, alpha=-adjusted_lr(kw["lr"], adjust, p.shape))
+        mine, _ = _by_hand(kw)
         for a, b in zip(ref, mine):
             assert torch.equal(a, b), adjust
 
@@ -93,16 +101,7 @@ def test_float32_orthogonalisation_is_the_same_step_in_float32():
     opt = ShardedMuon(mine, ns_dtype=torch.float32, **KW)
     assert opt.world == 1
     _run(opt, mine)
-    by_hand = _params()
-    bufs = [torch.zeros_like(p) for p in by_hand]
-    with torch.no_grad():
-        for step in range(STEPS):
-            for p, buf, grad in zip(by_hand, bufs, _grads(step)):
-                buf.lerp_(grad, 1 - KW["momentum"])
-                update = orthogonalize(grad.lerp(buf, KW["momentum"]), NS_COEFFICIENTS, 5, 1e-7, torch.float32)
-                assert update.dtype == torch.float32
-                p.mul_(1 - KW["lr"] * KW["weight_decay"])
-                p.add_(update, alpha=-adjusted_lr(KW["lr"], KW["adjust_lr_fn"], p.shape))
+    by_hand, bufs = _by_hand(KW, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(mine, by_hand))
     assert all(torch.equal(opt.state[p]["momentum_buffer"], buf) for p, buf in zip(mine, bufs))
     for s0, a, b in zip(start, ref, mine):
@@ -110,6 +109,15 @@ def test_float32_orthogonalisation_is_the_same_step_in_float32():
         assert 0 < diff < 0.05 * change, (diff / change).item()
     with pytest.raises(ValueError, match="ns_dtype"):
         ShardedMuon(_params(), ns_dtype=torch.float16, **KW)
+    # without Nesterov the update is the momentum buffer itself, which float32 must not orthogonalise in place: the
+    # buffers (gradients only, no orthogonalisation in them) stay torch.optim.Muon's exactly
+    plain = dict(KW, nesterov=False)
+    ref, mine = _params(), _params()
+    ref_opt, opt = torch.optim.Muon(ref, **plain), ShardedMuon(mine, ns_dtype=torch.float32, **plain)
+    _run(ref_opt, ref)
+    _run(opt, mine)
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+               for p, q in zip(mine, ref))
 
 
 def test_without_a_process_group_it_is_torch_muon():

@@ -16,8 +16,10 @@ comparison should differ in neither speed nor precision there.
 
 from __future__ import annotations
 
+import importlib.util
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,17 +54,23 @@ class _Autocast(torch.autocast):
         super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 
+def _draftsmith_muon():
+    """draftsmith/train/muon.py loaded by its path (it imports torch only): the peer's Python has nothing else of
+    this checkout on its path."""
+    path = Path(__file__).resolve().parents[2] / "draftsmith" / "train" / "muon.py"
+    spec = importlib.util.spec_from_file_location("draftsmith_muon", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_orthogonalize = _draftsmith_muon().orthogonalize
+
+
 def _newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz's iteration (torch 2.13) in float32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
+    """torch.optim._muon._zeropower_via_newtonschulz (torch 2.13's signature) as draftsmith's orthogonalize in
+    float32."""
+    return _orthogonalize(grad, ns_coefficients, ns_steps, eps, torch.float32)
 
 
 _muon._zeropower_via_newtonschulz = _newton_schulz_float32

@@ -120,7 +120,8 @@ def speculators_cmd(*, target: Path, data: Path, out: Path, decoder_config: Path
     ablation). ``loss``: loss flags, e.g. ``{"loss_fn": "ce", "per_position_loss_weight": "dpace"}`` (None: its
     defaults for the architecture). ``cpu``: a CPU run (bench/peers/cpu_shim.py, SDPA, eager loss, no workers) in
     float32 (``--hidden-states-dtype float32``: its hidden states and autocast in float32, as draftsmith trains on the
-    CPU; a CPU without AVX-512 emulates bf16 matmuls, and a CPU-scale comparison should not differ in precision).
+    CPU; a CPU without bf16 instructions emulates bf16 matmuls, and a CPU-scale comparison should not differ in
+    precision).
 
     Loss kernel: ``$SPECULATORS_LOSS`` (default ``eager``). Its default, ``fused`` (Triton kernels called inside its
     compiled forward), stopped torch 2.11's dynamo on the H200 before the first step ("ListVariable ... is already

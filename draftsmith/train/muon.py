@@ -54,14 +54,14 @@ def orthogonalize(update: torch.Tensor, ns_coefficients: tuple[float, float, flo
     ``dtype`` (bf16 by default, as ``torch.optim.Muon`` does it; Jordan et al. 2024, "Muon: an optimizer for hidden
     layers in neural networks"): normalised by its Frobenius norm (at least ``eps``), then
     ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the transpose when the matrix is taller than wide.
-    Returns a ``dtype`` tensor of ``update``'s shape whose singular values lie near 1 (roughly 0.5 to 1.5, not
-    exactly 1: the coefficients trade convergence for speed)."""
+    Returns a new ``dtype`` tensor of ``update``'s shape (``update`` is left as it was) whose singular values lie
+    near 1 (roughly 0.5 to 1.5, not exactly 1: the coefficients trade convergence for speed)."""
     a, b, c = ns_coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
-    x.div_(x.norm().clamp(min=eps))
+    x = x / x.norm().clamp(min=eps)  # not in place: in float32, .to() may return update itself (a momentum buffer)
     for _ in range(ns_steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
