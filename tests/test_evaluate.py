@@ -1511,6 +1511,25 @@ def test_progress_lines_come_every_interval_with_the_tokens_decoded(stage_inputs
     assert final == 3 * report["sets"]["heldout"]["per_prompt"][0]["new_tokens"] > tokens[-1]
 
 
+def test_a_failed_evaluation_stops_its_progress_heartbeat(stage_inputs, tmp_path, monkeypatch):
+    """An evaluation that raises while decoding closes its progress bar: the heartbeat thread that prints a line
+    every ``progress_interval`` stops (it was left logging a stale "2/4 prompt" line on into whatever ran next)."""
+    import threading
+
+    import draftsmith.evaluate.run as evaluate_run
+
+    def failing_decode_set(*args, **kwargs):
+        time.sleep(0.3)  # a heartbeat or two (interval 0.1 s)
+        raise RuntimeError("decoding failed")
+
+    monkeypatch.setattr(evaluate_run, "decode_set", failing_decode_set)
+    kwargs = _stage_kwargs(stage_inputs, tmp_path, progress_interval=0.1,
+                           sets={"heldout": {"source": "heldout", "max_prompts": 1, "max_new_tokens": 4}})
+    with pytest.raises(RuntimeError, match="decoding failed"):
+        run_evaluate(**kwargs)
+    assert [t.name for t in threading.enumerate() if t.name == "progress evaluate"] == []
+
+
 def test_every_plot_shows_its_sample_sizes():
     """Each evaluation figure names, for every set, the prompts it stands on (τ bars: under the set's name; the
     per-position lines and the histogram: in the legend, with the DFlash verify steps they count)."""

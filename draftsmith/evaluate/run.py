@@ -126,25 +126,27 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
     done: dict[str, dict] = {}  # set -> its prompts' results in order (decoders.aggregate)
     set_reports: dict[str, dict] = {}
     decoded: dict = {}  # a prompt in several sets is decoded once (decode_set)
-    for bset in sets:
-        key = keys[bset.name]
-        saved = load_saved(partial, bset.name, key)
-        if workers > 1:  # the workers' saved conversations, in the set's order (RuntimeError if one is missing)
-            done[bset.name] = aggregate(bset, saved)
-            bar.update(done[bset.name]["planned"])
-        else:  # decoded here, after the conversations an interrupted run saved
-            reused = len(bset.conversations) - len(unsaved(bset, saved))
-            if reused:
-                log.info("set %s: %d of its %d conversations were saved by an interrupted run (%s): reused",
-                         bset.name, reused, len(bset.conversations), partial / bset.name)
-            path = saved_file(partial, bset.name, "main")
-            done[bset.name] = decode_set(decoders, bset, decoded, bar, saved,
-                                         lambda records, key=key, path=path: save_conversations(path, key, records),
-                                         float(options.checkpoint_interval))
-            if decoders.target is not None and not (partial / "decoding.json").is_file():
-                write_json(partial / "decoding.json", decoding_path(decoders))  # a resumed run's report needs it
-        set_reports[bset.name] = set_report(bset, done[bset.name], decoders.sampling, decoders.block_size)
-    bar.close()
+    try:  # a failed decoding stops the heartbeat too (its thread would log on after the job's error)
+        for bset in sets:
+            key = keys[bset.name]
+            saved = load_saved(partial, bset.name, key)
+            if workers > 1:  # the workers' saved conversations, in the set's order (RuntimeError if one is missing)
+                done[bset.name] = aggregate(bset, saved)
+                bar.update(done[bset.name]["planned"])
+            else:  # decoded here, after the conversations an interrupted run saved
+                reused = len(bset.conversations) - len(unsaved(bset, saved))
+                if reused:
+                    log.info("set %s: %d of its %d conversations were saved by an interrupted run (%s): reused",
+                             bset.name, reused, len(bset.conversations), partial / bset.name)
+                path = saved_file(partial, bset.name, "main")
+                done[bset.name] = decode_set(decoders, bset, decoded, bar, saved,
+                                             lambda records, key=key, path=path: save_conversations(path, key, records),
+                                             float(options.checkpoint_interval))
+                if decoders.target is not None and not (partial / "decoding.json").is_file():
+                    write_json(partial / "decoding.json", decoding_path(decoders))  # a resumed run's report needs it
+            set_reports[bset.name] = set_report(bset, done[bset.name], decoders.sampling, decoders.block_size)
+    finally:
+        bar.close()
 
     # aggregate: the report, "all" counting a prompt in several sets once
     path_file = partial / "decoding.json"

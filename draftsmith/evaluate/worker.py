@@ -9,6 +9,7 @@ runs only as a process's main module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -52,11 +53,11 @@ def decode_worker(worker: int, args: dict) -> None:
                    unit="prompt", logger=log, interval=float(settings.evaluate.progress_interval))
     decoded: dict = {}
     interval = float(settings.evaluate.checkpoint_interval)
-    for bset, own in zip(sets, mine):
-        key, path = set_key(base_key, bset), saved_file(partial, bset.name, f"worker-{worker}-of-{workers}")
-        decode_set(decoders, own, decoded, bar, load_saved(partial, bset.name, key),
-                   lambda records, key=key, path=path: save_conversations(path, key, records), interval)
-    bar.close()
+    with contextlib.closing(bar):  # a failed decoding stops the bar's heartbeat thread too
+        for bset, own in zip(sets, mine):
+            key, path = set_key(base_key, bset), saved_file(partial, bset.name, f"worker-{worker}-of-{workers}")
+            decode_set(decoders, own, decoded, bar, load_saved(partial, bset.name, key),
+                       lambda records, key=key, path=path: save_conversations(path, key, records), interval)
     if decoders.target is not None:
         write_json(partial / "decoding.json", decoding_path(decoders))
     log.info("evaluate worker %d done (GPU %s)%s", worker, os.environ.get("CUDA_VISIBLE_DEVICES", "none"),
