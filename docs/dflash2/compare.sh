@@ -95,7 +95,8 @@ wait)
   files=("$C/base.log" "$C/times" "$C/gpu-samples.txt" "$C/driver.log" logs benchmarks)
   for v in $VARIANTS; do
     files+=("$C/$v-train.log" "$C/$v.log")
-    for f in logs benchmarks results/eval results/drafter/trained/trainer_state.json results/drafter/final/config.json; do
+    for f in logs benchmarks results/eval results/drafter/trained/trainer_state.json results/drafter/final/config.json \
+        results/drafter/tensorboard; do  # tensorboard: every logged step's loss, grad norm (before clipping) and lr
       [ -e "$C/$v/$f" ] && files+=("$C/$v/$f")
     done
   done
@@ -125,6 +126,15 @@ print(v, {k: {"tau": round(s["dflash"]["tau"], 3), "tok/s": round(s["dflash"]["t
 t = json.loads((d / "results/drafter/trained/trainer_state.json").read_text())
 print(v, t.get("optimizer", "adamw"), t.get("loss_weighting", "exp"), "train wall", round(t["wall_s"], 1), "s; held-out", {k: t["heldout"].get(k) for k in
       ("loss", "tau_blocks", "tau_expected", "selector_tau_expected")})
+tb = d / "results/drafter/tensorboard"
+if tb.is_dir():  # the gradient's norm before clipping, by tenths of the run: is train.grad_clip ever reached?
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    if "train/grad_norm" in acc.Tags().get("scalars", []):
+        norms = [e.value for e in acc.Scalars("train/grad_norm")]
+        tenths = [sorted(norms[i * len(norms) // 10:(i + 1) * len(norms) // 10] or [float("nan")]) for i in range(10)]
+        print(v, "grad norm, median of each tenth of the logged steps:", [round(t[len(t) // 2], 2) for t in tenths])
 PY
   done
   ;;
