@@ -134,7 +134,7 @@ if tb.is_dir():  # the gradient's norm before clipping, by tenths of the run: is
     if "train/grad_norm" in acc.Tags().get("scalars", []):
         norms = [e.value for e in acc.Scalars("train/grad_norm")]
         tenths = [sorted(norms[i * len(norms) // 10:(i + 1) * len(norms) // 10] or [float("nan")]) for i in range(10)]
-        print(v, "grad norm, median of each tenth of the logged steps:", [round(t[len(t) // 2], 2) for t in tenths])
+        print(v, "grad norm, median of each tenth of the logged steps:", [round(g[len(g) // 2], 2) for g in tenths])
 PY
   done
   ;;
