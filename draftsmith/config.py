@@ -12,6 +12,7 @@ import difflib
 import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 from jsonschema import Draft202012Validator
@@ -61,6 +62,45 @@ def schema_defaults(section: str) -> dict:
     except KeyError:
         raise KeyError(f"{SCHEMA_PATH}: no config section {section!r}") from None
     return {key: node.get("default") for key, node in props.items()}
+
+
+#: the schema keyword of a key whose default depends on ``drafter.architecture``: ``{architecture: default}``
+BY_ARCHITECTURE = "x-by-architecture"
+
+
+def architecture_defaults() -> dict[tuple[str, str], dict[str, Any]]:
+    """``{(section, key): {architecture: default}}`` of the keys whose schema default is null, meaning "the drafter
+    architecture's" (their ``x-by-architecture`` entry in :data:`SCHEMA_PATH`). An architecture the entry leaves
+    out keeps null (``train.loss_gamma`` for dflash: 7 B / 16, resolved when training starts).
+
+    Raises:
+        FileNotFoundError: the schema is not beside the package.
+    """
+    if not SCHEMA_PATH.is_file():
+        raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
+                                "schema of its checkout")
+    schema = load_schema(SCHEMA_PATH)
+    return {(section, key): dict(node[BY_ARCHITECTURE])
+            for section, snode in schema["properties"].items()
+            for key, node in (snode.get("properties") or {}).items() if BY_ARCHITECTURE in node}
+
+
+def fill_architecture_defaults(config: dict) -> dict[str, Any]:
+    """Replace, in place, each null key of :func:`architecture_defaults` by its default for the config's
+    ``drafter.architecture`` (the schema's default architecture when unset), so that the trained weights'
+    and the features' keys are concrete values: a later change of an architecture's default reruns what it
+    changes (:mod:`draftsmith.stale`). Sections the config lacks are left alone.
+
+    Returns:
+        ``{"section.key": value}`` filled.
+    """
+    arch = (config.get("drafter") or {}).get("architecture") or schema_defaults("drafter")["architecture"]
+    filled = {}
+    for (section, key), by_arch in architecture_defaults().items():
+        values = config.get(section)
+        if isinstance(values, dict) and values.get(key) is None and by_arch.get(arch) is not None:
+            values[key] = filled[f"{section}.{key}"] = by_arch[arch]
+    return filled
 
 
 def schema_entry_defaults(section: str, key: str) -> dict:
@@ -268,6 +308,7 @@ def check_config(config: dict, schema_path: str, overlay: dict | None = None, *,
         from draftsmith.warm_start import resolve_init_from
 
         notes = resolve_init_from(config, overlay, workdir=workdir)
+    fill_architecture_defaults(config)  # after the start folder has decided drafter.architecture
     errors = cross_key_errors(config)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))

@@ -17,7 +17,10 @@ sections, each a :class:`SectionSettings` subclass whose fields are the keys of 
     settings.merge.verify_sha256                                      # True
 
 Defaults live only in the schema (``schemas/config.schema.yaml``): a key the caller leaves out takes the schema's
-default. A key the schema does not know for that section is refused, with the closest known key. Values are frozen
+default; a key whose schema default is null with an ``x-by-architecture`` entry takes its value for the config's
+``drafter.architecture`` (:meth:`StageSettings.from_config`; the workflow's config has them filled already,
+:func:`draftsmith.config.fill_architecture_defaults`). A key the schema does not know for that section is refused,
+with the closest known key. Values are frozen
 too (mappings become read-only mappings, lists become tuples): :meth:`SectionSettings.to_dict` gives plain JSON-able
 dicts and lists back.
 
@@ -66,6 +69,23 @@ def _section_defaults(section: str) -> MappingProxyType:
     from draftsmith.config import schema_defaults
 
     return MappingProxyType(schema_defaults(section))
+
+
+@lru_cache(maxsize=None)
+def _architecture_defaults() -> MappingProxyType:
+    from draftsmith.config import architecture_defaults
+
+    return MappingProxyType(architecture_defaults())
+
+
+def _fill_architecture_defaults(sections: dict[str, dict], architecture: str | None) -> None:
+    """Give each key whose schema default is "the drafter architecture's" (``x-by-architecture``) and that is unset
+    or null in ``sections`` its value for ``architecture`` (the schema's default architecture when None), in place:
+    a stage that does not read ``drafter`` (extraction) still gets the architecture's value."""
+    arch = architecture or _section_defaults("drafter")["architecture"]
+    for (section, key), by_arch in _architecture_defaults().items():
+        if section in sections and sections[section].get(key) is None and by_arch.get(arch) is not None:
+            sections[section][key] = by_arch[arch]
 
 
 def unknown_key_message(section: str, key: str, known: typing.Iterable[str]) -> str:
@@ -158,8 +178,10 @@ class StageSettings:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"{cls.__name__} reads no config section {name!r}{hint}; it reads "
                                  f"{', '.join(types)}")
-        return cls(**{name: kind.from_mapping({**(config.get(name) or {}), **(sections.get(name) or {})})
-                      for name, kind in types.items()})
+        merged = {name: {**(config.get(name) or {}), **(sections.get(name) or {})} for name in types}
+        arch = (sections.get("drafter") or {}).get("architecture") or (config.get("drafter") or {}).get("architecture")
+        _fill_architecture_defaults(merged, arch)
+        return cls(**{name: kind.from_mapping(merged[name]) for name, kind in types.items()})
 
     @classmethod
     def from_rule(cls: type[T], params: Mapping, config: Mapping) -> T:

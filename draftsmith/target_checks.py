@@ -7,6 +7,8 @@ imports this module at parse time) and every setting that can be checked against
   target's decoder layers ``0 .. L - 1`` (:mod:`draftsmith.target_layers`);
 * ``drafter.mask_token_id`` inside the target's vocabulary ``0 .. V - 1``;
 * ``drafter.block_size`` and ``tokenize.max_length`` within the target's positions (``max_position_embeddings``);
+* ``extract.store_target_topk`` (DFlash2's soft labels) only for a target whose logits are lm_head's output
+  (:func:`logit_transform`);
 * the folder holds a tokenizer the stages can load: a vocabulary file, ``tokenizer_config.json`` and a chat
   template;
 * a start drafter (``drafter.init_from``) made for this target: its taps inside the decoder layers, its width and
@@ -50,6 +52,27 @@ _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 
 
+#: config keys by which a target transforms ``lm_head``'s output before its logits, each with its identity value
+#: (Gemma 2 / 3's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's
+#: ``lm_head_multiplier``): lm_head's top-k is then not the target's distribution
+LOGIT_TRANSFORM_KEYS = (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0),
+                        ("lm_head_multiplier", 1.0))
+
+
+def logit_transform(config) -> str:
+    """What a target's text config (a ``config.json`` mapping or a transformers config object) does to
+    ``lm_head``'s output before its logits: ``""`` for none, else the keys that say it (``"logit_scale = 0.0625"``;
+    :data:`LOGIT_TRANSFORM_KEYS`). A transform it does not know is caught on extraction's first batch
+    (``draftsmith.extract.FeatureExtractor``)."""
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    found = []
+    for key, identity in LOGIT_TRANSFORM_KEYS:
+        value = get(key, None)
+        if value is not None and value != identity and not (key == "final_logit_softcapping" and not value):
+            found.append(f"{key} = {value}")
+    return ", ".join(found)
+
+
 class TargetSettingsError(ConfigError):
     """A setting contradicts the target (its config.json or tokenizer files); the message lists every one."""
 
@@ -78,6 +101,13 @@ def _first(config: Mapping, keys: tuple[str, ...]) -> int | None:
         if isinstance(config.get(key), int):
             return int(config[key])
     return None
+
+
+def _text_config(path: Path) -> dict:
+    """The decoder's keys of a ``config.json`` already read by :func:`read_target_shape` (``text_config`` first)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return {**config, **text}
 
 
 def read_target_shape(folder: str | Path) -> TargetShape:
@@ -178,6 +208,14 @@ def target_setting_errors(config: Mapping, folder: str | Path) -> list[str]:
                       "(vocab_size); use an id inside it, or null (the tokenizer's mask token, else the first "
                       "unused embedding row)")
     errors += start_target_errors(config, folder, num_layers=L, hidden_size=shape.hidden_size, vocab_size=V)
+    top_k = (config.get("extract") or {}).get("store_target_topk") or 0
+    transform = logit_transform(_text_config(shape.path)) if top_k else ""
+    if transform:
+        errors.append(f"extract.store_target_topk: {top_k} (the default for drafter.architecture "
+                      f"{drafter.get('architecture', 'dflash')} stores the soft labels of train.labels: target_topk) "
+                      f"but {shape.path} transforms lm_head's output before its logits ({transform}), so lm_head's "
+                      "top-k would not be its distribution; set extract.store_target_topk: 0 and train.labels: "
+                      "target")
     P, block = shape.max_position_embeddings, drafter.get("block_size")
     if P is not None and block is not None and int(block) > P:
         errors.append(f"drafter.block_size: {block} is above the {P} positions of {shape.path} "

@@ -454,6 +454,55 @@ def test_a_later_output_key_at_the_value_runs_before_had_leaves_the_params_as_th
         assert rule_params(narrow, stage)["train"]["labels_topk"] == 32
 
 
+def test_dflash2_takes_speculators_recipe_by_default_and_dflash_runs_are_not_rerun():
+    """Keys whose default is the drafter architecture's (``x-by-architecture``): a DFlash2 config trains with
+    speculators' DFlash2 recipe (soft labels from the target's top 32, the selector's gradient, slot decay gamma 4,
+    clip 3.4) and its extraction stores the top 32; a DFlash config gets exactly the params text of the explicit
+    values runs before trained with (upgrading reruns nothing); a value the user sets wins."""
+    import copy
+
+    from draftsmith.config import check_config
+    from draftsmith.extract.plan import ExtractPlanSettings
+    from draftsmith.stages import rule_params
+    from draftsmith.train.settings import TrainSettings
+
+    schema = str(REPO / "schemas" / "config.schema.yaml")
+    base = yaml.safe_load((REPO / "config.yaml").read_text())
+    dflash2 = copy.deepcopy(base)
+    dflash2["drafter"]["architecture"] = "dflash2"
+    check_config(dflash2, schema)
+    recipe = {"labels": "target_topk", "loss_weighting": "exp", "loss_gamma": 4.0, "grad_clip": 3.4,
+              "selector_stop_gradient": False}
+    assert {k: dflash2["train"][k] for k in recipe} == recipe and dflash2["extract"]["store_target_topk"] == 32
+    params = rule_params(dflash2, "train")["train"]
+    assert {k: params[k] for k in recipe} == recipe
+    assert rule_params(dflash2, "extract_shard")["extract"]["store_target_topk"] == 32  # DFlash -> DFlash2 re-extracts
+    # DFlash: the values every run before had, so the params text is theirs
+    dflash, explicit = copy.deepcopy(base), copy.deepcopy(base)
+    explicit["train"].update(labels="target", loss_weighting="dpace", grad_clip=1.0, selector_stop_gradient=True)
+    explicit["extract"]["store_target_topk"] = 0
+    check_config(dflash, schema)
+    check_config(explicit, schema)
+    for stage in ("train", "train_phase", "extract_plan", "extract_shard", "stream_plan"):
+        assert rule_params(dflash, stage) == rule_params(explicit, stage), stage
+    assert dflash["train"]["loss_gamma"] is None  # dflash's 7 B / 16, resolved when training starts
+    # the user's value wins over the architecture's
+    mine = copy.deepcopy(base)
+    mine["drafter"]["architecture"] = "dflash2"
+    mine["train"].update(grad_clip=1.0, labels="target")
+    mine["extract"]["store_target_topk"] = 0
+    check_config(mine, schema)
+    assert (mine["train"]["grad_clip"], mine["train"]["labels"], mine["extract"]["store_target_topk"]) == (
+        1.0, "target", 0)
+    assert mine["train"]["loss_weighting"] == "exp"
+    # library callers' settings resolve the same way, extraction from the drafter's architecture too
+    s = TrainSettings.from_config({"drafter": {"architecture": "dflash2"}})
+    assert {k: getattr(s.train, k) for k in recipe} == recipe
+    assert TrainSettings.from_config({}).train.grad_clip == 1.0
+    assert ExtractPlanSettings.from_config({"drafter": {"architecture": "dflash2"}}).extract.store_target_topk == 32
+    assert ExtractPlanSettings.from_config({}).extract.store_target_topk == 0
+
+
 def test_gpu_node_drafter_is_the_published_27b_shape():
     """config/gpu-node.yaml over config.yaml (as Snakemake merges --configfile) gives the drafter the benchmarks
     measure: 5 layers, one tap per layer at [1, 16, 31, 46, 61] of a 64-layer target, four sliding layers and a

@@ -22,7 +22,7 @@ import torch
 
 from draftsmith import disk
 from draftsmith import extract as ex
-from draftsmith.config import schema_defaults
+from draftsmith.config import fill_architecture_defaults, schema_defaults
 from draftsmith.features import dequantize_fp8, quantize_fp8, read_chunk, write_safetensors
 from draftsmith.io import read_json, sha256_file, write_json
 from draftsmith.merge import MergeSettings
@@ -44,7 +44,9 @@ def with_defaults(config: dict) -> dict:
     """``config`` as the workflow's validated config holds it: every key of the extraction rules' sections, schema
     defaults where not given."""
     sections = set(config) | {"extract", "drafter", "target", "train", "stream", "gpu"}
-    return {section: {**schema_defaults(section), **config.get(section, {})} for section in sections}
+    filled = {section: {**schema_defaults(section), **config.get(section, {})} for section in sections}
+    fill_architecture_defaults(filled)
+    return filled
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,21 @@ def test_a_mask_token_outside_the_vocabulary_is_refused(tmp_path):
     assert target_setting_errors(drafter(mask_token_id=49151), folder) == []
 
 
+def test_soft_labels_of_a_target_that_caps_its_logits_are_refused_before_any_gpu_hour(tmp_path):
+    """DFlash2's default stores the target's top 32 (extract.store_target_topk): for a target that transforms
+    lm_head's output (Gemma 2's final_logit_softcapping) lm_head's top-k is not its distribution, so planning refuses
+    naming both keys to set; at 0 (DFlash's default) the same target plans."""
+    gemma2 = {**SMOLLM2, "model_type": "gemma2", "final_logit_softcapping": 30.0}
+    folder = target_folder(tmp_path / "gemma2", gemma2)
+    soft = {**drafter(architecture="dflash2"), "extract": {"store_target_topk": 32}}
+    errors = target_setting_errors(soft, folder)
+    assert len(errors) == 1 and errors[0].startswith("extract.store_target_topk: 32 (the default for "
+                                                      "drafter.architecture dflash2")
+    assert "final_logit_softcapping = 30.0" in errors[0] and "train.labels: target" in errors[0]
+    assert target_setting_errors({**soft, "extract": {"store_target_topk": 0}}, folder) == []
+    assert target_setting_errors(soft, target_folder(tmp_path / "smollm2")) == []  # logits = lm_head's output
+
+
 def test_block_size_is_refused_above_64_or_the_rows_and_warned_above_the_published_16():
     (err,) = config_errors({"drafter": {"block_size": 4096}}, SCHEMA)
     assert err.startswith("drafter.block_size: 4096 is greater than the maximum of 64 (Block size B")

@@ -570,6 +570,21 @@ def _overlay(folder: Path, section: str, key: str, value) -> Path:
     return path
 
 
+def _validated(work: Path, section: str, key: str, value) -> dict | None:
+    """config.yaml with ``section.key`` set to ``value``, defaults filled as the Snakefile fills them (a changed
+    ``drafter.architecture`` changes the keys whose default is the architecture's: DFlash2 stores the target's
+    top-k, so extraction reruns); None when the configuration is refused."""
+    from draftsmith.config import ConfigError, check_config
+
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config.setdefault(section, {})[key] = value
+    try:
+        check_config(config, str(work / "schemas" / "config.schema.yaml"))
+    except ConfigError:
+        return None
+    return config
+
+
 def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path):
     """Every schema key, changed alone over the finished run: ``snakemake -n`` plans exactly the stages whose
     output keys (draftsmith.stages) include it and the stages downstream of them; a runtime key (threads,
@@ -617,7 +632,8 @@ def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path)
                 regenerate = {"disk_plan", "regenerate_shard", "regenerate"}  # the disk check comes with it
                 readers = {"disk_plan", "regenerate_shard"} if new else {"tokenize"}
                 dag = in_dag | regenerate if new else in_dag - regenerate
-            else:
+            else:  # validated as the workflow validates it: keys whose default is the architecture's follow it
+                changed = _validated(work, section, key, new) or changed
                 readers = {stage for stage in STAGE_KEYS if stage in in_dag
                            and rule_params(base, stage) != rule_params(changed, stage)}
             cases.append((f"{section}.{key}", _overlay(tmp_path, section, key, new), affected(readers) & dag))
@@ -643,6 +659,7 @@ def test_each_key_reruns_exactly_the_stages_that_read_it(finished_run, tmp_path)
     assert not wrong, "\n".join(wrong)
     by_name = {name: got for name, _, got, _, _ in results}
     assert by_name["drafter.init_from"] == {"train", "export", "evaluate"}  # the same taps: no extraction
+    assert {"extract_shard", "merge", "train"} <= by_name["drafter.architecture"]  # DFlash2 stores the top-k
     assert by_name["drafter.export_dtype"] == {"export", "evaluate"}
     assert by_name["tokenize.threads"] == set()
     assert by_name["train.lr"] == {"train", "export", "evaluate"}

@@ -11,6 +11,7 @@ from torch import nn
 
 from draftsmith.features import check_target_topk
 from draftsmith.target import LayerCapture, text_config
+from draftsmith.target_checks import logit_transform
 
 LOGITS_CHUNK_BYTES = 1 << 30  # at most this many bytes of logits alive at once (target tokens)
 
@@ -199,17 +200,3 @@ def argmax_first(topk_ids: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
     out = torch.where(topk_ids == argmax, topk_ids[:, :1], topk_ids)
     out[:, :1] = argmax
     return out
-
-
-def logit_transform(config) -> str:
-    """What a target's ``config`` (its text config) does to ``lm_head``'s output before its logits: ``""`` for
-    none, else the keys that say it (``final_logit_softcapping`` of Gemma 2 / 3, ``logit_scale`` of Cohere,
-    ``logits_scaling`` of Granite, ``lm_head_multiplier`` of Falcon-H1, when set and not the identity). A transform
-    it does not know is caught on the first batch (``FeatureExtractor._check_logits_are_lm_heads``)."""
-    found = []
-    for key, identity in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0),
-                          ("lm_head_multiplier", 1.0)):
-        value = getattr(config, key, None)
-        if value is not None and value != identity and not (key == "final_logit_softcapping" and not value):
-            found.append(f"{key} = {value}")
-    return ", ".join(found)
