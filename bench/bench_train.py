@@ -117,15 +117,24 @@ def matmul_peak(device, n: int, iters: int) -> float:
     return 2 * n ** 3 / times[len(times) // 2]
 
 
-def merged_sections(config: str | None) -> dict:
+def merged_sections(config: str | None, architecture: str | None = None) -> dict:
     """The train / drafter / tokenize sections of a config file merged over config.yaml's over the schema's
-    defaults (as the workflow sees them: ``--configfile`` keys replace config.yaml's, validation fills the rest)."""
-    from draftsmith.config import schema_defaults
+    defaults (as the workflow sees them: ``--configfile`` keys replace config.yaml's, validation fills the rest, the
+    keys whose default is the drafter architecture's taking the config's architecture's: a DFlash config's train
+    section, which the throughput bench's DFlash2 trainers reuse, keeps hard labels, as its random features have no
+    top-k). ``architecture`` (``dflash2``): the train and extract keys a config of that architecture would get
+    instead (the drafter section itself stays the config's)."""
+    from draftsmith.config import fill_architecture_defaults, schema_defaults
 
     base = yaml.safe_load((REPO / "config.yaml").read_text())
     over = (yaml.safe_load(Path(config).read_text()) if config else None) or {}
-    return {k: {**schema_defaults(k), **(base.get(k) or {}), **(over.get(k) or {})}
-            for k in ("train", "drafter", "tokenize")}
+    sections = {k: {**schema_defaults(k), **(base.get(k) or {}), **(over.get(k) or {})}
+                for k in ("train", "drafter", "tokenize", "extract")}
+    if architecture is None:
+        fill_architecture_defaults(sections)
+    else:
+        fill_architecture_defaults({**sections, "drafter": {"architecture": architecture}})
+    return sections
 
 
 def load_sizes(config: str | None, tiny: bool) -> dict:
@@ -400,8 +409,22 @@ def random_rows(n: int, width: int, device: torch.device, gen: torch.Generator) 
     return block.repeat(-(-n // block.shape[0]), 1)[:n].contiguous()
 
 
+def random_topk(target: torch.Tensor, vocab: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random soft labels of the shape extraction stores: ``target_topk_ids`` ``[T, k]`` int32, column 0 the target
+    token (the argmax), the rest random ids, and ``target_topk_logprobs`` ``[T, k]`` float16, descending, holding
+    0.97 of the mass (about what the top 32 of SmolLM2-135M hold). Only the shapes and dtypes matter to a step's
+    cost (the fused loss compares each logit with the k ids whatever they are)."""
+    T = target.numel()
+    ids = torch.randint(0, vocab, (T, k), generator=gen, dtype=torch.int32)
+    ids[:, 0] = target
+    logits = torch.sort(torch.randn(T, k, generator=gen) * 2.0, dim=1, descending=True).values
+    logprobs = torch.log_softmax(logits, dim=1) + math.log(0.97)
+    return {"target_topk_ids": ids, "target_topk_logprobs": logprobs.to(torch.float16)}
+
+
 def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: list[int], num_tokens: int, seed: int,
-                       device: torch.device, storage: str = "bfloat16") -> tuple[Path, Path, dict]:
+                       device: torch.device, storage: str = "bfloat16",
+                       target_topk: int = 0) -> tuple[Path, Path, dict]:
     """The trainer's inputs at the real shape: a target folder and features in the format of draftsmith.features.
 
     * ``target/``: ``config.json`` (:func:`target_config`) and ``model.safetensors`` holding only
@@ -413,7 +436,8 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
       bf16 values stored as ``storage`` (``float8_e4m3fn``: quantised on ``device`` with one scale per token and
       tap, :func:`draftsmith.features.quantize_fp8`, ~128 MB per chunk), input ids ``[T]``, loss mask ``[T]``
       (the first 30% of each document 0 = prompt, the rest 1 = supervised answer), target tokens ``[T]`` (the
-      input ids shifted by one within the document).
+      input ids shifted by one within the document); with ``target_topk`` k > 0 also the soft labels of
+      ``train.labels: target_topk`` (:func:`random_topk`), as extraction's ``extract.store_target_topk`` stores them.
 
     Documents take consecutive entries of ``lengths`` from a seeded start (cycled) until ``num_tokens`` tokens
     (the last document may overshoot). Chunks are written by 4 threads while the next ones are drawn.
@@ -475,13 +499,14 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
                 target[o:o + n] = torch.roll(ids[o:o + n], -1)
                 offsets.append(o + n)
             name = f"shard-0/chunk-{c:05d}.safetensors"
+            topk = random_topk(target, V, target_topk, g) if target_topk else {}
             feats, scales = random_rows(T, width, device, gen), None
             if storage == "float8_e4m3fn":  # encoded where the values were drawn (on a GPU: fast)
                 q, scales = quantize_fp8(feats.to(device), len(taps))
                 feats, scales = q.cpu(), scales.cpu()
             pending.append((c, pool.submit(write_chunk, fdir / name, features=feats, scales=scales,
                                            lengths=lens, sample_index=range(row, row + len(lens)), input_ids=ids,
-                                           loss_mask=mask, target_token=target, storage_dtype=storage)))
+                                           loss_mask=mask, target_token=target, storage_dtype=storage, **topk)))
             chunks.append({"path": name, "shard": 0, "num_samples": len(lens), "num_tokens": T,
                            "rows": list(range(row, row + len(lens)))})
             row += len(lens)
@@ -494,8 +519,9 @@ def write_ddp_features(workdir: Path, shape_name: str, shape: dict, lengths: lis
         "bytes": sum(c["bytes"] for c in chunks), "layer_ids": taps, "layer_semantics": LAYER_SEMANTICS,
         "hidden_size": H, "num_target_layers": shape["target_layers"], "storage_dtype": storage,
         "has_target_token": True, "target_fingerprint": f"bench-random-{shape_name}",
-        "tokenizer_fingerprint": "bench-random", "chunks": chunks}))
-    per_token = value_bytes * width + (4 * len(taps) if storage == "float8_e4m3fn" else 0)
+        "tokenizer_fingerprint": "bench-random", "chunks": chunks,
+        **({"target_top_k": int(target_topk)} if target_topk else {})}))
+    per_token = value_bytes * width + (4 * len(taps) if storage == "float8_e4m3fn" else 0) + 6 * target_topk
     summary = {"documents": row, "tokens": sum(docs), "mean_document_tokens": sum(docs) / row,
                "max_document_tokens": max(docs), "chunks": len(chunks), "storage_dtype": storage,
                "feature_bytes": per_token * sum(docs), "bytes_per_token": per_token, "target_s": t_target,

@@ -11,6 +11,8 @@ full, block 16, taps [1, 16, 31, 46, 61]; ``smollm2-135m`` = gpu-proof's, 4 full
    unsupervised, answer supervised; bench/bench_train.py's ``write_ddp_features``);
 2. for each trainer in ``--trainers`` (draftsmith, speculators, specforge; DFlash2: draftsmith-dflash2,
    speculators-dflash2; speculators-adamw: speculators with ``--optimizer adamw``, where its default is Muon;
+   draftsmith-dflash2 trains the DFlash2 defaults, soft labels from the target's top 32 among them, which the
+   features then hold (random, ``bench_train.random_topk``; before 2026-12-05 it trained the DFlash section's keys);
    draftsmith-adamw: draftsmith's earlier recipe, AdamW and the fixed decay, where its default is Muon + D-PACE), its
    files written from those features (bench/peers/writers.py; speculators' pre-norm slot
    random), ``--steps`` optimizer steps of the trainer with the step probe (bench/peers/probe), its files deleted;
@@ -144,7 +146,8 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
     masks = ctx["masks"]
     if kind == "draftsmith":
         args = json.loads(json.dumps(ctx["draftsmith_args"]))
-        if dflash2:
+        if dflash2:  # the train keys of a DFlash2 config: its defaults (soft labels, the selector's gradient, ...)
+            args = json.loads(json.dumps(ctx["draftsmith_args2"]))
             args["drafter"].update(architecture="dflash2", **ctx["dflash2"])
         if name.endswith("-adamw"):  # draftsmith's earlier recipe, beside its Muon + D-PACE default
             args["train"].update(optimizer="adamw", loss_weighting="exp")
@@ -351,14 +354,18 @@ def main(argv=None) -> int:
         max_length = int(sizes_cfg["tokens_per_batch"] if tiny else sections["tokenize"].get("max_length", 32768))
         lengths = bt.ddp_document_lengths(sizes_cfg, max_length, tiny)
         t0 = time.time()
+        # DFlash2's default labels are the target's top-k: the features hold them when a draftsmith DFlash2 runs
+        sections2 = bt.merged_sections(args.config, architecture="dflash2")
+        top_k = int(sections2["extract"]["store_target_topk"] or 0) if "draftsmith-dflash2" in args.trainers else 0
         index, tdir, feats = bt.write_ddp_features(workdir / "features", args.shape, shape, lengths, tokens,
-                                                   args.seed, device)
+                                                   args.seed, device, target_topk=top_k)
         write_tokenizer(tdir)
         tokenized = tokenized_from_index(index, workdir / "tokenized" / "train.parquet")
         say(f"features: {feats['documents']} documents, {feats['tokens']:,} tokens, "
             f"{human_bytes(feats['feature_bytes'])} in {time.time() - t0:.0f} s")
         res["features"] = feats
         draftsmith_args = bt.ddp_trainer_args(sections, shape, sizes_cfg, args.steps, 1)
+        draftsmith_args2 = bt.ddp_trainer_args(sections2, shape, sizes_cfg, args.steps, 1)
         drafter = draftsmith_args["drafter"]
         from draftsmith.features import FeatureIndex
 
@@ -377,7 +384,8 @@ def main(argv=None) -> int:
         save()
         ctx = {"shape": args.shape, "index": index, "tokenized": tokenized, "target": tdir, "masks": masks,
                "config": config, "config2": config2, "sizes": sizes, "train": draftsmith_args["train"],
-               "draftsmith_args": draftsmith_args, "layer_ids": shape["layer_ids"], "mask": drafter["mask_token_id"],
+               "draftsmith_args": draftsmith_args, "draftsmith_args2": draftsmith_args2,
+               "layer_ids": shape["layer_ids"], "mask": drafter["mask_token_id"],
                "max_length": max_length, "gamma": draftsmith_args["train"].get("loss_gamma")
                or default_loss_gamma(config.block_size), "peak": peak, "dflash2": dflash2}
         for name in args.trainers.split(","):
