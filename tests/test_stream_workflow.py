@@ -71,8 +71,11 @@ def runs(inputs):
             stream = work / "results" / "stream"  # a slice's shards: staged while extracted, then in place
             slices = sorted(stream.glob("phase-*")) + sorted(stream.glob(".staging/phase-*"))
             by_phase: dict[str, int] = {}
-            for folder in slices:
-                by_phase[folder.name] = by_phase.get(folder.name, 0) + _bytes_under(folder)
+            try:
+                for folder in slices:
+                    by_phase[folder.name] = by_phase.get(folder.name, 0) + _bytes_under(folder)
+            except FileNotFoundError:  # a shard moved from staging into place while walked: sample again
+                continue  # (an uncaught error ended the sampler early, so it missed every later slice)
             samples.append(by_phase)
             time.sleep(0.05)
 
