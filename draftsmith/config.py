@@ -277,7 +277,8 @@ def check_config(config: dict, schema_path: str, overlay: dict | None = None, *,
         workdir: the project folder (default: the current one).
 
     Returns:
-        Lines to log (which drafter keys a start folder decided).
+        Lines to log (which drafter keys a start folder decided; for a drafter architecture other than the
+        default, the keys its own defaults filled: :func:`fill_architecture_defaults`).
 
     Raises:
         ConfigError: with one line per violation, naming the key (:class:`draftsmith.warm_start.InitFromError`
@@ -308,7 +309,13 @@ def check_config(config: dict, schema_path: str, overlay: dict | None = None, *,
         from draftsmith.warm_start import resolve_init_from
 
         notes = resolve_init_from(config, overlay, workdir=workdir)
-    fill_architecture_defaults(config)  # after the start folder has decided drafter.architecture
+    filled = fill_architecture_defaults(config)  # after the start folder has decided drafter.architecture
+    arch = (config.get("drafter") or {}).get("architecture")
+    if filled and arch != schema_defaults("drafter")["architecture"]:  # say which recipe a DFlash2 run trains
+        shown = ", ".join(f"{key} {str(value).lower() if isinstance(value, bool) else value}"
+                          for key, value in filled.items())
+        notes = [*notes, f"drafter.architecture {arch}: its defaults {shown} (schemas/config.schema.yaml, "
+                         "x-by-architecture)"]
     errors = cross_key_errors(config)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))

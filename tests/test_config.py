@@ -470,7 +470,9 @@ def test_dflash2_takes_speculators_recipe_by_default_and_dflash_runs_are_not_rer
     base = yaml.safe_load((REPO / "config.yaml").read_text())
     dflash2 = copy.deepcopy(base)
     dflash2["drafter"]["architecture"] = "dflash2"
-    check_config(dflash2, schema)
+    (note,) = check_config(dflash2, schema)  # logged by the Snakefile: which recipe the run trains
+    assert note.startswith("drafter.architecture dflash2: its defaults ") and "train.labels target_topk" in note
+    assert "extract.store_target_topk 32" in note and "train.grad_clip 3.4" in note
     recipe = {"labels": "target_topk", "loss_weighting": "exp", "loss_gamma": 4.0, "grad_clip": 3.4,
               "selector_stop_gradient": False}
     assert {k: dflash2["train"][k] for k in recipe} == recipe and dflash2["extract"]["store_target_topk"] == 32
@@ -481,7 +483,7 @@ def test_dflash2_takes_speculators_recipe_by_default_and_dflash_runs_are_not_rer
     dflash, explicit = copy.deepcopy(base), copy.deepcopy(base)
     explicit["train"].update(labels="target", loss_weighting="dpace", grad_clip=1.0, selector_stop_gradient=True)
     explicit["extract"]["store_target_topk"] = 0
-    check_config(dflash, schema)
+    assert check_config(dflash, schema) == []  # the default architecture: nothing to say
     check_config(explicit, schema)
     for stage in ("train", "train_phase", "extract_plan", "extract_shard", "stream_plan"):
         assert rule_params(dflash, stage) == rule_params(explicit, stage), stage
