@@ -130,10 +130,7 @@ def merged_sections(config: str | None, architecture: str | None = None) -> dict
     over = (yaml.safe_load(Path(config).read_text()) if config else None) or {}
     sections = {k: {**schema_defaults(k), **(base.get(k) or {}), **(over.get(k) or {})}
                 for k in ("train", "drafter", "tokenize", "extract")}
-    if architecture is None:
-        fill_architecture_defaults(sections)
-    else:
-        fill_architecture_defaults({**sections, "drafter": {"architecture": architecture}})
+    fill_architecture_defaults(sections, architecture)
     return sections
 
 

@@ -68,6 +68,14 @@ def schema_defaults(section: str) -> dict:
 BY_ARCHITECTURE = "x-by-architecture"
 
 
+@functools.lru_cache(maxsize=None)
+def _architecture_defaults() -> tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...]:
+    schema = load_schema(SCHEMA_PATH)
+    return tuple((section, key, tuple(node[BY_ARCHITECTURE].items()))
+                 for section, snode in schema["properties"].items()
+                 for key, node in (snode.get("properties") or {}).items() if BY_ARCHITECTURE in node)
+
+
 def architecture_defaults() -> dict[tuple[str, str], dict[str, Any]]:
     """``{(section, key): {architecture: default}}`` of the keys whose schema default is null, meaning "the drafter
     architecture's" (their ``x-by-architecture`` entry in :data:`SCHEMA_PATH`). An architecture the entry leaves
@@ -79,22 +87,20 @@ def architecture_defaults() -> dict[tuple[str, str], dict[str, Any]]:
     if not SCHEMA_PATH.is_file():
         raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
                                 "schema of its checkout")
-    schema = load_schema(SCHEMA_PATH)
-    return {(section, key): dict(node[BY_ARCHITECTURE])
-            for section, snode in schema["properties"].items()
-            for key, node in (snode.get("properties") or {}).items() if BY_ARCHITECTURE in node}
+    return {(section, key): dict(by_arch) for section, key, by_arch in _architecture_defaults()}
 
 
-def fill_architecture_defaults(config: dict) -> dict[str, Any]:
-    """Replace, in place, each null key of :func:`architecture_defaults` by its default for the config's
-    ``drafter.architecture`` (the schema's default architecture when unset), so that the trained weights'
-    and the features' keys are concrete values: a later change of an architecture's default reruns what it
-    changes (:mod:`draftsmith.stale`). Sections the config lacks are left alone.
+def fill_architecture_defaults(config: dict, architecture: str | None = None) -> dict[str, Any]:
+    """Replace, in place, each null or missing key of :func:`architecture_defaults` by its default for
+    ``architecture`` (default: the config's ``drafter.architecture``, else the schema's default architecture), so
+    that the trained weights' and the features' keys are concrete values: a later change of an architecture's
+    default reruns what it changes (:mod:`draftsmith.stale`). Sections the config lacks are left alone.
 
     Returns:
         ``{"section.key": value}`` filled.
     """
-    arch = (config.get("drafter") or {}).get("architecture") or schema_defaults("drafter")["architecture"]
+    arch = (architecture or (config.get("drafter") or {}).get("architecture")
+            or schema_defaults("drafter")["architecture"])
     filled = {}
     for (section, key), by_arch in architecture_defaults().items():
         values = config.get(section)

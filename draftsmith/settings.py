@@ -71,23 +71,6 @@ def _section_defaults(section: str) -> MappingProxyType:
     return MappingProxyType(schema_defaults(section))
 
 
-@lru_cache(maxsize=None)
-def _architecture_defaults() -> MappingProxyType:
-    from draftsmith.config import architecture_defaults
-
-    return MappingProxyType(architecture_defaults())
-
-
-def _fill_architecture_defaults(sections: dict[str, dict], architecture: str | None) -> None:
-    """Give each key whose schema default is "the drafter architecture's" (``x-by-architecture``) and that is unset
-    or null in ``sections`` its value for ``architecture`` (the schema's default architecture when None), in place:
-    a stage that does not read ``drafter`` (extraction) still gets the architecture's value."""
-    arch = architecture or _section_defaults("drafter")["architecture"]
-    for (section, key), by_arch in _architecture_defaults().items():
-        if section in sections and sections[section].get(key) is None and by_arch.get(arch) is not None:
-            sections[section][key] = by_arch[arch]
-
-
 def unknown_key_message(section: str, key: str, known: typing.Iterable[str]) -> str:
     """``"train.lr_warmup: no such key (did you mean 'warmup_ratio'?)"``-style message for a misspelled key."""
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
@@ -178,9 +161,12 @@ class StageSettings:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(f"{cls.__name__} reads no config section {name!r}{hint}; it reads "
                                  f"{', '.join(types)}")
+        from draftsmith.config import fill_architecture_defaults
+
         merged = {name: {**(config.get(name) or {}), **(sections.get(name) or {})} for name in types}
+        # a stage that does not read ``drafter`` (extraction) still gets its architecture's defaults
         arch = (sections.get("drafter") or {}).get("architecture") or (config.get("drafter") or {}).get("architecture")
-        _fill_architecture_defaults(merged, arch)
+        fill_architecture_defaults(merged, arch)
         return cls(**{name: kind.from_mapping(merged[name]) for name, kind in types.items()})
 
     @classmethod
