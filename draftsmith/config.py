@@ -12,6 +12,7 @@ import difflib
 import functools
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -69,17 +70,11 @@ BY_ARCHITECTURE = "x-by-architecture"
 
 
 @functools.lru_cache(maxsize=None)
-def _architecture_defaults() -> tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...]:
-    schema = load_schema(SCHEMA_PATH)
-    return tuple((section, key, tuple(node[BY_ARCHITECTURE].items()))
-                 for section, snode in schema["properties"].items()
-                 for key, node in (snode.get("properties") or {}).items() if BY_ARCHITECTURE in node)
-
-
-def architecture_defaults() -> dict[tuple[str, str], dict[str, Any]]:
-    """``{(section, key): {architecture: default}}`` of the keys whose schema default is null, meaning "the drafter
-    architecture's" (their ``x-by-architecture`` entry in :data:`SCHEMA_PATH`). An architecture the entry leaves
-    out keeps null (``train.loss_gamma`` for dflash: 7 B / 16, resolved when training starts).
+def architecture_defaults() -> MappingProxyType:
+    """``{(section, key): {architecture: default}}`` (read-only, read once) of the keys whose schema default is
+    null, meaning "the drafter architecture's" (their ``x-by-architecture`` entry in :data:`SCHEMA_PATH`). An
+    architecture the entry leaves out keeps null (``train.loss_gamma`` for dflash: 7 B / 16, resolved when training
+    starts).
 
     Raises:
         FileNotFoundError: the schema is not beside the package.
@@ -87,7 +82,10 @@ def architecture_defaults() -> dict[tuple[str, str], dict[str, Any]]:
     if not SCHEMA_PATH.is_file():
         raise FileNotFoundError(f"{SCHEMA_PATH} does not exist: draftsmith reads its config defaults from the "
                                 "schema of its checkout")
-    return {(section, key): dict(by_arch) for section, key, by_arch in _architecture_defaults()}
+    schema = load_schema(SCHEMA_PATH)
+    return MappingProxyType({(section, key): MappingProxyType(node[BY_ARCHITECTURE])
+                             for section, snode in schema["properties"].items()
+                             for key, node in (snode.get("properties") or {}).items() if BY_ARCHITECTURE in node})
 
 
 def fill_architecture_defaults(config: dict, architecture: str | None = None) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class TargetShape:
         vocab_size: V, rows of the embedding (token ids ``0 .. V - 1``).
         max_position_embeddings: positions the target was built for.
         hidden_size: H, the decoder's width.
+        logit_transform: what the target does to lm_head's output before its logits (:func:`logit_transform`;
+            ``""``: nothing, so lm_head's top-k is its distribution).
     """
 
     path: Path
@@ -94,6 +96,7 @@ class TargetShape:
     vocab_size: int | None
     max_position_embeddings: int | None
     hidden_size: int | None = None
+    logit_transform: str = ""
 
 
 def _first(config: Mapping, keys: tuple[str, ...]) -> int | None:
@@ -101,13 +104,6 @@ def _first(config: Mapping, keys: tuple[str, ...]) -> int | None:
         if isinstance(config.get(key), int):
             return int(config[key])
     return None
-
-
-def _text_config(path: Path) -> dict:
-    """The decoder's keys of a ``config.json`` already read by :func:`read_target_shape` (``text_config`` first)."""
-    config = json.loads(path.read_text(encoding="utf-8"))
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return {**config, **text}
 
 
 def read_target_shape(folder: str | Path) -> TargetShape:
@@ -128,7 +124,7 @@ def read_target_shape(folder: str | Path) -> TargetShape:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     merged = {**config, **text}  # the decoder's own keys win over the wrapper's
     return TargetShape(path, _first(merged, _LAYER_KEYS), _first(merged, _VOCAB_KEYS),
-                       _first(merged, _POSITION_KEYS), _first(merged, _HIDDEN_KEYS))
+                       _first(merged, _POSITION_KEYS), _first(merged, _HIDDEN_KEYS), logit_transform(merged))
 
 
 def missing_tokenizer_files(folder: str | Path) -> list[str]:
@@ -209,7 +205,7 @@ def target_setting_errors(config: Mapping, folder: str | Path) -> list[str]:
                       "unused embedding row)")
     errors += start_target_errors(config, folder, num_layers=L, hidden_size=shape.hidden_size, vocab_size=V)
     top_k = (config.get("extract") or {}).get("store_target_topk") or 0
-    transform = logit_transform(_text_config(shape.path)) if top_k else ""
+    transform = shape.logit_transform if top_k else ""
     if transform:
         errors.append(f"extract.store_target_topk: {top_k} (the default for drafter.architecture "
                       f"{drafter.get('architecture', 'dflash')} stores the soft labels of train.labels: target_topk) "

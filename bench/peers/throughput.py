@@ -145,9 +145,9 @@ def run_one(name: str, *, ctx: dict, workdir: Path, out: Path, steps: int, warmu
     res: dict = {"trainer": name, "architecture": config.architectures[0]}
     masks = ctx["masks"]
     if kind == "draftsmith":
-        args = json.loads(json.dumps(ctx["draftsmith_args"]))
-        if dflash2:  # the train keys of a DFlash2 config: its defaults (soft labels, the selector's gradient, ...)
-            args = json.loads(json.dumps(ctx["draftsmith_args2"]))
+        # DFlash2: the train keys of a DFlash2 config, its defaults (soft labels, the selector's gradient, ...)
+        args = json.loads(json.dumps(ctx["draftsmith_args2" if dflash2 else "draftsmith_args"]))
+        if dflash2:
             args["drafter"].update(architecture="dflash2", **ctx["dflash2"])
         if name.endswith("-adamw"):  # draftsmith's earlier recipe, beside its Muon + D-PACE default
             args["train"].update(optimizer="adamw", loss_weighting="exp")
