@@ -1193,14 +1193,40 @@ def test_report_md_says_when_processes_shared_a_gpu():
             in render_markdown(report))
 
 
+def test_conversations_are_dealt_to_workers_by_the_tokens_they_may_decode():
+    """deal_conversations: every conversation to exactly one worker (one shared by two sets too), longest first to
+    the least-loaded worker, so the workers' costs (turns x max_new_tokens) differ by at most one conversation's;
+    the same deal from every process and rerun. The hash it replaced dealt the gpu-proof sets 33 / 29 / 20."""
+    from draftsmith.evaluate.prompts import BenchmarkSet, Conversation
+    from draftsmith.evaluate.workers import deal_conversations
+
+    def conv(i, turns=1):
+        return Conversation(id=f"r{i}", source="s", context=[], user_turns=[[{"role": "user", "content": "q"}]] * turns)
+
+    heldout = BenchmarkSet("heldout", "heldout", 40, 256, [conv(i) for i in range(40)])
+    mtbench = BenchmarkSet("mtbench", "mtbench", 16, 256, [conv(100 + i, turns=2) for i in range(16)])
+    mmath = BenchmarkSet("mmath", "mmath", 6, 512, [conv(i) for i in (1, 2)] + [conv(200 + i) for i in range(4)])
+    sets = [heldout, mtbench, mmath]
+    cost = {c.id: 0 for b in sets for c in b.conversations}
+    for b in sets:
+        for c in b.conversations:
+            cost[c.id] = max(cost[c.id], len(c.user_turns) * b.max_new_tokens)
+    for workers in (1, 2, 3, 8):
+        deal = deal_conversations(sets, workers)
+        assert set(deal) == set(cost) and set(deal.values()) == set(range(workers))
+        load = [sum(cost[c] for c, w in deal.items() if w == k) for k in range(workers)]
+        assert sum(load) == sum(cost.values()) == 38 * 256 + 16 * 2 * 256 + 6 * 512  # r1, r2 at mmath's 512
+        assert max(load) - min(load) <= max(cost.values()), (workers, load)
+        assert deal == deal_conversations([mmath, mtbench, heldout], workers)  # the order of the sets: the same deal
+    assert [sum(1 for w in deal_conversations(sets, 3).values() if w == k) for k in range(3)] == [20, 20, 20]
+
+
 def test_two_decoding_workers_report_what_one_process_reports(stage_inputs, tmp_path):
     """evaluate.gpus > 1 runs one decoding worker per GPU (``python -m draftsmith.evaluate.worker``), each
-    with the conversations worker_of gives it (here c1 and the MT-Bench pair on worker 0, c2 on worker 1: the
-    held-out set is split between them); the merged report equals one process's, timings aside, prompt for prompt
-    in the sets' order; a rerun after the workers finished reuses their files."""
-    from draftsmith.evaluate.workers import worker_of
-
-    assert {worker_of(i, 2) for i in ("c1", "c2")} == {0, 1}
+    with the conversations deal_conversations gives it (here the MT-Bench pair, 2 x 16 tokens, on worker 0, c1 and
+    c2, 24 tokens each, on worker 1: worker 0 has nothing of the held-out set); the merged report equals one
+    process's, timings aside, prompt for prompt in the sets' order; a rerun after the workers finished reuses their
+    files."""
     one = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "one"), workers=1)
     two = run_evaluate(**_stage_kwargs(stage_inputs, tmp_path / "two"), workers=2)
     assert two["run"]["decoding_workers"] == 2 and one["run"]["decoding_workers"] == 1

@@ -49,7 +49,7 @@ from draftsmith.evaluate.report import (
 )
 from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, saved_file, set_key, unsaved
 from draftsmith.evaluate.settings import EvaluateSettings
-from draftsmith.evaluate.workers import decoding_workers, on_cuda, run_workers, worker_of
+from draftsmith.evaluate.workers import deal_conversations, decoding_workers, on_cuda, run_workers
 from draftsmith.io import read_json, write_json, write_text
 from draftsmith.progress import progress
 
@@ -86,8 +86,9 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
             reported beside the decoded τ.
         workers: decoding processes (default :func:`~draftsmith.evaluate.workers.decoding_workers`:
             ``evaluate.workers_per_gpu`` on each GPU of ``evaluate.gpus`` when that many GPUs are visible). With
-            more than one, each decodes the conversations :func:`~draftsmith.evaluate.workers.worker_of` gives it on
-            its GPU (:func:`~draftsmith.evaluate.workers.gpu_of`) or the CPU
+            more than one, each decodes the conversations
+            :func:`~draftsmith.evaluate.workers.deal_conversations` gives it on its GPU
+            (:func:`~draftsmith.evaluate.workers.gpu_of`) or the CPU
             (``python -m draftsmith.evaluate.worker``), and this process merges their results in the sets' order
             and writes the report as from one process.
 
@@ -115,7 +116,8 @@ def run_evaluate(*, target_dir: str, drafter_dir: str, curated_eval: str, tokeni
 
     # decode: every worker with conversations left decodes its share on its own GPU, then exits
     if workers > 1:
-        left = sorted({worker_of(c.id, workers) for bset in sets
+        deal = deal_conversations(sets, workers)
+        left = sorted({deal[c.id] for bset in sets
                        for c in unsaved(bset, load_saved(partial, bset.name, keys[bset.name]))})
         if left:
             run_workers(workers, inputs, settings, partial, device, left)

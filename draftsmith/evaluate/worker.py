@@ -2,8 +2,8 @@
 
 :func:`draftsmith.evaluate.run.run_evaluate` starts one per GPU when ``evaluate.gpus`` > 1
 (:func:`draftsmith.evaluate.workers.run_workers`); each decodes its share of the conversations
-(:func:`draftsmith.evaluate.workers.worker_of`) and saves them beside the report. Nothing imports this module: it
-runs only as a process's main module.
+(:func:`draftsmith.evaluate.workers.deal_conversations`) and saves them beside the report. Nothing imports this
+module: it runs only as a process's main module.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from draftsmith.evaluate.decoders import EvaluateInputs, decode_set, decoding_path, prepare_decoders, read_sets
 from draftsmith.evaluate.resume import load_saved, run_key, save_conversations, saved_file, set_key
 from draftsmith.evaluate.settings import EvaluateSettings
-from draftsmith.evaluate.workers import worker_of
+from draftsmith.evaluate.workers import deal_conversations
 from draftsmith.gpu import log_peak_memory
 from draftsmith.io import read_json, setup_logging, write_json
 from draftsmith.progress import progress
@@ -30,8 +30,8 @@ log = logging.getLogger("draftsmith.evaluate")
 
 
 def decode_worker(worker: int, args: dict) -> None:
-    """One decoding worker: the sets' conversations :func:`~draftsmith.evaluate.workers.worker_of` gives it,
-    decoded as :func:`~draftsmith.evaluate.run.run_evaluate` decodes them and saved to
+    """One decoding worker: the sets' conversations :func:`~draftsmith.evaluate.workers.deal_conversations`
+    gives it, decoded as :func:`~draftsmith.evaluate.run.run_evaluate` decodes them and saved to
     ``partial/<set>/worker-<w>-of-<n>.json`` as it goes; conversations any earlier process saved are reused, and a
     worker with nothing left never loads the target. A worker that loaded the models writes how they decode
     (``partial/decoding.json``) for the report.
@@ -47,8 +47,8 @@ def decode_worker(worker: int, args: dict) -> None:
     decoders = prepare_decoders(inputs, settings, device)
     sets = read_sets(decoders, inputs, settings.evaluate.sets)
     base_key = run_key(decoders, inputs.target_dir, inputs.drafter_dir)
-    mine = [dataclasses.replace(b, conversations=[c for c in b.conversations if worker_of(c.id, workers) == worker])
-            for b in sets]
+    deal = deal_conversations(sets, workers)
+    mine = [dataclasses.replace(b, conversations=[c for c in b.conversations if deal[c.id] == worker]) for b in sets]
     bar = progress(sum(len(c.user_turns) for b in mine for c in b.conversations), f"evaluate worker {worker}",
                    unit="prompt", logger=log, interval=float(settings.evaluate.progress_interval))
     decoded: dict = {}

@@ -2,22 +2,24 @@
 
 With ``evaluate.gpus`` > 1 and that many GPUs leased, the job starts one decoding process per GPU
 (:mod:`draftsmith.evaluate.worker`), or ``evaluate.workers_per_gpu`` sharing each GPU, each with the conversations
-:func:`worker_of` gives it; they save what they decode beside the report (:mod:`draftsmith.evaluate.resume`), and the
-job merges their saved conversations in the sets' order into the report one process would write.
+:func:`deal_conversations` gives it; they save what they decode beside the report (:mod:`draftsmith.evaluate.resume`),
+and the job merges their saved conversations in the sets' order into the report one process would write.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import heapq
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from draftsmith.evaluate.decoders import EvaluateInputs
+from draftsmith.evaluate.prompts import BenchmarkSet
 from draftsmith.evaluate.settings import EvaluateSettings
 from draftsmith.gpu import spawn
 from draftsmith.io import write_json
@@ -55,10 +57,35 @@ def gpu_of(worker: int, workers: int, per_gpu: int, visible: list[str]) -> str:
     return visible[worker % used]
 
 
-def worker_of(conversation_id: str, workers: int) -> int:
-    """The worker that decodes a conversation: a stable hash of its id modulo ``workers``. A conversation that sits
-    in several sets goes to one worker, which decodes their shared prompts once, as a single process does."""
-    return int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % workers
+def deal_conversations(sets: Sequence[BenchmarkSet], workers: int) -> dict[str, int]:
+    """Which decoding worker decodes each conversation of ``sets``: ``{conversation id: worker}``, balanced by
+    the tokens each may decode.
+
+    A conversation's cost is its user turns times the largest ``max_new_tokens`` of the sets it sits in (batch-1
+    decoding time grows with the tokens generated; prefill is small beside it). Conversations are dealt longest
+    first, each to the worker with the least cost so far (LPT; ties: the lower worker index, the smaller id), so
+    no worker's cost exceeds the mean by more than one conversation's. The deal depends on the sets alone, not on
+    what an earlier run saved: every process of a job, and a rerun with the same number of workers, deals the same
+    way (a worker rewrites its own file with the conversations it had saved). A conversation that sits in several
+    sets goes to one worker, which decodes their shared prompts once, as a single process does. Replaces a hash of
+    the id, which dealt the gpu-proof sets' 82 prompts 33 / 29 / 20 to three workers.
+
+    Args:
+        sets: the job's benchmark sets (:func:`~draftsmith.evaluate.decoders.read_sets`).
+        workers: decoding processes, >= 1.
+    """
+    cost: dict[str, int] = {}
+    for bset in sets:
+        for conv in bset.conversations:
+            cost[conv.id] = max(cost.get(conv.id, 0), len(conv.user_turns) * int(bset.max_new_tokens))
+    load = [(0, w) for w in range(max(1, int(workers)))]
+    heapq.heapify(load)
+    deal: dict[str, int] = {}
+    for cid in sorted(cost, key=lambda c: (-cost[c], c)):
+        spent, w = heapq.heappop(load)
+        deal[cid] = w
+        heapq.heappush(load, (spent + cost[cid], w))
+    return deal
 
 
 def run_workers(workers: int, inputs: EvaluateInputs, settings: EvaluateSettings, partial: Path,
