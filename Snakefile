@@ -28,15 +28,13 @@ configfile: "config.yaml"
 
 
 check_config_files(workflow.configfiles)
-# the keys the user set (--configfile files, --config; config.yaml's are defaults): a start drafter
-# (drafter.init_from) must not contradict them, and gives its own shape to the others
-for note in check_config(
-    config,
-    f"{workflow.basedir}/schemas/config.schema.yaml",
-    overlay_keys(
-        workflow.config_settings.configfiles, workflow.config_settings.config, f"{workflow.basedir}/config.yaml"
-    ),
-):
+# the keys the user set, with the file that set each (--configfile files, --config; config.yaml's are defaults): a
+# start drafter (drafter.init_from) must not contradict them, and gives its own shape to the others; errors about a
+# key's value name that file
+USER_KEYS = overlay_keys(
+    workflow.config_settings.configfiles, workflow.config_settings.config, f"{workflow.basedir}/config.yaml"
+)
+for note in check_config(config, f"{workflow.basedir}/schemas/config.schema.yaml", USER_KEYS):
     logger.info(note)
 
 

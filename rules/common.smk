@@ -84,12 +84,18 @@ def target_dir(wildcards=None):
     """The target's Hugging Face folder: materialised under resources/ for `embedded:` targets.
 
     Checked at parse time (draftsmith.assets.resolve_target): an unknown embedded name lists the known
-    ones; a local path must be an existing Hugging Face model folder (the error names the path).
+    ones; a local path must be an existing Hugging Face model folder (the error names the key, the path and the
+    config file that set it).
     """
     from draftsmith.assets import resolve_target
+    from draftsmith.config import ConfigError
 
     model = config["target"]["model"]
-    folder = resolve_target(model, ASSETS, must_exist=False)
+    try:
+        folder = resolve_target(model, ASSETS, must_exist=False)
+    except (FileNotFoundError, ValueError) as exc:
+        source = USER_KEYS.get("target", {}).get("model", (None, "config.yaml"))[1]
+        raise ConfigError(f"target.model (set in {source}): {exc}") from None
     return str(folder) if model.startswith(EMBEDDED) else model
 
 

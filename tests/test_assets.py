@@ -260,7 +260,12 @@ def test_snakemake_refuses_unknown_names_at_parse_time(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"target: {{model: {tmp_path / 'no-such-model'}}}\n")
     out = _dry_run("resources/data/sharegpt", "--configfile", str(bad))
-    assert f"target model folder {tmp_path / 'no-such-model'} does not exist" in out
+    # the key, the file that set it and the path (a new user's overlay: which of their files to fix)
+    assert f"target.model (set in {bad}): target model folder {tmp_path / 'no-such-model'} does not exist" in out
+    (tmp_path / "weightless").mkdir()
+    (tmp_path / "weightless" / "config.json").write_text("{}")
+    out = _dry_run("resources/data/sharegpt", "--config", f"target={{'model': '{tmp_path / 'weightless'}'}}")
+    assert f"target.model (set in --config): {tmp_path / 'weightless'} has a config.json but no *.safetensors" in out
 
 
 # ------------------------------------------------------------------------------------------------
