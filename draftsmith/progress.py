@@ -48,7 +48,8 @@ class LogProgress(tqdm):
     Beside tqdm's ``update`` (finished units), a stage reports work inside the unit in flight:
     ``advance(tokens=k)`` adds to a named count shown with its rate since the start (``12.3k tok, 41.0 tok/s``), and
     ``set_partial(f)`` says which fraction (0 <= f < 1, in units of the bar) of the next units is done, so the ETA
-    moves before the first unit finishes. ETA = (total - done) x elapsed / (done - initial), done = n + partial.
+    moves before the first unit finishes. ETA = (total - done) x elapsed / (done - initial), done = n + partial;
+    after ``restart_eta()`` (one-off costs paid: loading, warm-up) elapsed and done count from that call instead.
     The rate is that of the window since the previous line (units done in it / its seconds), or the mean since the
     start when the window finished nothing: tqdm's own smoothed rate only moves when ``update`` prints, which the
     heartbeat's lines pre-empt, so it went stale (a trainer at 9 steps/s was shown at 47).
@@ -60,6 +61,7 @@ class LogProgress(tqdm):
         self.interval = float(interval)
         self._window: tuple[float, float] | None = None  # (time, done) at the previous line
         self._window_rate: float | None = None
+        self._eta_from: tuple[float, float] | None = None  # (time, done) of restart_eta()
         self._stop = threading.Event()
         super().__init__(*args, mininterval=interval, maxinterval=max(interval * 4, 10.0), **kwargs)
         self._heartbeat = None
@@ -76,6 +78,15 @@ class LogProgress(tqdm):
         """The done fraction of the units in flight (bar units; 0 when a unit finishes and ``update`` counts it)."""
         self.partial = max(0.0, float(fraction))
 
+    def restart_eta(self) -> None:
+        """Measure the rate and ETA from now on: the time so far went to one-off costs (loading the models, the
+        warm-up), which an ETA projected over the units left would repeat for each (evaluate's first line, 2
+        minutes into a CPU run with one prompt started, said 2 h 50 min). The elapsed time shown stays the
+        bar's."""
+        self._eta_from = (self._time(), self.n + self.partial)
+        self._window = None
+        self._window_rate = None
+
     def update(self, n: float = 1):
         if n:
             self.partial = 0.0
@@ -89,10 +100,15 @@ class LogProgress(tqdm):
             return d
         elapsed = d["elapsed"]
         done = self.n + self.partial - self.initial
-        if done > 0 and elapsed > 0:
-            d["rate"] = self._window_rate or done / elapsed
+        spent = elapsed  # the time the rate and ETA divide by
+        if self._eta_from is not None:
+            spent, done = self._time() - self._eta_from[0], self.n + self.partial - self._eta_from[1]
+        if done > 0 and spent > 0:
+            d["rate"] = self._window_rate or done / spent
             if self.total:
-                d["remaining"] = self.format_interval(max(self.total - self.n - self.partial, 0) * elapsed / done)
+                d["remaining"] = self.format_interval(max(self.total - self.n - self.partial, 0) * spent / done)
+        elif self._eta_from is not None:
+            d["rate"], d["remaining"] = 0, "?"  # nothing done since: no rate to project
         d["work"] = "".join(f", {_count(k)} {name}, {_count(k / elapsed) if elapsed else '?'} {name}/s"
                             for name, k in self.counts.items())
         return d
@@ -101,7 +117,7 @@ class LogProgress(tqdm):
         """Print a line (tqdm's ``display``), first measuring the rate over the window since the previous line."""
         if hasattr(self, "_window"):  # not tqdm's own disabled bar
             now, done = self._time(), self.n + self.partial
-            then, done_then = self._window or (getattr(self, "start_t", now), self.initial)
+            then, done_then = self._window or self._eta_from or (getattr(self, "start_t", now), self.initial)
             if now > then and done > done_then:
                 self._window_rate = (done - done_then) / (now - then)
                 self._window = (now, done)

@@ -69,3 +69,26 @@ def test_partial_work_moves_the_rate_and_eta_before_a_unit_finishes(caplog, monk
     assert "ETA 07:00" in line, line  # 3.5 prompts left at 120 s each
     assert "300 tok, 5 tok/s" in line, line
     bar.close()
+
+
+def test_one_off_costs_before_restart_eta_are_not_projected_over_the_units_left(caplog, monkeypatch):
+    """Evaluate's loading and warm-up (2 minutes on the CPU) came before its first prompt; projected over 21
+    prompts from a few tokens of the first, the first line said 2 h 50 min. After restart_eta the rate and ETA count
+    from the warm-up's end; the elapsed time shown stays the bar's."""
+    bar, clock = _bar(caplog, monkeypatch, total=21)
+    clock.t += 120  # loading + warm-up
+    bar.restart_eta()
+    bar.display()
+    line = _last(caplog)
+    assert "ETA ?" in line and "?step/s" in line and "02:00 elapsed" in line, line
+    clock.t += 10
+    bar.set_partial(0.5)  # half the first prompt in 10 s
+    bar.display()
+    line = _last(caplog)
+    assert "ETA 06:50" in line, line  # 20.5 prompts left at 20 s each, not at (130 s / 0.5)
+    assert "02:10 elapsed" in line, line
+    clock.t += 10
+    bar.update(1)
+    bar.display()
+    assert "ETA 06:40" in _last(caplog), _last(caplog)  # 20 left at 20 s
+    bar.close()

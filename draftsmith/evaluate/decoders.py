@@ -433,6 +433,7 @@ def _decode_conversation(decoders: Decoders, bset: BenchmarkSet, conv: Conversat
             bar.set_postfix_str("loading the target and drafter, warming up", refresh=False)
             decoders.decode(ids, min(16, bset.max_new_tokens), decoders.seed)
             decoders.warmed = True
+            bar.restart_eta()  # the loading and warm-up are paid once, not per prompt left
         label = f"{conv.id}#{t}"
         pkey = prompt_key(ids)
         again = decoded.get((pkey, bset.max_new_tokens, decoders.draw_seed(label)))
