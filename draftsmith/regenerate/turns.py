@@ -130,7 +130,8 @@ class Regenerator:
         def show() -> None:  # the part in flight: done answers + the batch's steps of max_new, as conversations
             work = state["answers"] + state["rows"] * min(state["steps"], max_new) / max_new
             bar.set_partial(self._part_rows * min(work / len(prompts), 0.999))
-            bar.set_postfix_str(f"{state['answers']}/{len(prompts)} answers of this round", refresh=False)
+            bar.set_postfix_str(f"{state['answers']}/{len(prompts)} answers of the part in flight (its conversations "
+                                "count when it is saved)", refresh=False)
 
         def on_step(rows: int, steps: int, tokens: int) -> None:
             state["rows"], state["steps"] = rows, state["steps"] + steps

@@ -118,7 +118,8 @@ def warn_few_heldout(heldout: int, eval_fraction: float, samples: int) -> None:
     :data:`MIN_HELDOUT_SAMPLES` samples: its loss and τ would then say little."""
     if heldout < MIN_HELDOUT_SAMPLES:
         log.warning("only %d held-out sample(s) (train.eval_fraction %g of %d): training's held-out loss and τ "
-                    "are noisy; raise train.eval_fraction for at least %d", heldout, eval_fraction, samples,
+                    "are noisy (evaluate's decoded τ is not: it decodes its own sets); raise train.eval_fraction "
+                    "for at least %d (expected on the CPU default's small data)", heldout, eval_fraction, samples,
                     MIN_HELDOUT_SAMPLES)
 
 
